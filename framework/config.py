@@ -1,0 +1,273 @@
+"""Typed, frozen configuration for PrismLLM.
+
+Experiment files (``experiments/configs/*.py``) build an ``ml_collections.ConfigDict``; it is
+converted exactly once, by :func:`from_dict`, into the frozen dataclasses below. Library code only
+ever sees these dataclasses. Unknown keys are errors (a typo must never silently do nothing).
+"""
+from __future__ import annotations
+
+import dataclasses
+import math
+from typing import Any, Mapping
+
+MESH_AXES = ("pipeline", "data", "fsdp", "sequence", "tensor")
+REMAT_POLICIES = ("none", "full", "dots", "dots_no_batch")
+
+
+class ConfigError(ValueError):
+  """A configuration that cannot run; the message names the fix."""
+
+
+@dataclasses.dataclass(frozen=True)
+class ModelConfig:
+  vocab_size: int = 256  # byte-level tokenizer
+  d_model: int = 256
+  n_layers: int = 4
+  n_heads: int = 8
+  n_kv_heads: int = 4  # grouped-query attention: n_heads % n_kv_heads == 0
+  head_dim: int = 0  # 0 -> d_model // n_heads
+  d_ff: int = 0  # 0 -> Llama rule: 8/3 * d_model rounded up to a multiple of 64
+  rope_theta: float = 10000.0
+  norm_eps: float = 1e-5
+  tie_embeddings: bool = False
+  max_seq_len: int = 256
+  dtype: str = "float32"  # activation / compute dtype
+  param_dtype: str = "float32"
+  remat: str = "none"  # one of REMAT_POLICIES
+  scan_layers: bool = True
+  init_std: float = 0.02
+
+  @property
+  def hd(self) -> int:
+    return self.head_dim or self.d_model // self.n_heads
+
+  @property
+  def ff(self) -> int:
+    if self.d_ff:
+      return self.d_ff
+    return int(math.ceil(8 * self.d_model / 3 / 64) * 64)
+
+  def n_params(self, embeddings: bool = True) -> int:
+    """Exact parameter count of the model built from this config."""
+    d, h, kv, hd, f = self.d_model, self.n_heads, self.n_kv_heads, self.hd, self.ff
+    per_layer = 2 * d + d * h * hd + 2 * d * kv * hd + h * hd * d + 3 * d * f
+    n = self.n_layers * per_layer + d
+    if embeddings:
+      n += self.vocab_size * d * (1 if self.tie_embeddings else 2)
+    elif not self.tie_embeddings:
+      n += self.vocab_size * d  # the LM head is a matmul: it counts as compute params
+    return n
+
+
+@dataclasses.dataclass(frozen=True)
+class DataConfig:
+  corpus: str = "stdlib"  # "stdlib" (Python's own source) or a path to a text file / folder
+  max_bytes: int = 16_000_000  # cap on corpus size read into memory
+  seq_len: int = 128
+  global_batch: int = 16  # sequences per step, all processes together
+  eval_fraction: float = 0.02
+  seed: int = 0
+  extensions: tuple = (".py", ".txt", ".md", ".rst")
+
+
+@dataclasses.dataclass(frozen=True)
+class OptimConfig:
+  lr: float = 3e-3
+  warmup_steps: int = 20
+  decay_steps: int = 0  # 0 -> train.steps
+  min_lr_ratio: float = 0.1
+  b1: float = 0.9
+  b2: float = 0.95
+  weight_decay: float = 0.1
+  grad_clip: float = 1.0
+  eps: float = 1e-8
+
+
+@dataclasses.dataclass(frozen=True)
+class MeshConfig:
+  """Mesh axis sizes. Their product must equal the number of devices (-1 = fill)."""
+  data: int = 1
+  fsdp: int = 1
+  tensor: int = 1
+  sequence: int = 1
+  pipeline: int = 1
+  rules: str = "default"  # named logical-axis rule preset (parallelism/rules.py)
+  form: str = "jit"  # "jit" (GSPMD auto-sharding) or "shard_map" (explicit collectives)
+  microbatches: int = 1  # pipeline micro-batches
+  schedule: str = "gpipe"  # "gpipe" or "1f1b"
+
+  def sizes(self) -> dict:
+    return {a: getattr(self, a) for a in MESH_AXES}
+
+
+@dataclasses.dataclass(frozen=True)
+class CheckpointConfig:
+  every: int = 50  # steps between saves; 0 disables
+  keep: int = 2
+  async_save: bool = True
+  restore: bool = True  # resume from the latest checkpoint in the workdir if there is one
+
+
+@dataclasses.dataclass(frozen=True)
+class TrainConfig:
+  steps: int = 200
+  log_every: int = 10
+  eval_every: int = 0  # 0 disables periodic eval
+  eval_batches: int = 4
+  seed: int = 0
+  sample_prompt: str = "def "
+  sample_tokens: int = 64
+  sample_temperature: float = 0.0
+  progress: bool = True
+  peak_flops: float = 0.0  # device peak FLOP/s for MFU; 0 -> measured at start-up (matmul probe)
+
+
+@dataclasses.dataclass(frozen=True)
+class Config:
+  model: ModelConfig = ModelConfig()
+  data: DataConfig = DataConfig()
+  optim: OptimConfig = OptimConfig()
+  mesh: MeshConfig = MeshConfig()
+  checkpoint: CheckpointConfig = CheckpointConfig()
+  train: TrainConfig = TrainConfig()
+  name: str = "experiment"
+  extras: tuple = ()  # (key, value) pairs for other floors (resilience, perfmodel, ...), read as data
+
+
+_SECTIONS = {f.name: f.type for f in dataclasses.fields(Config)}
+_SECTION_TYPES = {"model": ModelConfig, "data": DataConfig, "optim": OptimConfig, "mesh": MeshConfig,
+                  "checkpoint": CheckpointConfig, "train": TrainConfig}
+
+
+def _build(cls, values: Mapping[str, Any], where: str):
+  known = {f.name: f for f in dataclasses.fields(cls)}
+  unknown = sorted(set(values) - set(known))
+  if unknown:
+    raise ConfigError(f"unknown config key(s) {', '.join(where + '.' + k for k in unknown)}; "
+                      f"known keys of '{where}': {', '.join(sorted(known))}")
+  kwargs = {}
+  for k, v in values.items():
+    default = known[k].default
+    if isinstance(default, tuple) and isinstance(v, list):
+      v = tuple(v)
+    if isinstance(default, bool) and not isinstance(v, bool):
+      raise ConfigError(f"{where}.{k} must be a bool, got {v!r}")
+    if isinstance(default, float) and isinstance(v, int) and not isinstance(v, bool):
+      v = float(v)
+    if isinstance(default, int) and not isinstance(default, bool) and isinstance(v, float) and v.is_integer():
+      v = int(v)
+    if default is not None and not isinstance(default, tuple) and type(v) is not type(default):
+      raise ConfigError(f"{where}.{k} must be {type(default).__name__}, got {v!r}")
+    kwargs[k] = v
+  return cls(**kwargs)
+
+
+def from_dict(d: Mapping[str, Any]) -> Config:
+  """Converts a (nested) mapping or ConfigDict into a frozen :class:`Config`; rejects unknown keys."""
+  if hasattr(d, "to_dict"):
+    d = d.to_dict()
+  d = dict(d)
+  extras = d.pop("extras", {}) or {}
+  unknown = sorted(set(d) - set(_SECTIONS))
+  if unknown:
+    raise ConfigError(f"unknown config section(s) {unknown}; known: {sorted(_SECTIONS)}")
+  kw = {}
+  for name, cls in _SECTION_TYPES.items():
+    if name in d:
+      kw[name] = _build(cls, dict(d[name]), name)
+  if "name" in d:
+    kw["name"] = str(d["name"])
+  if extras:
+    kw["extras"] = tuple(sorted((k, _freeze(v)) for k, v in dict(extras).items()))
+  return Config(**kw)
+
+
+def _freeze(v):
+  if hasattr(v, "to_dict"):
+    v = v.to_dict()
+  if isinstance(v, dict):
+    return tuple(sorted((k, _freeze(x)) for k, x in v.items()))
+  if isinstance(v, list):
+    return tuple(_freeze(x) for x in v)
+  return v
+
+
+def extras(cfg: Config, section: str) -> dict:
+  """Returns one extras section (e.g. 'resilience') as a plain nested dict."""
+  def thaw(v):
+    if isinstance(v, tuple) and v and all(isinstance(x, tuple) and len(x) == 2 and isinstance(x[0], str) for x in v):
+      return {k: thaw(x) for k, x in v}
+    return v
+  return thaw(dict(cfg.extras).get(section, ())) or {}
+
+
+def to_dict(cfg: Config) -> dict:
+  out = dataclasses.asdict(cfg)
+  out["extras"] = {k: extras(cfg, k) for k, _ in cfg.extras}
+  return out
+
+
+def resolve_mesh(mesh: MeshConfig, n_devices: int) -> MeshConfig:
+  """Fills a single -1 axis and checks the product equals the device count."""
+  sizes = mesh.sizes()
+  free = [a for a, s in sizes.items() if s == -1]
+  if len(free) > 1:
+    raise ConfigError(f"at most one mesh axis may be -1, got {free}")
+  fixed = math.prod(s for s in sizes.values() if s != -1)
+  if any(s == 0 or s < -1 for s in sizes.values()):
+    raise ConfigError(f"mesh axis sizes must be positive or -1, got {sizes}")
+  if free:
+    if n_devices % fixed:
+      raise ConfigError(f"mesh {_fmt(sizes)} cannot fill {n_devices} devices: {fixed} does not divide it")
+    sizes[free[0]] = n_devices // fixed
+  prod = math.prod(sizes.values())
+  if prod != n_devices:
+    raise ConfigError(
+        f"mesh {_fmt(sizes)} needs {prod} devices, found {n_devices}: change --config.mesh.* so the product is "
+        f"{n_devices} (or set one axis to -1), or set XLA_FLAGS=--xla_force_host_platform_device_count={prod} "
+        f"before jax starts to emulate {prod} CPU devices")
+  return dataclasses.replace(mesh, **{a: sizes[a] for a in MESH_AXES})
+
+
+def _fmt(sizes):
+  return " x ".join(f"{a}={s}" for a, s in sizes.items() if s != 1) or "(all 1)"
+
+
+def validate(cfg: Config, n_devices: int, n_processes: int = 1) -> Config:
+  """Checks everything that would otherwise fail deep inside compilation; returns cfg with the mesh resolved."""
+  m = cfg.model
+  mesh = resolve_mesh(cfg.mesh, n_devices)
+  if m.remat not in REMAT_POLICIES:
+    raise ConfigError(f"model.remat={m.remat!r}; choose one of {REMAT_POLICIES}")
+  if mesh.form not in ("jit", "shard_map"):
+    raise ConfigError(f"mesh.form={mesh.form!r}; choose 'jit' or 'shard_map'")
+  if mesh.schedule not in ("gpipe", "1f1b"):
+    raise ConfigError(f"mesh.schedule={mesh.schedule!r}; choose 'gpipe' or '1f1b'")
+  if m.n_heads % m.n_kv_heads:
+    raise ConfigError(f"model.n_heads={m.n_heads} is not a multiple of model.n_kv_heads={m.n_kv_heads}")
+  if m.n_kv_heads % mesh.tensor or m.n_heads % mesh.tensor:
+    raise ConfigError(
+        f"model.n_heads={m.n_heads} / n_kv_heads={m.n_kv_heads} are not divisible by mesh.tensor={mesh.tensor}: "
+        f"pick a tensor axis that divides {math.gcd(m.n_heads, m.n_kv_heads)}")
+  if m.ff % mesh.tensor:
+    raise ConfigError(f"model d_ff={m.ff} is not divisible by mesh.tensor={mesh.tensor}")
+  if m.n_layers % mesh.pipeline:
+    raise ConfigError(f"model.n_layers={m.n_layers} is not divisible by mesh.pipeline={mesh.pipeline} stages: "
+                      f"use a pipeline size that divides {m.n_layers}")
+  batch_shards = mesh.data * mesh.fsdp
+  if cfg.data.global_batch % batch_shards:
+    raise ConfigError(f"data.global_batch={cfg.data.global_batch} is not divisible by the batch axes "
+                      f"data x fsdp = {batch_shards}: use a multiple of {batch_shards}")
+  if cfg.data.global_batch % n_processes:
+    raise ConfigError(f"data.global_batch={cfg.data.global_batch} is not divisible by {n_processes} processes")
+  if mesh.pipeline > 1:
+    per = cfg.data.global_batch // batch_shards
+    if per % mesh.microbatches:
+      raise ConfigError(f"per-replica batch {per} is not divisible by mesh.microbatches={mesh.microbatches}")
+  if cfg.data.seq_len % mesh.sequence:
+    raise ConfigError(f"data.seq_len={cfg.data.seq_len} is not divisible by mesh.sequence={mesh.sequence}")
+  if cfg.data.seq_len > m.max_seq_len:
+    raise ConfigError(f"data.seq_len={cfg.data.seq_len} exceeds model.max_seq_len={m.max_seq_len}")
+  if cfg.model.vocab_size < 256:
+    raise ConfigError("model.vocab_size must be >= 256 for the byte-level tokenizer")
+  return dataclasses.replace(cfg, mesh=mesh)

@@ -1,0 +1,336 @@
+"""Llama-family decoder in Flax Linen.
+
+Why Linen (not NNX): ``nn.scan`` + ``nn.remat`` give a scanned, rematerialised layer stack whose
+parameters carry logical axis names (``nn.with_logical_partitioning``), so sharding is pure data
+(``parallelism/rules.py``), and ``Module.apply`` is a pure function of a params pytree, which is
+exactly what the pure train step, the shard_map step, the pipeline, HF/GGUF conversion and
+``jax.eval_shape`` of 70B-class models all want.
+
+The same module runs in two modes, chosen by :class:`ParallelCtx`:
+* auto (``ctx.manual=False``): full-size parameters; under ``jax.jit`` XLA/GSPMD partitions it
+  following the logical-axis rules.
+* manual (``ctx.manual=True``, inside ``jax.shard_map``): every parameter is declared at its
+  *local* (per-device) shape; dimensions sharded over FSDP-style axes are all-gathered right
+  before use (their transpose is the reduce-scatter of the gradients), tensor-parallel dimensions
+  stay local and the row-parallel matmuls end in an explicit ``psum`` (Megatron). Sequence
+  (context) parallelism all-gathers K/V along the sequence.
+
+Shapes are in names: B batch, T query length, S key length, D d_model, H query heads,
+K kv heads, G = H // K, E head_dim, F d_ff, V vocab, L layers.
+
+Parameter tree (``L`` leading axis from the layer scan)::
+
+  embed/embedding                   V x D
+  layers/attn_norm/scale            L x D
+  layers/attn/{wq,wk,wv}            L x D x {H,K,K} x E
+  layers/attn/wo                    L x H x E x D
+  layers/mlp_norm/scale             L x D
+  layers/mlp/{w_gate,w_up}          L x D x F
+  layers/mlp/w_down                 L x F x D
+  final_norm/scale                  D
+  lm_head/kernel                    D x V   (absent with tied embeddings)
+
+RoPE uses the Hugging Face "rotate-half" layout, so HF checkpoints load without permutation; the
+GGUF name map applies llama.cpp's interleaved permutation in one place.
+"""
+from __future__ import annotations
+
+import dataclasses
+import math
+from typing import Any, Optional, Sequence
+
+import flax.linen as nn
+import jax
+import jax.numpy as jnp
+
+from framework.config import ModelConfig
+
+# Logical axes of every parameter, by its name. Sharding rules (parallelism/rules.py) map these
+# logical names to mesh axes; this table is the single place that says what each dim *is*.
+PARAM_AXES = {
+    "embedding": ("embed_vocab", "embed"),
+    "wq": ("embed", "q_heads", "head_dim"),
+    "wk": ("embed", "kv_heads", "head_dim"),
+    "wv": ("embed", "kv_heads", "head_dim"),
+    "wo": ("q_heads", "head_dim", "embed"),
+    "w_gate": ("embed", "mlp"),
+    "w_up": ("embed", "mlp"),
+    "w_down": ("mlp", "embed"),
+    "scale": ("norm",),
+    "kernel": ("embed", "vocab"),
+}
+
+
+@dataclasses.dataclass(frozen=True)
+class ParallelCtx:
+  """How the model sees the mesh. Default: auto mode (no manual collectives)."""
+  manual: bool = False
+  # logical axis -> tuple of mesh axes (only needed in manual mode)
+  rules: tuple = ()
+  axis_sizes: tuple = ()  # ((mesh_axis, size), ...)
+  tensor_axis: Optional[str] = None  # axis of Megatron TP inside shard_map
+  sequence_axis: Optional[str] = None  # axis of sequence/context parallelism inside shard_map
+
+  def mesh_axes(self, logical: str) -> tuple:
+    for name, axes in self.rules:
+      if name == logical:
+        if axes is None:
+          return ()
+        return (axes,) if isinstance(axes, str) else tuple(axes)
+    return ()
+
+  def size(self, axes: Sequence[str]) -> int:
+    sizes = dict(self.axis_sizes)
+    return math.prod(sizes.get(a, 1) for a in axes)
+
+  def local_shape(self, shape, logical):
+    return tuple(s // self.size(self.mesh_axes(l)) for s, l in zip(shape, logical))
+
+  def gather(self, w, logical):
+    """All-gathers every dim sharded over non-tensor mesh axes (FSDP / ZeRO-3 style)."""
+    for dim, l in enumerate(logical):
+      axes = tuple(a for a in self.mesh_axes(l) if a != self.tensor_axis)
+      if axes and self.size(axes) > 1:
+        w = jax.lax.all_gather(w, axes, axis=dim, tiled=True)
+    return w
+
+
+def _dtype(name: str):
+  return jnp.dtype(name)
+
+
+class _Base(nn.Module):
+  cfg: ModelConfig
+  ctx: ParallelCtx = ParallelCtx()
+
+  def weight(self, name: str, shape: tuple, init=None):
+    """Declares a parameter (local shape in manual mode) and returns it ready to use."""
+    logical = PARAM_AXES[name]
+    init = init or nn.initializers.normal(self.cfg.init_std)
+    if self.ctx.manual:
+      w = self.param(name, init, self.ctx.local_shape(shape, logical), _dtype(self.cfg.param_dtype))
+      w = self.ctx.gather(w, logical)
+    else:
+      w = self.param(name, nn.with_logical_partitioning(init, logical), shape, _dtype(self.cfg.param_dtype))
+    return w.astype(_dtype(self.cfg.dtype))
+
+  def tp_reduce(self, y):
+    """Row-parallel matmul epilogue: sum partial results across the tensor axis."""
+    if self.ctx.manual and self.ctx.tensor_axis and self.ctx.size((self.ctx.tensor_axis,)) > 1:
+      return jax.lax.psum(y, self.ctx.tensor_axis)
+    return y
+
+  def constrain(self, x, logical):
+    if self.ctx.manual:
+      return x
+    return nn.with_logical_constraint(x, logical)
+
+
+class RMSNorm(_Base):
+  @nn.compact
+  def __call__(self, x_BxTxD):
+    scale = self.weight("scale", (self.cfg.d_model,), nn.initializers.ones)
+    x = x_BxTxD.astype(jnp.float32)
+    x = x * jax.lax.rsqrt(jnp.mean(x * x, axis=-1, keepdims=True) + self.cfg.norm_eps)
+    return (x * scale.astype(jnp.float32)).astype(_dtype(self.cfg.dtype))
+
+
+def rope(x_BxTxNxE, pos_BxT, theta: float):
+  """Rotary embedding, HF 'rotate_half' layout (first half / second half of head_dim)."""
+  e = x_BxTxNxE.shape[-1]
+  inv_freq = 1.0 / (theta ** (jnp.arange(0, e, 2, dtype=jnp.float32) / e))
+  ang_BxTxE2 = pos_BxT.astype(jnp.float32)[..., None] * inv_freq
+  cos, sin = jnp.cos(ang_BxTxE2)[:, :, None, :], jnp.sin(ang_BxTxE2)[:, :, None, :]
+  x = x_BxTxNxE.astype(jnp.float32)
+  x1, x2 = x[..., : e // 2], x[..., e // 2:]
+  out = jnp.concatenate([x1 * cos - x2 * sin, x2 * cos + x1 * sin], axis=-1)
+  return out.astype(x_BxTxNxE.dtype)
+
+
+class Attention(_Base):
+  @nn.compact
+  def __call__(self, x_BxTxD, pos_BxT, kv_cache=None, cache_index=None):
+    c = self.cfg
+    D, H, K, E = c.d_model, c.n_heads, c.n_kv_heads, c.hd
+    wq = self.weight("wq", (D, H, E))
+    wk = self.weight("wk", (D, K, E))
+    wv = self.weight("wv", (D, K, E))
+    wo = self.weight("wo", (H, E, D))
+    q_BxTxHxE = rope(jnp.einsum("btd,dhe->bthe", x_BxTxD, wq), pos_BxT, c.rope_theta)
+    k_BxTxKxE = rope(jnp.einsum("btd,dke->btke", x_BxTxD, wk), pos_BxT, c.rope_theta)
+    v_BxTxKxE = jnp.einsum("btd,dke->btke", x_BxTxD, wv)
+    kpos_BxS = pos_BxT
+    new_cache = None
+    if kv_cache is not None:
+      # Decode: write this chunk at cache_index, attend over the whole (masked) cache.
+      k_cache, v_cache = kv_cache
+      k_cache = jax.lax.dynamic_update_slice_in_dim(k_cache, k_BxTxKxE.astype(k_cache.dtype), cache_index, 1)
+      v_cache = jax.lax.dynamic_update_slice_in_dim(v_cache, v_BxTxKxE.astype(v_cache.dtype), cache_index, 1)
+      new_cache = (k_cache, v_cache)
+      k_BxTxKxE, v_BxTxKxE = k_cache.astype(q_BxTxHxE.dtype), v_cache.astype(q_BxTxHxE.dtype)
+      kpos_BxS = jnp.broadcast_to(jnp.arange(k_cache.shape[1]), k_cache.shape[:2])
+      # Slots past the written prefix hold zeros; mask them by position.
+      valid_BxS = kpos_BxS < cache_index + x_BxTxD.shape[1]
+    elif self.ctx.manual and self.ctx.sequence_axis and self.ctx.size((self.ctx.sequence_axis,)) > 1:
+      ax = self.ctx.sequence_axis
+      k_BxTxKxE = jax.lax.all_gather(k_BxTxKxE, ax, axis=1, tiled=True)
+      v_BxTxKxE = jax.lax.all_gather(v_BxTxKxE, ax, axis=1, tiled=True)
+      kpos_BxS = jax.lax.all_gather(pos_BxT, ax, axis=1, tiled=True)
+    Hl, Kl = q_BxTxHxE.shape[2], k_BxTxKxE.shape[2]
+    B, T, S = q_BxTxHxE.shape[0], q_BxTxHxE.shape[1], k_BxTxKxE.shape[1]
+    q_BxTxKxGxE = q_BxTxHxE.reshape(B, T, Kl, Hl // Kl, E)
+    s_BxKxGxTxS = jnp.einsum("btkge,bske->bkgts", q_BxTxKxGxE, k_BxTxKxE).astype(jnp.float32)
+    s_BxKxGxTxS = s_BxKxGxTxS / math.sqrt(E)
+    mask_BxTxS = kpos_BxS[:, None, :] <= pos_BxT[:, :, None]
+    if kv_cache is not None:
+      mask_BxTxS = mask_BxTxS & valid_BxS[:, None, :]
+    s_BxKxGxTxS = jnp.where(mask_BxTxS[:, None, None], s_BxKxGxTxS, jnp.finfo(jnp.float32).min)
+    p_BxKxGxTxS = jax.nn.softmax(s_BxKxGxTxS, axis=-1).astype(v_BxTxKxE.dtype)
+    o_BxTxKxGxE = jnp.einsum("bkgts,bske->btkge", p_BxKxGxTxS, v_BxTxKxE)
+    o_BxTxHxE = o_BxTxKxGxE.reshape(B, T, Hl, E)
+    out_BxTxD = self.tp_reduce(jnp.einsum("bthe,hed->btd", o_BxTxHxE, wo))
+    return out_BxTxD, new_cache
+
+
+class MLP(_Base):
+  @nn.compact
+  def __call__(self, x_BxTxD):
+    D, F = self.cfg.d_model, self.cfg.ff
+    w_gate, w_up, w_down = self.weight("w_gate", (D, F)), self.weight("w_up", (D, F)), self.weight("w_down", (F, D))
+    h_BxTxF = nn.silu(jnp.einsum("btd,df->btf", x_BxTxD, w_gate)) * jnp.einsum("btd,df->btf", x_BxTxD, w_up)
+    h_BxTxF = self.constrain(h_BxTxF, ("batch", "seq", "act_mlp"))
+    return self.tp_reduce(jnp.einsum("btf,fd->btd", h_BxTxF, w_down))
+
+
+class Block(_Base):
+  """One pre-norm decoder layer; signature fits ``nn.scan``: (carry, *scanned) -> (carry, out)."""
+
+  @nn.compact
+  def __call__(self, x_BxTxD, pos_BxT, kv_cache, cache_index):
+    h, new_cache = Attention(self.cfg, self.ctx, name="attn")(
+        RMSNorm(self.cfg, self.ctx, name="attn_norm")(x_BxTxD), pos_BxT, kv_cache, cache_index)
+    x_BxTxD = self.constrain(x_BxTxD + h, ("batch", "seq", "act_embed"))
+    x_BxTxD = x_BxTxD + MLP(self.cfg, self.ctx, name="mlp")(RMSNorm(self.cfg, self.ctx, name="mlp_norm")(x_BxTxD))
+    x_BxTxD = self.constrain(x_BxTxD, ("batch", "seq", "act_embed"))
+    return x_BxTxD, new_cache
+
+
+REMAT = {
+    "full": jax.checkpoint_policies.nothing_saveable,
+    "dots": jax.checkpoint_policies.checkpoint_dots,
+    "dots_no_batch": jax.checkpoint_policies.checkpoint_dots_with_no_batch_dims,
+}
+
+
+class Transformer(_Base):
+  """Decoder-only LM. ``__call__`` = ``head(blocks(embed(tokens)))``; the pieces are separate
+  methods so a pipeline stage can run ``blocks`` alone on its slice of the layer stack."""
+
+  def setup(self):
+    c = self.cfg
+    block = Block
+    if c.remat != "none":
+      block = nn.remat(Block, policy=REMAT[c.remat], prevent_cse=not c.scan_layers)
+    if c.scan_layers:
+      self.layers = nn.scan(
+          block, variable_axes={"params": 0}, split_rngs={"params": True},
+          in_axes=(nn.broadcast, 0, nn.broadcast), length=self.n_local_layers,
+          metadata_params={nn.PARTITION_NAME: "layers"})(c, self.ctx, name="layers")
+    else:
+      self.layer_list = [block(c, self.ctx, name=f"layers_{i}") for i in range(self.n_local_layers)]
+    self.final_norm = RMSNorm(c, self.ctx, name="final_norm")
+    self.embedding = _Embed(c, self.ctx, name="embed")
+    if not c.tie_embeddings:
+      self.lm_head = _Head(c, self.ctx, name="lm_head")
+
+  @property
+  def vocab_sharded_logits(self) -> bool:
+    """True when head() returns only this device's vocab shard (manual TP, untied head)."""
+    return (self.ctx.manual and not self.cfg.tie_embeddings
+            and self.ctx.size(self.ctx.mesh_axes("vocab")) > 1)
+
+  @property
+  def n_local_layers(self):
+    pipe = dict(self.ctx.axis_sizes).get("pipeline", 1) if self.ctx.manual else 1
+    return self.cfg.n_layers // pipe
+
+  def embed(self, tokens_BxT):
+    # Embedding is a gather, not a matmul: it is replicated over the tensor axis (its vocab dim
+    # has its own logical name, 'embed_vocab') so the lookup needs no collective.
+    x_BxTxD = jnp.take(self.embedding(), tokens_BxT, axis=0)
+    return self.constrain(x_BxTxD, ("batch", "seq", "act_embed"))
+
+  def blocks(self, x_BxTxD, pos_BxT, kv_cache=None, cache_index=None):
+    if self.cfg.scan_layers:
+      return self.layers(x_BxTxD, pos_BxT, kv_cache, cache_index)
+    new = []
+    for i, layer in enumerate(self.layer_list):
+      kv = None if kv_cache is None else jax.tree.map(lambda a: a[i], kv_cache)
+      x_BxTxD, c = layer(x_BxTxD, pos_BxT, kv, cache_index)
+      new.append(c)
+    new_cache = None if kv_cache is None else jax.tree.map(lambda *a: jnp.stack(a), *new)
+    return x_BxTxD, new_cache
+
+  def head(self, x_BxTxD):
+    """Final norm + LM head -> logits (local vocab shard in manual TP mode), float32."""
+    c = self.cfg
+    x_BxTxD = self.final_norm(x_BxTxD)
+    if c.tie_embeddings:
+      logits_BxTxV = jnp.einsum("btd,vd->btv", x_BxTxD, self.embedding())
+    else:
+      logits_BxTxV = self.lm_head(x_BxTxD)
+    return self.constrain(logits_BxTxV.astype(jnp.float32), ("batch", "seq", "act_vocab"))
+
+  def __call__(self, tokens_BxT, pos_BxT=None, kv_cache=None, cache_index=None):
+    if pos_BxT is None:
+      pos_BxT = jnp.broadcast_to(jnp.arange(tokens_BxT.shape[1]), tokens_BxT.shape)
+    x_BxTxD, new_cache = self.blocks(self.embed(tokens_BxT), pos_BxT, kv_cache, cache_index)
+    logits = self.head(x_BxTxD)
+    return (logits, new_cache) if kv_cache is not None else logits
+
+
+class _Embed(_Base):
+  @nn.compact
+  def __call__(self):
+    c = self.cfg
+    init = nn.initializers.normal(1.0 if c.tie_embeddings else c.init_std)
+    logical = PARAM_AXES["embedding"]
+    shape = (c.vocab_size, c.d_model)
+    if self.ctx.manual:
+      w = self.param("embedding", init, self.ctx.local_shape(shape, logical), _dtype(c.param_dtype))
+      w = self.ctx.gather(w, logical)
+    else:
+      w = self.param("embedding", nn.with_logical_partitioning(init, logical), shape, _dtype(c.param_dtype))
+    return w.astype(_dtype(c.dtype))
+
+
+class _Head(_Base):
+  @nn.compact
+  def __call__(self, x_BxTxD):
+    w_DxV = self.weight("kernel", (self.cfg.d_model, self.cfg.vocab_size))
+    return jnp.einsum("btd,dv->btv", x_BxTxD, w_DxV)
+
+
+def build(cfg: ModelConfig, ctx: ParallelCtx = ParallelCtx()) -> Transformer:
+  return Transformer(cfg, ctx)
+
+
+def init_params(model: Transformer, rng, batch: int = 1, seq: int = 8):
+  """Initialises (boxed, logically annotated) params; use under jit/eval_shape for big models."""
+  tokens = jnp.zeros((batch, seq), jnp.int32)
+  return model.init(rng, tokens)["params"]
+
+
+def abstract_params(model: Transformer):
+  """Shapes/dtypes/logical axes of all params without allocating (works for 70B-class configs)."""
+  return jax.eval_shape(lambda: init_params(model, jax.random.key(0)))
+
+
+def kv_cache_shape(cfg: ModelConfig, batch: int, max_len: int, dtype=None):
+  dtype = dtype or _dtype(cfg.dtype)
+  shape = (cfg.n_layers, batch, max_len, cfg.n_kv_heads, cfg.hd)
+  return (jax.ShapeDtypeStruct(shape, dtype), jax.ShapeDtypeStruct(shape, dtype))
+
+
+def init_kv_cache(cfg: ModelConfig, batch: int, max_len: int, dtype=None):
+  return jax.tree.map(lambda s: jnp.zeros(s.shape, s.dtype), kv_cache_shape(cfg, batch, max_len, dtype))
