@@ -1,0 +1,95 @@
+"""The one entry point.
+
+  python -m experiments.run --config experiments/configs/quickstart.py --workdir DIR [--config.x=y ...]
+                            [--processes N] [--host-devices 8]
+
+--processes N starts N processes on localhost (one per emulated host) that train together through
+jax.distributed; on a real cluster run one copy per host with --coordinator/--num-processes/
+--process-id (or none of them under SLURM / a TPU pod, where jax detects them).
+"""
+from __future__ import annotations
+
+import argparse
+import json
+import logging
+import os
+import sys
+
+
+def parse(argv):
+  p = argparse.ArgumentParser(prog="python -m experiments.run", description=__doc__,
+                              formatter_class=argparse.RawDescriptionHelpFormatter)
+  p.add_argument("--config", required=True, help="experiments/configs/x.py[:arg]")
+  p.add_argument("--workdir", required=True)
+  p.add_argument("--processes", type=int, default=1, help="local multi-process launch (CPU, gloo)")
+  p.add_argument("--host-devices", type=int, default=8, help="emulated CPU devices in total (CPU only)")
+  p.add_argument("--coordinator", default=None, help="host:port of process 0 (multi-host)")
+  p.add_argument("--num-processes", type=int, default=None)
+  p.add_argument("--process-id", type=int, default=None)
+  args, rest = p.parse_known_args(argv)
+  bad = [a for a in rest if not a.startswith("--config.")]
+  if bad:
+    p.error(f"unrecognised arguments {bad} (config overrides look like --config.model.n_layers=4)")
+  return args, rest
+
+
+def main(argv=None) -> int:
+  args, overrides = parse(sys.argv[1:] if argv is None else argv)
+  if args.processes > 1:
+    from parallelism.distributed import launch_local  # noqa: PLC0415
+    fwd = [a for a in (sys.argv[1:] if argv is None else argv)]
+    fwd = _strip(fwd, "--processes")
+    return launch_local(fwd, args.processes, args.host_devices)
+  if "XLA_FLAGS" not in os.environ or "device_count" not in os.environ["XLA_FLAGS"]:
+    os.environ["XLA_FLAGS"] = (os.environ.get("XLA_FLAGS", "") +
+                               f" --xla_force_host_platform_device_count={args.host_devices}").strip()
+  logging.basicConfig(level=logging.INFO, format="%(asctime)s %(name)s %(message)s", datefmt="%H:%M:%S")
+  for noisy in ("absl", "orbax", "jax._src"):
+    logging.getLogger(noisy).setLevel(logging.WARNING)
+  from framework import config_file  # noqa: PLC0415 - after XLA_FLAGS
+  from framework.config import extras  # noqa: PLC0415
+  from parallelism import distributed  # noqa: PLC0415
+  cfg = config_file.load(args.config, overrides)
+  if extras(cfg, "resilience"):
+    import resilience  # noqa: PLC0415 - hot-swap jobs run under their own node agents
+    print(json.dumps(resilience.run_hotswap(cfg, args.workdir), default=str))
+    return 0
+  distributed.initialize(args.coordinator, args.num_processes, args.process_id)
+  import jax  # noqa: PLC0415
+  from framework.train import train_and_evaluate  # noqa: PLC0415
+  logging.getLogger("prismllm").info("process %d/%d, local devices %s", jax.process_index(), jax.process_count(),
+                                     jax.local_devices())
+  summary = train_and_evaluate(cfg, args.workdir)
+  summary.pop("state", None)
+  if jax.process_index() == 0:
+    print("\n--- sample ---\n" + summary.get("sample", "") + "\n--------------")
+    print(json.dumps({k: v for k, v in summary.items() if k != "sample"}))
+  return 0
+
+
+def _strip(argv, flag):
+  out, skip = [], False
+  for a in argv:
+    if skip:
+      skip = False
+      continue
+    if a == flag:
+      skip = True
+      continue
+    if a.startswith(flag + "="):
+      continue
+    out.append(a)
+  return out
+
+
+def cli() -> int:
+  from framework.config import ConfigError  # noqa: PLC0415
+  try:
+    return main()
+  except ConfigError as e:
+    print(f"config error: {e}", file=sys.stderr)
+    return 2
+
+
+if __name__ == "__main__":
+  sys.exit(cli())

@@ -1,0 +1,111 @@
+"""Offline, deterministic text data.
+
+The default corpus is the Python standard library's own source, which ships with every Python, so
+the quickstart needs no download. Users pass a text file or a folder instead (``data.corpus``).
+
+Batches are random windows whose offsets are a pure function of ``(seed, step)``: the iterator
+state is one integer, so checkpoints restore the exact data position, a recovered run is
+bit-identical, and each process computes only its own rows (``process_index`` slice of the global
+batch) without any coordination.
+"""
+from __future__ import annotations
+
+import dataclasses
+import os
+import pathlib
+import sysconfig
+from typing import Iterator, Optional
+
+import numpy as np
+
+from framework.config import ConfigError, DataConfig
+
+
+def _files(root: pathlib.Path, extensions) -> list:
+  if root.is_file():
+    return [root]
+  skip = {"site-packages", "test", "tests", "__pycache__", "idlelib", "turtledemo"}
+  return sorted(f for f in root.rglob("*") if f.is_file() and f.suffix in extensions
+                and not (skip & set(f.relative_to(root).parts)))
+
+
+def corpus_path(cfg: DataConfig) -> pathlib.Path:
+  if cfg.corpus == "stdlib":
+    return pathlib.Path(sysconfig.get_paths()["stdlib"])
+  return pathlib.Path(os.path.expanduser(cfg.corpus))
+
+
+def load_corpus(cfg: DataConfig) -> np.ndarray:
+  """Reads the corpus into one uint8 array (files in sorted order, each preceded by its name)."""
+  root = corpus_path(cfg)
+  if not root.exists():
+    raise ConfigError(f"data.corpus={cfg.corpus!r}: {root} does not exist; pass a text file or folder "
+                      f"(--config.data.corpus=/path) or 'stdlib'")
+  files = _files(root, tuple(cfg.extensions))
+  if not files:
+    raise ConfigError(f"data.corpus={cfg.corpus!r}: no files with extensions {cfg.extensions} under {root}")
+  chunks, total = [], 0
+  for f in files:
+    try:
+      raw = f.read_bytes()
+    except OSError as e:
+      raise ConfigError(f"data.corpus: cannot read {f}: {e}") from e
+    header = f"\n# file: {f.relative_to(root) if root.is_dir() else f.name}\n".encode()
+    chunks += [header, raw]
+    total += len(header) + len(raw)
+    if total >= cfg.max_bytes:
+      break
+  data = np.frombuffer(b"".join(chunks)[: cfg.max_bytes], dtype=np.uint8)
+  if data.size < 2 * (cfg.seq_len + 1):
+    raise ConfigError(f"data.corpus={cfg.corpus!r} has {data.size} bytes, too few for seq_len={cfg.seq_len}")
+  return data
+
+
+@dataclasses.dataclass
+class Split:
+  train: np.ndarray
+  eval: np.ndarray
+
+
+def split(data: np.ndarray, cfg: DataConfig) -> Split:
+  n_eval = max(int(data.size * cfg.eval_fraction), 2 * (cfg.seq_len + 1))
+  return Split(train=data[:-n_eval], eval=data[-n_eval:])
+
+
+def batch_at(data: np.ndarray, step: int, cfg: DataConfig, seed_offset: int = 0,
+             process_index: int = 0, process_count: int = 1) -> dict:
+  """The rows of global batch ``step`` owned by this process: {'inputs', 'targets'} int32 BxT."""
+  T, B = cfg.seq_len, cfg.global_batch
+  rng = np.random.default_rng([cfg.seed + seed_offset, step])
+  offsets_B = rng.integers(0, data.size - T - 1, size=B)
+  per = B // process_count
+  offsets = offsets_B[process_index * per:(process_index + 1) * per]
+  win_BxT1 = data[offsets[:, None] + np.arange(T + 1)[None, :]].astype(np.int32)
+  return {"inputs": win_BxT1[:, :-1], "targets": win_BxT1[:, 1:]}
+
+
+class BatchIterator:
+  """Checkpointable iterator: ``state()`` is {'step': int}; ``restore(state)`` jumps there."""
+
+  def __init__(self, data: np.ndarray, cfg: DataConfig, step: int = 0, seed_offset: int = 0,
+               process_index: int = 0, process_count: int = 1):
+    self.data, self.cfg, self.step = data, cfg, step
+    self.seed_offset, self.pi, self.pc = seed_offset, process_index, process_count
+
+  def __iter__(self) -> Iterator[dict]:
+    return self
+
+  def __next__(self) -> dict:
+    b = batch_at(self.data, self.step, self.cfg, self.seed_offset, self.pi, self.pc)
+    self.step += 1
+    return b
+
+  def state(self) -> dict:
+    return {"step": int(self.step), "seed": int(self.cfg.seed + self.seed_offset)}
+
+  def restore(self, state: Optional[dict]) -> None:
+    if state:
+      if int(state.get("seed", self.cfg.seed + self.seed_offset)) != self.cfg.seed + self.seed_offset:
+        raise ConfigError(f"checkpointed data seed {state['seed']} != data.seed {self.cfg.seed}: "
+                          "resume with the same data.seed or start a fresh workdir")
+      self.step = int(state["step"])

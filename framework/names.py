@@ -1,0 +1,224 @@
+"""The weights name map: framework parameter path <-> Hugging Face name <-> GGUF (llama.cpp) name.
+
+One table (:data:`TABLE`) says, for every parameter of ``framework/model.py``, what it is called in
+each format and how its array is laid out. Everything that converts weights (HF conversion, GGUF
+export/import, the on-device runtime) goes through this module, so a layout fact lives in one place.
+
+Layouts (per layer; the framework stacks layers on a leading ``L`` axis when ``scan_layers``):
+
+  framework           HF / GGUF matrix (n_out, n_in)        note
+  attn/wq  D x H x E  q_proj  (H*E, D)  attn_q               GGUF rows RoPE-permuted (see below)
+  attn/wk  D x K x E  k_proj  (K*E, D)  attn_k               GGUF rows RoPE-permuted
+  attn/wv  D x K x E  v_proj  (K*E, D)  attn_v
+  attn/wo  H x E x D  o_proj  (D, H*E)  attn_output
+  mlp/w_gate D x F    gate_proj (F, D)  ffn_gate
+  mlp/w_up   D x F    up_proj   (F, D)  ffn_up
+  mlp/w_down F x D    down_proj (D, F)  ffn_down
+  embed/embedding V x D   embed_tokens (V, D)  token_embd    (a row table, not transposed)
+  lm_head/kernel  D x V   lm_head (V, D)       output        (absent when embeddings are tied)
+  norms (D,)          *_layernorm / norm     *_norm
+
+GGUF stores a numpy array of shape (n_out, n_in) with ggml ``ne = [n_in, n_out]``.
+
+RoPE. The framework and HF rotate *halves* of each head (dims j and j + E/2 form a pair).
+llama.cpp's llama architecture uses rope mode NORM, which rotates *adjacent* dims (2j, 2j+1).
+``convert_hf_to_gguf.py`` reconciles the two by permuting the output rows of q/k inside every head:
+GGUF row (h, j, half) = HF row (h, half, j). :func:`permute_rope` / :func:`unpermute_rope` are that
+permutation and its inverse; nothing else in the repo may re-implement it.
+"""
+from __future__ import annotations
+
+import dataclasses
+from typing import Any, Callable, Mapping
+
+import numpy as np
+
+from framework.config import ModelConfig
+
+
+@dataclasses.dataclass(frozen=True)
+class ParamName:
+  """One parameter in the three naming schemes; ``{i}`` in a name is the layer index."""
+  path: tuple  # framework path inside params, without the 'layers' prefix for per-layer params
+  hf: str
+  gguf: str
+  per_layer: bool
+  kind: str  # 'in_out' (D x ... -> transpose), 'heads_in' (H x E x D), 'rows' (V x D), 'vector'
+  rope_heads: str = ""  # '' | 'q' | 'kv': which head count the GGUF RoPE permutation uses
+
+
+TABLE: tuple = (
+    ParamName(("embed", "embedding"), "model.embed_tokens.weight", "token_embd.weight", False, "rows"),
+    ParamName(("attn_norm", "scale"), "model.layers.{i}.input_layernorm.weight", "blk.{i}.attn_norm.weight",
+              True, "vector"),
+    ParamName(("attn", "wq"), "model.layers.{i}.self_attn.q_proj.weight", "blk.{i}.attn_q.weight", True,
+              "in_out", "q"),
+    ParamName(("attn", "wk"), "model.layers.{i}.self_attn.k_proj.weight", "blk.{i}.attn_k.weight", True,
+              "in_out", "kv"),
+    ParamName(("attn", "wv"), "model.layers.{i}.self_attn.v_proj.weight", "blk.{i}.attn_v.weight", True,
+              "in_out"),
+    ParamName(("attn", "wo"), "model.layers.{i}.self_attn.o_proj.weight", "blk.{i}.attn_output.weight", True,
+              "heads_in"),
+    ParamName(("mlp_norm", "scale"), "model.layers.{i}.post_attention_layernorm.weight",
+              "blk.{i}.ffn_norm.weight", True, "vector"),
+    ParamName(("mlp", "w_gate"), "model.layers.{i}.mlp.gate_proj.weight", "blk.{i}.ffn_gate.weight", True,
+              "in_out"),
+    ParamName(("mlp", "w_up"), "model.layers.{i}.mlp.up_proj.weight", "blk.{i}.ffn_up.weight", True, "in_out"),
+    ParamName(("mlp", "w_down"), "model.layers.{i}.mlp.down_proj.weight", "blk.{i}.ffn_down.weight", True,
+              "in_out"),
+    ParamName(("final_norm", "scale"), "model.norm.weight", "output_norm.weight", False, "vector"),
+    ParamName(("lm_head", "kernel"), "lm_head.weight", "output.weight", False, "in_out"),
+)
+
+BY_GGUF_SUFFIX = {p.gguf.replace("blk.{i}.", ""): p for p in TABLE}
+
+
+def entries(cfg: ModelConfig) -> tuple:
+  """The table entries present in a model built from ``cfg`` (no lm_head with tied embeddings)."""
+  return tuple(p for p in TABLE if not (cfg.tie_embeddings and p.path[0] == "lm_head"))
+
+
+# ---------------------------------------------------------------- RoPE permutation (the one place)
+
+def permute_rope(w_OxI: np.ndarray, n_heads: int) -> np.ndarray:
+  """HF rotate-half row order -> llama.cpp adjacent-pair (NORM) row order, per head."""
+  o = w_OxI.shape[0]
+  e = o // n_heads
+  if o % n_heads or e % 2:
+    raise ValueError(f"cannot RoPE-permute {w_OxI.shape}: rows {o} must be n_heads={n_heads} x even head_dim")
+  return w_OxI.reshape(n_heads, 2, e // 2, *w_OxI.shape[1:]).swapaxes(1, 2).reshape(w_OxI.shape)
+
+
+def unpermute_rope(w_OxI: np.ndarray, n_heads: int) -> np.ndarray:
+  """Inverse of :func:`permute_rope`."""
+  o = w_OxI.shape[0]
+  e = o // n_heads
+  if o % n_heads or e % 2:
+    raise ValueError(f"cannot RoPE-unpermute {w_OxI.shape}: rows {o} must be n_heads={n_heads} x even head_dim")
+  return w_OxI.reshape(n_heads, e // 2, 2, *w_OxI.shape[1:]).swapaxes(1, 2).reshape(w_OxI.shape)
+
+
+def _rope_heads(p: ParamName, cfg: ModelConfig) -> int:
+  return {"q": cfg.n_heads, "kv": cfg.n_kv_heads}.get(p.rope_heads, 0)
+
+
+# ---------------------------------------------------------------- per-array layout conversion
+
+def to_hf(p: ParamName, w: np.ndarray) -> np.ndarray:
+  """One framework array (single layer) -> the HF array (n_out, n_in) or vector."""
+  w = np.asarray(w)
+  if p.kind == "in_out":  # D x ... (x E) -> (out, D)
+    return np.ascontiguousarray(w.reshape(w.shape[0], -1).T)
+  if p.kind == "heads_in":  # H x E x D -> (D, H*E)
+    return np.ascontiguousarray(w.reshape(-1, w.shape[-1]).T)
+  return w
+
+
+def from_hf(p: ParamName, m: np.ndarray, cfg: ModelConfig) -> np.ndarray:
+  """Inverse of :func:`to_hf`: HF array -> framework array (single layer)."""
+  m = np.asarray(m)
+  D, H, K, E, F, V = cfg.d_model, cfg.n_heads, cfg.n_kv_heads, cfg.hd, cfg.ff, cfg.vocab_size
+  shapes = {"wq": (D, H, E), "wk": (D, K, E), "wv": (D, K, E), "wo": (H, E, D), "w_gate": (D, F),
+            "w_up": (D, F), "w_down": (F, D), "embedding": (V, D), "kernel": (D, V), "scale": (D,)}
+  want = shapes[p.path[-1]]
+  if p.kind == "in_out":
+    out = m.T.reshape(want)
+  elif p.kind == "heads_in":
+    out = m.T.reshape(want)
+  else:
+    out = m.reshape(want)
+  return np.ascontiguousarray(out)
+
+
+def hf_to_gguf(p: ParamName, m: np.ndarray, cfg: ModelConfig) -> np.ndarray:
+  n = _rope_heads(p, cfg)
+  return permute_rope(m, n) if n else m
+
+
+def gguf_to_hf(p: ParamName, m: np.ndarray, cfg: ModelConfig) -> np.ndarray:
+  n = _rope_heads(p, cfg)
+  return unpermute_rope(m, n) if n else m
+
+
+# ---------------------------------------------------------------- whole param trees
+
+def _unbox(params: Any) -> Any:
+  try:
+    from flax.core import meta  # only needed for boxed (logically partitioned) trees
+    params = meta.unbox(params)
+  except ImportError:  # pragma: no cover
+    pass
+  return params
+
+
+def _get(tree: Mapping, path: tuple):
+  for k in path:
+    tree = tree[k]
+  return tree
+
+
+def _layer_arrays(params: Mapping, p: ParamName, n_layers: int) -> list:
+  """Per-layer numpy arrays of a per-layer parameter, scanned ('layers') or unrolled ('layers_{i}')."""
+  if "layers" in params:
+    stacked = np.asarray(_get(params["layers"], p.path))
+    return [stacked[i] for i in range(n_layers)]
+  return [np.asarray(_get(params[f"layers_{i}"], p.path)) for i in range(n_layers)]
+
+
+def _convert_out(params: Any, cfg: ModelConfig, name_of: Callable, conv: Callable) -> dict:
+  params = _unbox(params)
+  out = {}
+  for p in entries(cfg):
+    if p.per_layer:
+      for i, w in enumerate(_layer_arrays(params, p, cfg.n_layers)):
+        out[name_of(p).format(i=i)] = conv(p, w)
+    else:
+      out[name_of(p)] = conv(p, np.asarray(_get(params, p.path)))
+  return out
+
+
+def framework_to_hf(params: Any, cfg: ModelConfig) -> dict:
+  """Framework params (boxed or not, scanned or not) -> {HF name: numpy array}."""
+  return _convert_out(params, cfg, lambda p: p.hf, to_hf)
+
+
+def framework_to_gguf(params: Any, cfg: ModelConfig) -> dict:
+  """Framework params -> {GGUF name: f32/f16 numpy array (n_out, n_in)} with q/k RoPE-permuted."""
+  return _convert_out(params, cfg, lambda p: p.gguf, lambda p, w: hf_to_gguf(p, to_hf(p, w), cfg))
+
+
+def _convert_in(arrays: Mapping, cfg: ModelConfig, name_of: Callable, conv: Callable, scan: bool,
+                fmt: str) -> dict:
+  missing = [name_of(p).format(i=0) for p in entries(cfg) if name_of(p).format(i=0) not in arrays]
+  if missing:
+    raise KeyError(f"{fmt} weights lack {missing}; is this a Llama-architecture checkpoint with "
+                   f"{cfg.n_layers} layers and tie_embeddings={cfg.tie_embeddings}?")
+  params: dict = {}
+  for p in entries(cfg):
+    if p.per_layer:
+      ws = [conv(p, arrays[name_of(p).format(i=i)]) for i in range(cfg.n_layers)]
+      if scan:
+        _set(params, ("layers",) + p.path, np.stack(ws))
+      else:
+        for i, w in enumerate(ws):
+          _set(params, (f"layers_{i}",) + p.path, w)
+    else:
+      _set(params, p.path, conv(p, arrays[name_of(p)]))
+  return params
+
+
+def _set(tree: dict, path: tuple, value):
+  for k in path[:-1]:
+    tree = tree.setdefault(k, {})
+  tree[path[-1]] = value
+
+
+def hf_to_framework(arrays: Mapping, cfg: ModelConfig) -> dict:
+  """{HF name: array} -> framework params tree (plain numpy, layout per ``cfg.scan_layers``)."""
+  return _convert_in(arrays, cfg, lambda p: p.hf, lambda p, m: from_hf(p, m, cfg), cfg.scan_layers, "HF")
+
+
+def gguf_to_framework(arrays: Mapping, cfg: ModelConfig) -> dict:
+  """{GGUF name: dequantized (n_out, n_in) array} -> framework params tree."""
+  return _convert_in(arrays, cfg, lambda p: p.gguf, lambda p, m: from_hf(p, gguf_to_hf(p, m, cfg), cfg),
+                     cfg.scan_layers, "GGUF")

@@ -1,0 +1,153 @@
+"""Training loop: config -> mesh -> compiled step -> loop (data, metrics, orbax) -> workdir.
+
+The host never waits for the device inside the loop except at log steps: metrics are device
+arrays until then, so dispatch of step t+1 overlaps the compute of step t.
+"""
+from __future__ import annotations
+
+import json
+import logging
+import os
+import time
+from typing import Optional
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+
+from framework import checkpoint as ckpt_lib
+from framework import config as config_lib
+from framework import data as data_lib
+from framework import flops as flops_lib
+from framework import sampling
+from framework import train_step as ts
+from framework.config import Config
+
+log = logging.getLogger("prismllm")
+
+
+def _progress(total: int, start: int, enabled: bool):
+  if not enabled or jax.process_index() != 0:
+    return None
+  from tqdm import tqdm  # noqa: PLC0415
+  return tqdm(total=total, initial=start, unit="step", dynamic_ncols=True, mininterval=1.0)
+
+
+def evaluate(step_obj, params, eval_data: np.ndarray, cfg: Config, n_batches: int) -> float:
+  """Mean loss over fixed eval windows (seed offset 1 keeps them apart from training draws)."""
+  fn = step_obj.eval_fn
+  losses = []
+  for i in range(n_batches):
+    b = step_obj.put_batch(data_lib.batch_at(eval_data, i, cfg.data, seed_offset=1_000_003,
+                                             process_index=jax.process_index(),
+                                             process_count=jax.process_count()))
+    with step_obj.context():
+      losses.append(fn(params, b))
+  return float(np.mean(jax.device_get(losses)))
+
+
+def train_and_evaluate(cfg: Config, workdir: str, max_steps: Optional[int] = None) -> dict:
+  """Trains ``cfg`` in ``workdir`` (resuming if a checkpoint exists). Returns a summary dict."""
+  from parallelism.mesh import make_mesh  # noqa: PLC0415 - floor 1 calls floor 2 only here (the loop)
+  from parallelism.step import build_step  # noqa: PLC0415
+
+  cfg = config_lib.validate(cfg, jax.device_count(), jax.process_count())
+  workdir = os.path.abspath(workdir)
+  is_main = jax.process_index() == 0
+  os.makedirs(workdir, exist_ok=True)
+  if is_main:
+    with open(os.path.join(workdir, "config.json"), "w") as f:
+      json.dump(config_lib.to_dict(cfg), f, indent=1, default=str)
+
+  mesh = make_mesh(cfg.mesh)
+  step_obj = build_step(cfg, mesh)
+  corpus = data_lib.split(data_lib.load_corpus(cfg.data), cfg.data)
+  ckpt = ckpt_lib.Checkpointer(workdir, cfg.checkpoint) if cfg.checkpoint.every > 0 else None
+
+  data_state = None
+  if ckpt is not None and cfg.checkpoint.restore and ckpt.latest_step() is not None:
+    state, data_state = ckpt.restore(step_obj.abstract_state())
+    log.info("resumed from step %d", int(state.step))
+  else:
+    state = step_obj.init_state(jax.random.key(cfg.train.seed))
+  start = int(jax.device_get(state.step))
+  it = data_lib.BatchIterator(corpus.train, cfg.data, step=start, process_index=jax.process_index(),
+                              process_count=jax.process_count())
+  it.restore(data_state)
+
+  total = cfg.train.steps if max_steps is None else min(cfg.train.steps, start + max_steps)
+  tokens_per_step = cfg.data.global_batch * cfg.data.seq_len
+  fpt = flops_lib.train_flops_per_token(cfg.model, cfg.data.seq_len)
+  peak, peak_src = flops_lib.peak_flops(cfg.train.peak_flops)
+  if is_main:
+    log.info("model %.2fM params | mesh %s | form %s | %d devices, %d processes | peak %.3g FLOP/s (%s)",
+             cfg.model.n_params() / 1e6, cfg.mesh.sizes(), cfg.mesh.form, jax.device_count(),
+             jax.process_count(), peak, peak_src)
+  metrics_f = open(os.path.join(workdir, "metrics.jsonl"), "a") if is_main else None
+  bar = _progress(total, start, cfg.train.progress)
+  history, last_t, last_step, pending = [], None, start, None
+  first_loss = None
+  try:
+    for step in range(start, total):
+      batch = step_obj.put_batch(next(it))
+      state, m = step_obj(state, batch)
+      done = step + 1
+      if bar is not None:
+        bar.update(1)
+      if last_t is None:  # first step includes compilation: time from its end
+        jax.block_until_ready(m.loss)
+        last_t, last_step = time.perf_counter(), done
+        first_loss = float(m.loss)
+        if metrics_f:
+          metrics_f.write(json.dumps({"step": done, "loss": first_loss, "compile_step": True}) + "\n")
+        continue
+      if done % cfg.train.log_every == 0 or done == total:
+        loss = float(m.loss)  # blocks: the only host sync in the loop
+        now = time.perf_counter()
+        dt = (now - last_t) / max(done - last_step, 1)
+        last_t, last_step = now, done
+        tps = tokens_per_step / dt
+        rec = {"step": done, "loss": loss, "grad_norm": float(m.grad_norm), "step_time_s": dt,
+               "tokens_per_s": tps, "mfu": fpt * tps / peak}
+        history.append(rec)
+        if metrics_f:
+          metrics_f.write(json.dumps(rec) + "\n")
+          metrics_f.flush()
+        if bar is not None:
+          bar.set_postfix(loss=f"{loss:.3f}", tok_s=f"{tps:,.0f}", mfu=f"{rec['mfu']:.1%}")
+      if cfg.train.eval_every and done % cfg.train.eval_every == 0:
+        ev = evaluate(step_obj, state.params, corpus.eval, cfg, cfg.train.eval_batches)
+        if metrics_f:
+          metrics_f.write(json.dumps({"step": done, "eval_loss": ev}) + "\n")
+          metrics_f.flush()
+        if bar is not None:
+          bar.write(f"step {done}: eval loss {ev:.3f} nats/byte")
+      if ckpt is not None and done % cfg.checkpoint.every == 0:
+        ckpt.save(done, state, it.state())
+    if ckpt is not None and total > start and ckpt.latest_step() != total:
+      ckpt.save(total, state, it.state(), force=True)
+  finally:
+    if bar is not None:
+      bar.close()
+    if ckpt is not None:
+      ckpt.close()
+    if metrics_f:
+      metrics_f.close()
+
+  summary = {"workdir": workdir, "steps": total, "first_loss": first_loss,
+             "final_loss": history[-1]["loss"] if history else first_loss,
+             "flop_convention": flops_lib.CONVENTION}
+  if history:
+    tail = history[len(history) // 2:]
+    summary.update(tokens_per_s=float(np.median([h["tokens_per_s"] for h in tail])),
+                   mfu=float(np.median([h["mfu"] for h in tail])))
+  if cfg.train.sample_tokens > 0:
+    with step_obj.context():
+      text = sampling.sample_text(state.params, step_obj.model, cfg.train.sample_prompt, cfg.train.sample_tokens,
+                                  cfg.train.sample_temperature, seed=cfg.train.seed)
+    summary["sample"] = text
+    if is_main:
+      with open(os.path.join(workdir, "sample.txt"), "w") as f:
+        f.write(text)
+  summary["state"] = state
+  return summary

@@ -1,0 +1,75 @@
+"""Sharding rules as data: logical axis name -> mesh axes.
+
+A preset is a tuple of ``(logical_axis, mesh_axes)``. Mesh axes of size 1 make a rule a no-op, so
+one preset serves every layout; presets differ in *what* gets sharded, not in the mesh.
+"""
+from __future__ import annotations
+
+from framework.config import ConfigError
+
+_ACTIVATIONS = (
+    ("batch", ("data", "fsdp")),
+    ("seq", "sequence"),
+    ("act_embed", None),
+    ("act_mlp", "tensor"),
+    ("act_vocab", "tensor"),
+)
+
+PRESETS = {
+    # FSDP shards the 'embed' dim of every matrix; Megatron TP shards heads / mlp / vocab;
+    # the pipeline axis shards the layer stack (used by the shard_map pipeline).
+    "default": _ACTIVATIONS + (
+        ("embed", "fsdp"),
+        ("embed_vocab", None),
+        ("vocab", "tensor"),
+        ("q_heads", "tensor"),
+        ("kv_heads", "tensor"),
+        ("head_dim", None),
+        ("mlp", "tensor"),
+        ("norm", None),
+        ("layers", "pipeline"),
+    ),
+    # ZeRO-3 over every batch axis: parameters sharded over data x fsdp.
+    "zero3": _ACTIVATIONS + (
+        ("embed", ("data", "fsdp")),
+        ("embed_vocab", None),
+        ("vocab", "tensor"),
+        ("q_heads", "tensor"),
+        ("kv_heads", "tensor"),
+        ("head_dim", None),
+        ("mlp", "tensor"),
+        ("norm", None),
+        ("layers", "pipeline"),
+    ),
+    # Everything replicated except tensor parallelism (plain DDP + TP).
+    "replicated": _ACTIVATIONS + (
+        ("embed", None),
+        ("embed_vocab", None),
+        ("vocab", "tensor"),
+        ("q_heads", "tensor"),
+        ("kv_heads", "tensor"),
+        ("head_dim", None),
+        ("mlp", "tensor"),
+        ("norm", None),
+        ("layers", "pipeline"),
+    ),
+}
+
+
+def get(name: str) -> tuple:
+  if name not in PRESETS:
+    raise ConfigError(f"mesh.rules={name!r} is not a preset; choose one of {sorted(PRESETS)}")
+  return PRESETS[name]
+
+
+def without(rules: tuple, *mesh_axes: str) -> tuple:
+  """Rules with the given mesh axes removed (e.g. 'pipeline' for the non-pipelined jit form)."""
+  out = []
+  for logical, axes in rules:
+    if axes is None:
+      out.append((logical, None))
+      continue
+    axes_t = (axes,) if isinstance(axes, str) else tuple(axes)
+    kept = tuple(a for a in axes_t if a not in mesh_axes)
+    out.append((logical, kept[0] if len(kept) == 1 else (kept or None)))
+  return tuple(out)

@@ -1,0 +1,122 @@
+"""Hardware profiles: one typed, frozen dataclass per device kind, loaded from ``perfmodel/profiles/*.json``.
+
+Every number in a profile file is ``{"value": ..., "source": "..."}`` so a reader can check it; the
+loader keeps the sources next to the values (``HardwareProfile.sources``). A profile whose
+efficiency curves were not fitted on the device is ``calibrated=False`` and predictions made with
+it say so.
+
+Links are a list of levels, innermost first (e.g. NVLink island of 8, then the InfiniBand fat-tree;
+or a TPU torus). The collective model maps a replica group onto these levels.
+"""
+from __future__ import annotations
+
+import dataclasses
+import json
+import os
+from typing import Optional
+
+PROFILE_DIR = os.path.join(os.path.dirname(__file__), "profiles")
+
+
+@dataclasses.dataclass(frozen=True)
+class LinkLevel:
+  name: str  # 'nvlink', 'ib', 'ici', 'loopback'
+  size: int  # devices per domain at this level (8 for an NVLink island; 0 = unbounded)
+  bandwidth: float  # bytes/s per device, one direction (the bus bandwidth a ring step sees)
+  latency: float  # seconds per hop / message (alpha)
+  topology: str = "switch"  # switch | fat-tree | torus2d | torus3d | ring
+
+
+@dataclasses.dataclass(frozen=True)
+class HardwareProfile:
+  name: str
+  device_kind: str
+  peak_flops: dict  # dtype -> FLOP/s (dense)
+  mem_bandwidth: float  # bytes/s (HBM or DRAM)
+  mem_bytes: float  # device memory capacity
+  launch_overhead: float  # seconds per executed kernel / thunk
+  links: tuple  # LinkLevel, innermost first
+  transcendental_rate: float = 0.0  # transcendental element ops per second (0 -> peak f32 / 8)
+  overlap_slowdown: float = 0.0  # fraction by which overlapped compute+communication slow each other
+  calibrated: bool = False
+  # Fitted efficiency curves (empty when uncalibrated): lists of [x, y] points, interpolated in log x.
+  dot_curve: tuple = ()  # [flops, achieved FLOP/s]
+  stream_curve: tuple = ()  # [bytes, achieved bytes/s]
+  collective_curve: dict = dataclasses.field(default_factory=dict)  # kind -> [[bytes, seconds], ...] (n=2)
+  calibration: dict = dataclasses.field(default_factory=dict)  # date, machine, jax version, method
+  sources: dict = dataclasses.field(default_factory=dict)  # field -> source text
+
+  def peak(self, dtype: str) -> float:
+    return self.peak_flops.get(dtype) or self.peak_flops.get("f32") or max(self.peak_flops.values())
+
+  @property
+  def trans_rate(self) -> float:
+    return self.transcendental_rate or self.peak("f32") / 8
+
+
+def _value(v):
+  return v["value"] if isinstance(v, dict) and "value" in v else v
+
+
+def _source(v):
+  return v.get("source", "") if isinstance(v, dict) else ""
+
+
+def from_dict(d: dict) -> HardwareProfile:
+  sources = {}
+  kw = {}
+  for f in dataclasses.fields(HardwareProfile):
+    if f.name not in d or f.name == "sources":
+      continue
+    raw = d[f.name]
+    if f.name == "peak_flops":
+      kw[f.name] = {k: float(_value(v)) for k, v in raw.items()}
+      sources.update({f"peak_flops.{k}": _source(v) for k, v in raw.items()})
+    elif f.name == "links":
+      levels = []
+      for lv in raw:
+        levels.append(LinkLevel(**{k: _value(v) for k, v in lv.items() if k != "source"}))
+        sources[f"links.{lv['name']}"] = lv.get("source", "") or "; ".join(
+            f"{k}: {_source(v)}" for k, v in lv.items() if _source(v))
+      kw[f.name] = tuple(levels)
+    elif f.name in ("dot_curve", "stream_curve"):
+      kw[f.name] = tuple(tuple(p) for p in _value(raw))
+      sources[f.name] = _source(raw)
+    else:
+      kw[f.name] = _value(raw)
+      if _source(raw):
+        sources[f.name] = _source(raw)
+  unknown = set(d) - {f.name for f in dataclasses.fields(HardwareProfile)} - {"comment"}
+  if unknown:
+    raise ValueError(f"unknown hardware-profile field(s) {sorted(unknown)}; fix the profile file")
+  return HardwareProfile(sources=sources, **kw)
+
+
+def available() -> list:
+  return sorted(f[:-5] for f in os.listdir(PROFILE_DIR) if f.endswith(".json"))
+
+
+def load(name_or_path: str) -> HardwareProfile:
+  path = name_or_path if name_or_path.endswith(".json") else os.path.join(PROFILE_DIR, f"{name_or_path}.json")
+  if not os.path.exists(path):
+    raise FileNotFoundError(f"no hardware profile {name_or_path!r}; available: {', '.join(available())} "
+                            f"(or pass a path to a .json profile)")
+  with open(path) as f:
+    return from_dict(json.load(f))
+
+
+def interp_log(curve, x: float) -> Optional[float]:
+  """Piecewise-linear interpolation in log(x) of [[x, y], ...]; clamps at the ends."""
+  import math
+  if not curve:
+    return None
+  pts = sorted(curve)
+  if x <= pts[0][0]:
+    return pts[0][1]
+  if x >= pts[-1][0]:
+    return pts[-1][1]
+  for (x0, y0), (x1, y1) in zip(pts, pts[1:]):
+    if x0 <= x <= x1:
+      t = (math.log(x) - math.log(x0)) / (math.log(x1) - math.log(x0)) if x1 > x0 else 0.0
+      return y0 + t * (y1 - y0)
+  return pts[-1][1]
