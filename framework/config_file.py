@@ -69,22 +69,41 @@ def apply_overrides(cd, overrides: Iterable[str]):
     if not eq:
       raise ConfigError(f"override {ov!r} has no '=value'")
     *parents, leaf = key.split(".")
+    typed = _typed_keys(parents)
     node = cd
     for i, part in enumerate(parents):
       if part not in node:
-        raise ConfigError(f"unknown config key '{'.'.join(parents[:i + 1])}' in {ov!r}")
+        if i == 0 and part in _typed_keys([]):  # a typed section the file did not set
+          with node.unlocked() if hasattr(node, "unlocked") else _null():
+            node[part] = {}
+        else:
+          raise ConfigError(f"unknown config key '{'.'.join(parents[:i + 1])}' in {ov!r}")
       node = node[part]
-    if leaf not in node and ".".join(parents[:1]) != "extras":
-      raise ConfigError(f"unknown config key '{key}' in {ov!r}; known keys there: {sorted(node.keys())}")
+    if leaf not in node and leaf not in typed and ".".join(parents[:1]) != "extras":
+      raise ConfigError(f"unknown config key '{key}' in {ov!r}; known keys there: "
+                        f"{sorted(set(node.keys()) | typed)}")
     v = _literal(value)
     old = node[leaf] if leaf in node else None
     if isinstance(old, float) and isinstance(v, int) and not isinstance(v, bool):
       v = float(v)
     if isinstance(old, str) and not isinstance(v, str):
       v = value
-    with node.unlocked() if hasattr(node, "unlocked") else _null():
-      node[leaf] = v
+    try:
+      with node.unlocked() if hasattr(node, "unlocked") else _null():
+        node[leaf] = v
+    except TypeError as e:  # ml_collections keeps each field's type: say which value to pass
+      raise ConfigError(f"{ov!r}: {key} must be {type(old).__name__}, got {v!r}") from e
   return cd
+
+
+def _typed_keys(parents) -> set:
+  """Keys the typed config accepts at this path, whether or not the experiment file set them."""
+  import dataclasses  # noqa: PLC0415
+  from framework import config as config_lib  # noqa: PLC0415
+  if not parents:
+    return {f.name for f in dataclasses.fields(config_lib.Config)}
+  cls = config_lib._SECTION_TYPES.get(parents[0]) if len(parents) == 1 else None
+  return {f.name for f in dataclasses.fields(cls)} if cls else set()
 
 
 class _null:

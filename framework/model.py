@@ -132,14 +132,16 @@ class RMSNorm(_Base):
     scale = self.weight("scale", (self.cfg.d_model,), nn.initializers.ones)
     x = x_BxTxD.astype(jnp.float32)
     x = x * jax.lax.rsqrt(jnp.mean(x * x, axis=-1, keepdims=True) + self.cfg.norm_eps)
-    return (x * scale.astype(jnp.float32)).astype(_dtype(self.cfg.dtype))
+    # Explicit broadcast: the test suite runs with jax_numpy_rank_promotion='raise'.
+    scale = scale.astype(jnp.float32).reshape((1,) * (x.ndim - 1) + scale.shape)
+    return (x * scale).astype(_dtype(self.cfg.dtype))
 
 
 def rope(x_BxTxNxE, pos_BxT, theta: float):
   """Rotary embedding, HF 'rotate_half' layout (first half / second half of head_dim)."""
   e = x_BxTxNxE.shape[-1]
   inv_freq = 1.0 / (theta ** (jnp.arange(0, e, 2, dtype=jnp.float32) / e))
-  ang_BxTxE2 = pos_BxT.astype(jnp.float32)[..., None] * inv_freq
+  ang_BxTxE2 = pos_BxT.astype(jnp.float32)[..., None] * inv_freq.reshape((1,) * pos_BxT.ndim + inv_freq.shape)
   cos, sin = jnp.cos(ang_BxTxE2)[:, :, None, :], jnp.sin(ang_BxTxE2)[:, :, None, :]
   x = x_BxTxNxE.astype(jnp.float32)
   x1, x2 = x[..., : e // 2], x[..., e // 2:]

@@ -166,13 +166,19 @@ def _layer_arrays(params: Mapping, p: ParamName, n_layers: int) -> list:
 
 
 def _convert_out(params: Any, cfg: ModelConfig, name_of: Callable, conv: Callable) -> dict:
+  # Layer-major order (embedding, blk.0.*, blk.1.*, ..., final norm, output): written in this order,
+  # each layer's tensors form one contiguous byte range of a GGUF file (what mmap windows need).
   params = _unbox(params)
+  ents = entries(cfg)
+  per_layer = {p: _layer_arrays(params, p, cfg.n_layers) for p in ents if p.per_layer}
   out = {}
-  for p in entries(cfg):
-    if p.per_layer:
-      for i, w in enumerate(_layer_arrays(params, p, cfg.n_layers)):
-        out[name_of(p).format(i=i)] = conv(p, w)
-    else:
+  for p in ents[:1]:
+    out[name_of(p)] = conv(p, np.asarray(_get(params, p.path)))
+  for i in range(cfg.n_layers):
+    for p, ws in per_layer.items():
+      out[name_of(p).format(i=i)] = conv(p, ws[i])
+  for p in ents[1:]:
+    if not p.per_layer:
       out[name_of(p)] = conv(p, np.asarray(_get(params, p.path)))
   return out
 

@@ -1,5 +1,8 @@
 """Mat-muls on packed GGUF weights (F32, F16, Q8_0, Q4_0) without materialising f32 copies.
 
+Q8_0 follows llama.cpp exactly: activations are quantised to Q8_0 blocks too and the dot is int8 x
+int8 -> int32 per block (also the fastest variant measured here). Q4_0 keeps f32 activations.
+
 Why numba and not XLA: on this CPU XLA's quantized dot / in-graph dequantisation runs 30-100x slower
 than an f32 mat-vec (shared/notes/ondevice.md, addendum), while a parallel numba loop over the packed
 blocks reads 3.5-7x fewer bytes than f32 and runs at memory speed. F32 weights go to numpy's BLAS
@@ -13,6 +16,8 @@ Layouts (ggml): a row of n_in weights is n_in/32 blocks.
 """
 from __future__ import annotations
 
+import os
+
 import numpy as np
 
 try:
@@ -22,6 +27,14 @@ except ImportError:  # pragma: no cover - exercised only where numba is absent
   numba = None
   HAVE_NUMBA = False
 
+
+class _NoNumba:  # lets the kernel bodies below be defined (never called) without numba
+  prange = range
+
+
+if not HAVE_NUMBA:
+  numba = _NoNumba()  # noqa: F811
+
 QK = 32
 BLOCK_BYTES = {"Q8_0": 34, "Q4_0": 18}
 
@@ -29,71 +42,111 @@ BLOCK_BYTES = {"Q8_0": 34, "Q4_0": 18}
 _F16_LUT = np.arange(65536, dtype=np.uint32).astype(np.uint16).view(np.float16).astype(np.float32)
 
 
-if HAVE_NUMBA:
-  @numba.njit(parallel=True, fastmath=True, cache=True)
-  def _q8_0_matmul(w_u8, x_TxI, lut, n_out, n_in):  # pragma: no cover - compiled
-    T = x_TxI.shape[0]
-    nb = n_in // 32
-    out = np.zeros((T, n_out), np.float32)
-    for o in numba.prange(n_out):
-      row = o * nb * 34
-      for t in range(T):
-        acc = np.float32(0.0)
-        for b in range(nb):
-          base = row + b * 34
-          d = lut[np.int32(w_u8[base]) | (np.int32(w_u8[base + 1]) << 8)]
-          s = np.float32(0.0)
-          xb = b * 32
-          for j in range(32):
-            q = np.int32(w_u8[base + 2 + j])
-            q = q - ((q & 128) << 1)  # uint8 -> int8
-            s += np.float32(q) * x_TxI[t, xb + j]
-          acc += d * s
-        out[t, o] = acc
-    return out
-
-  @numba.njit(parallel=True, fastmath=True, cache=True)
-  def _q4_0_matmul(w_u8, x_TxI, lut, n_out, n_in):  # pragma: no cover - compiled
-    T = x_TxI.shape[0]
-    nb = n_in // 32
-    # sum(d*(q-8)*x) = d*(sum(q*x) - 8*sum(x)): the block sums of x are shared by every row.
-    xsum = np.zeros((T, nb), np.float32)
+def _q8_0_matmul_py(w_u8, w_i8, xq_TxI, xd_TxB, lut, n_out, n_in):  # pragma: no cover - compiled
+  # llama.cpp's Q8_0 x Q8_0 dot: int8 weights times int8 activations, int32 sums per 32-block.
+  T = xq_TxI.shape[0]
+  nb = n_in // 32
+  out = np.zeros((T, n_out), np.float32)
+  for o in numba.prange(n_out):
+    row = o * nb * 34
     for t in range(T):
+      acc = np.float32(0.0)
       for b in range(nb):
-        s = np.float32(0.0)
+        base = row + b * 34
+        d = lut[np.int32(w_u8[base]) | (np.int32(w_u8[base + 1]) << 8)]
+        s = np.int32(0)
         for j in range(32):
-          s += x_TxI[t, b * 32 + j]
-        xsum[t, b] = s
-    out = np.zeros((T, n_out), np.float32)
-    for o in numba.prange(n_out):
-      row = o * nb * 18
-      buf = np.empty(32, np.float32)
+          s += np.int32(w_i8[base + 2 + j]) * np.int32(xq_TxI[t, b * 32 + j])
+        acc += d * xd_TxB[t, b] * np.float32(s)
+      out[t, o] = acc
+  return out
+
+
+def _quantize_q8_py(x_TxI):  # pragma: no cover - compiled
+  """Activations -> Q8_0 blocks (int8, per-32 scale amax/127, round half away from zero), as ggml does."""
+  T, n_in = x_TxI.shape
+  nb = n_in // 32
+  xq = np.empty((T, n_in), np.int8)
+  xd = np.empty((T, nb), np.float32)
+  for t in range(T):
+    for b in range(nb):
+      amax = np.float32(0.0)
+      for j in range(32):
+        amax = max(amax, abs(x_TxI[t, b * 32 + j]))
+      d = amax / np.float32(127.0)
+      inv = np.float32(1.0) / d if d > 0 else np.float32(0.0)
+      xd[t, b] = d
+      for j in range(32):
+        v = x_TxI[t, b * 32 + j] * inv
+        xq[t, b * 32 + j] = np.int8(np.int32(np.floor(v + np.float32(0.5))) if v >= 0
+                                    else -np.int32(np.floor(-v + np.float32(0.5))))
+  return xq, xd
+
+
+def _q4_0_matmul_py(w_u8, x_TxI, lut, n_out, n_in):  # pragma: no cover - compiled
+  # sum(d*(q-8)*x) = d*(sum(q*x) - 8*sum(x)); block sums of x are shared by every row. f32 activations:
+  # the int8-activation variant measured 4x slower here (nibble widening does not vectorise).
+  T = x_TxI.shape[0]
+  nb = n_in // 32
+  xsum = np.zeros((T, nb), np.float32)
+  for t in range(T):
+    for b in range(nb):
+      s = np.float32(0.0)
+      for j in range(32):
+        s += x_TxI[t, b * 32 + j]
+      xsum[t, b] = s
+  out = np.zeros((T, n_out), np.float32)
+  for o in numba.prange(n_out):
+    row = o * nb * 18
+    for t in range(T):
+      acc = np.float32(0.0)
       for b in range(nb):
         base = row + b * 18
         d = lut[np.int32(w_u8[base]) | (np.int32(w_u8[base + 1]) << 8)]
-        for j in range(16):  # unpack the block once into a small f32 buffer, then a plain dot
-          q = w_u8[base + 2 + j]
-          buf[j] = np.float32(q & 15)
-          buf[j + 16] = np.float32(q >> 4)
-        for t in range(T):
-          s = np.float32(0.0)
-          for j in range(32):
-            s += buf[j] * x_TxI[t, b * 32 + j]
-          out[t, o] += d * (s - np.float32(8.0) * xsum[t, b])
-    return out
-
-  @numba.njit(parallel=True, fastmath=True, cache=True)
-  def _f16_matmul(w_OxI_u16, x_TxI, lut):  # pragma: no cover - compiled
-    T = x_TxI.shape[0]
-    n_out, n_in = w_OxI_u16.shape
-    out = np.zeros((T, n_out), np.float32)
-    for o in numba.prange(n_out):
-      for t in range(T):
         s = np.float32(0.0)
-        for i in range(n_in):
-          s += lut[w_OxI_u16[o, i]] * x_TxI[t, i]
-        out[t, o] = s
-    return out
+        for j in range(16):
+          q = np.int32(w_u8[base + 2 + j])
+          s += np.float32(q & 15) * x_TxI[t, b * 32 + j] + np.float32(q >> 4) * x_TxI[t, b * 32 + 16 + j]
+        acc += d * (s - np.float32(8.0) * xsum[t, b])
+      out[t, o] = acc
+  return out
+
+
+def _f16_matmul_py(w_OxI_u16, x_TxI, lut):  # pragma: no cover - compiled
+  T = x_TxI.shape[0]
+  n_out, n_in = w_OxI_u16.shape
+  out = np.zeros((T, n_out), np.float32)
+  for o in numba.prange(n_out):
+    for t in range(T):
+      s = np.float32(0.0)
+      for i in range(n_in):
+        s += lut[w_OxI_u16[o, i]] * x_TxI[t, i]
+      out[t, o] = s
+  return out
+
+
+_KERNELS = ("_q8_0_matmul_py", "_q4_0_matmul_py", "_f16_matmul_py")
+_compiled: dict = {}
+_threads = int(os.environ.get("ONDEVICE_THREADS", "1"))
+
+
+def set_threads(n: int) -> None:
+  """Kernel threads. 1 (default) runs serial kernels: on a shared 2-core machine numba's parallel
+  runtime was measured 10-100x slower under load (threads spin while other jobs hold the cores)."""
+  global _threads
+  _threads = max(1, int(n))
+
+
+def _kernel(name: str):
+  parallel = _threads > 1
+  key = (name, parallel)
+  f = _compiled.get(key)
+  if f is None:
+    f = numba.njit(parallel=parallel, fastmath=True, cache=not parallel)(globals()[name])
+    _compiled[key] = f
+  if parallel:
+    numba.set_num_threads(min(_threads, numba.config.NUMBA_NUM_THREADS))
+  return f
 
 
 def dequantize_rows(qtype: str, raw_OxR: np.ndarray, n_in: int) -> np.ndarray:
@@ -124,10 +177,11 @@ def matmul(qtype: str, w: np.ndarray, x_TxI: np.ndarray, n_out: int, n_in: int) 
   if not HAVE_NUMBA:
     return x_TxI @ dequantize_rows(qtype, w, n_in).T
   if qtype == "F16":
-    return _f16_matmul(w.view(np.uint16), x_TxI, _F16_LUT)
+    return _kernel("_f16_matmul_py")(w.view(np.uint16), x_TxI, _F16_LUT)
   flat = w.reshape(-1)
   if qtype == "Q8_0":
-    return _q8_0_matmul(flat, x_TxI, _F16_LUT, n_out, n_in)
+    xq, xd = _kernel("_quantize_q8_py")(x_TxI)
+    return _kernel("_q8_0_matmul_py")(flat, flat.view(np.int8), xq, xd, _F16_LUT, n_out, n_in)
   if qtype == "Q4_0":
-    return _q4_0_matmul(flat, x_TxI, _F16_LUT, n_out, n_in)
+    return _kernel("_q4_0_matmul_py")(flat, x_TxI, _F16_LUT, n_out, n_in)
   raise NotImplementedError(f"no kernel for {qtype}; export with --quant f32/f16/q8_0/q4_0")

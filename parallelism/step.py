@@ -106,11 +106,10 @@ def state_shardings_for(abstract_boxed_state, mesh: Mesh, rules) -> Any:
 
 def build_step(cfg: Config, mesh: Mesh, donate: bool = True) -> CompiledStep:
   """The one place where shardings and donation are applied to the pure step."""
-  if cfg.mesh.form == "shard_map":
+  if cfg.mesh.form == "shard_map" or cfg.mesh.pipeline > 1:
+    # shard_map form, and the jit form's pipeline (a shard_map manual over 'pipeline' only).
     from parallelism import shard_map_step  # noqa: PLC0415 - optional heavier module
     return shard_map_step.build(cfg, mesh, donate=donate)
-  if cfg.mesh.pipeline > 1:
-    raise ConfigError("mesh.pipeline > 1 needs the explicit pipeline: set --config.mesh.form=shard_map")
   rules = rules_lib.without(rules_lib.get(cfg.mesh.rules), "pipeline")
   model = model_lib.build(cfg.model)
   tx = optim.make(cfg.optim, cfg.train.steps)

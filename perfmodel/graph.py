@@ -240,7 +240,7 @@ def _collective_info(ins: hp.Instruction, comp: hp.Computation, kind: str, n_dev
   out_bytes = ins.out_bytes
   if is_async and ins.shapes:
     # '*-start' results are tuples (operands, outputs[, scratch]): the output is the second half.
-    out_bytes = max(out_bytes - in_bytes, in_bytes if kind != "all-gather" else out_bytes)
+    out_bytes = max(0.0, out_bytes - in_bytes)
   payload = {"all-gather": max(out_bytes, in_bytes), "reduce-scatter": in_bytes}.get(kind, in_bytes or out_bytes)
   cid = re.search(r"\d+", ins.attrs.get("channel_id", "")) if ins.attrs.get("channel_id") else None
   return CollectiveInfo(kind=kind, group_size=size, n_groups=n, bytes=float(payload), groups_text=text,

@@ -1,0 +1,19 @@
+"""Perfmodel accuracy study (Charon-style figure): the validation suite of perfmodel/suite.py on this host.
+
+Commands:
+  python -m perfmodel calibrate                      # fit the cpu profile (a few minutes)
+  python -m perfmodel validate --png benchmarks/perfmodel_validate.png > /tmp/perfmodel_validate.json
+  python experiments/figures/perfmodel_accuracy.py /tmp/perfmodel_validate.json benchmarks/perfmodel_accuracy.png
+Reproduces: predicted-vs-measured scatter and per-config signed error with the run-to-run noise beside it
+(perfmodel/README.md, "Measured"). get_config returns the suite's base training config (a valid experiment).
+"""
+import ml_collections
+
+from perfmodel.suite import BASE
+
+
+def get_config(arg=None):
+  c = ml_collections.ConfigDict({k: dict(v) for k, v in BASE.items()})
+  c.name = "perfmodel_validate"
+  c.lock()
+  return c

@@ -1,0 +1,310 @@
+"""Hugging Face ``transformers`` Llama interop: checkpoint directory <-> (ModelConfig, params).
+
+A HF checkpoint directory is ``config.json`` plus ``model.safetensors`` (or shards listed in
+``model.safetensors.index.json``). Arrays are read and written with the ``safetensors`` numpy API:
+no torch at run time. Which HF tensor is which framework parameter, and how it is laid out, is
+``framework/names.py`` (the one name map, shared with GGUF export); this module only adds the
+config mapping, file I/O and the workdir CLI. Our RoPE is HF's rotate-half layout, so q/k load
+without any permutation.
+
+  python -m framework.hf import --hf-dir D --workdir W [--config experiments/configs/x.py] [--config.a.b=v]
+  python -m framework.hf export --workdir W --out D [--step N] [--dtype bfloat16]
+
+``import`` writes a step-0 training checkpoint (fresh optimizer state) that ``experiments.run``
+resumes from; ``export`` writes the latest (or ``--step``) checkpoint's params as a HF directory
+that ``LlamaForCausalLM.from_pretrained`` loads. What is not supported (and rejected with a message,
+never silently mis-converted): RoPE scaling (Llama 3.1 'llama3', YaRN, ...), attention/MLP biases,
+activations other than SiLU, non-Llama architectures. Tokenizers are not converted: PrismLLM's
+tokenizer is bytes, so an imported model keeps its vocabulary size but is fed byte ids.
+"""
+from __future__ import annotations
+
+import argparse
+import dataclasses
+import json
+import os
+import pathlib
+import sys
+from typing import Any, Iterator, Mapping, Optional
+
+import numpy as np
+
+from framework import names
+from framework.config import Config, ConfigError, ModelConfig
+
+CONFIG_FILE = "config.json"
+SINGLE_FILE = "model.safetensors"
+INDEX_FILE = "model.safetensors.index.json"
+# Tensors some HF checkpoints carry that are not parameters of the model (buffers of old versions).
+_IGNORABLE_SUFFIXES = (".rotary_emb.inv_freq",)
+
+
+class HFError(ValueError):
+  """A checkpoint this converter cannot represent faithfully; the message names what differs."""
+
+
+# ---------------------------------------------------------------- config mapping
+
+def model_config_from_hf(hf: Mapping[str, Any], dtype: str = "float32") -> ModelConfig:
+  """HF ``config.json`` (dict) -> :class:`ModelConfig`; refuses features our model does not have."""
+  mt = hf.get("model_type", "llama")
+  if mt != "llama":
+    raise HFError(f"model_type={mt!r}: only 'llama' (LlamaForCausalLM) checkpoints are supported")
+  act = hf.get("hidden_act", "silu")
+  if act != "silu":
+    raise HFError(f"hidden_act={act!r}: the PrismLLM MLP is SwiGLU (silu)")
+  for bias in ("attention_bias", "mlp_bias"):
+    if hf.get(bias):
+      raise HFError(f"{bias}=true: PrismLLM Llama layers have no biases")
+  # transformers >= 5 writes rope_parameters; older versions rope_theta + rope_scaling.
+  rope = dict(hf.get("rope_parameters") or {})
+  scaling = hf.get("rope_scaling") or {}
+  rope_type = rope.get("rope_type", rope.get("type", "default"))
+  if scaling and scaling.get("rope_type", scaling.get("type", "default")) != "default":
+    rope_type = scaling.get("rope_type", scaling.get("type"))
+  if rope_type != "default":
+    raise HFError(f"RoPE scaling {rope_type!r} is not implemented in framework/model.py; only plain RoPE "
+                  f"(rope_type='default') converts exactly")
+  theta = float(rope.get("rope_theta", hf.get("rope_theta", 10000.0)))
+  d, h = int(hf["hidden_size"]), int(hf["num_attention_heads"])
+  head_dim = int(hf.get("head_dim") or d // h)
+  return ModelConfig(
+      vocab_size=int(hf["vocab_size"]), d_model=d, n_layers=int(hf["num_hidden_layers"]), n_heads=h,
+      n_kv_heads=int(hf.get("num_key_value_heads") or h),
+      head_dim=0 if head_dim == d // h else head_dim,
+      d_ff=int(hf["intermediate_size"]), rope_theta=theta, norm_eps=float(hf.get("rms_norm_eps", 1e-6)),
+      tie_embeddings=bool(hf.get("tie_word_embeddings", False)),
+      max_seq_len=int(hf.get("max_position_embeddings", 2048)), dtype=dtype, param_dtype=dtype)
+
+
+def hf_config_from_model(cfg: ModelConfig, dtype: str = "float32") -> dict:
+  """:class:`ModelConfig` -> HF ``config.json`` dict (readable by transformers 4.x and 5.x)."""
+  return {
+      "architectures": ["LlamaForCausalLM"], "model_type": "llama",
+      "vocab_size": cfg.vocab_size, "hidden_size": cfg.d_model, "intermediate_size": cfg.ff,
+      "num_hidden_layers": cfg.n_layers, "num_attention_heads": cfg.n_heads,
+      "num_key_value_heads": cfg.n_kv_heads, "head_dim": cfg.hd, "hidden_act": "silu",
+      "max_position_embeddings": cfg.max_seq_len, "rms_norm_eps": cfg.norm_eps,
+      # Both spellings: transformers 5 reads rope_parameters, 4.x reads rope_theta.
+      "rope_theta": cfg.rope_theta, "rope_parameters": {"rope_type": "default", "rope_theta": cfg.rope_theta},
+      "tie_word_embeddings": cfg.tie_embeddings, "attention_bias": False, "mlp_bias": False,
+      "attention_dropout": 0.0, "initializer_range": cfg.init_std, "use_cache": True,
+      "torch_dtype": dtype, "dtype": dtype,
+  }
+
+
+# ---------------------------------------------------------------- safetensors I/O
+
+class _LazyTensors(Mapping):
+  """{HF name: numpy array} over one or many safetensors files; each tensor is read when asked for,
+  so converting a sharded checkpoint never holds two copies of every weight."""
+
+  def __init__(self, files_by_name: Mapping[str, pathlib.Path], dtype):
+    from safetensors import safe_open  # noqa: PLC0415 - optional dependency, only for HF I/O
+    self._where = dict(files_by_name)
+    self._handles = {f: safe_open(str(f), framework="numpy") for f in set(self._where.values())}
+    self._dtype = dtype
+
+  def __getitem__(self, name: str) -> np.ndarray:
+    if name not in self._where:
+      raise KeyError(name)
+    return self._handles[self._where[name]].get_tensor(name).astype(self._dtype)
+
+  def __iter__(self) -> Iterator[str]:
+    return iter(self._where)
+
+  def __len__(self) -> int:
+    return len(self._where)
+
+
+def _tensor_files(hf_dir: pathlib.Path) -> dict:
+  """HF tensor name -> file holding it (single file, index-listed shards, or any *.safetensors)."""
+  index = hf_dir / INDEX_FILE
+  if index.exists():
+    wm = json.loads(index.read_text())["weight_map"]
+    return {k: hf_dir / v for k, v in wm.items()}
+  files = [hf_dir / SINGLE_FILE] if (hf_dir / SINGLE_FILE).exists() else sorted(hf_dir.glob("*.safetensors"))
+  if not files:
+    raise HFError(f"{hf_dir} has no {SINGLE_FILE}, {INDEX_FILE} or *.safetensors; PyTorch .bin checkpoints "
+                  f"are not read (re-save with save_pretrained(..., safe_serialization=True))")
+  from safetensors import safe_open  # noqa: PLC0415
+  out = {}
+  for f in files:
+    with safe_open(str(f), framework="numpy") as h:
+      out.update({k: f for k in h.keys()})
+  return out
+
+
+def load(hf_dir: str, dtype: str = "float32", scan_layers: bool = True) -> tuple:
+  """Reads a HF Llama checkpoint directory -> (ModelConfig, params tree of numpy arrays).
+
+  ``dtype`` is the parameter (and compute) dtype of the returned model; ``scan_layers`` picks the
+  stacked ('layers', leading L axis) or unrolled ('layers_{i}') parameter layout."""
+  d = pathlib.Path(hf_dir)
+  if not (d / CONFIG_FILE).exists():
+    raise HFError(f"{d} has no {CONFIG_FILE}: pass the directory written by save_pretrained")
+  cfg = dataclasses.replace(model_config_from_hf(json.loads((d / CONFIG_FILE).read_text()), dtype),
+                            scan_layers=scan_layers)
+  arrays = _LazyTensors(_tensor_files(d), np.dtype(_np_dtype(dtype)))
+  used = {p.hf.format(i=i) for p in names.entries(cfg) for i in (range(cfg.n_layers) if p.per_layer else [0])}
+  extra = sorted(k for k in arrays if k not in used and not k.endswith(_IGNORABLE_SUFFIXES)
+                 and not (cfg.tie_embeddings and k == "lm_head.weight"))
+  if extra:
+    raise HFError(f"{len(extra)} tensors in {d} have no PrismLLM parameter (e.g. {extra[:4]}): the checkpoint "
+                  f"is not a plain Llama with {cfg.n_layers} layers")
+  try:
+    params = names.hf_to_framework(arrays, cfg)
+  except KeyError as e:
+    raise HFError(str(e)) from e
+  return cfg, params
+
+
+def save(params: Any, cfg: ModelConfig, out_dir: str, dtype: Optional[str] = None,
+         max_shard_bytes: int = 4 << 30) -> pathlib.Path:
+  """Writes framework params as a HF Llama directory (config.json + model.safetensors, or shards
+  with an index past ``max_shard_bytes``). ``dtype`` defaults to the model's param dtype."""
+  from safetensors.numpy import save_file  # noqa: PLC0415
+  dtype = dtype or cfg.param_dtype
+  out = pathlib.Path(out_dir)
+  out.mkdir(parents=True, exist_ok=True)
+  arrays = {k: np.ascontiguousarray(v.astype(_np_dtype(dtype)))
+            for k, v in names.framework_to_hf(params, cfg).items()}
+  (out / CONFIG_FILE).write_text(json.dumps(hf_config_from_model(cfg, dtype), indent=2) + "\n")
+  shards, cur, size = [], {}, 0
+  for k, v in arrays.items():
+    if cur and size + v.nbytes > max_shard_bytes:
+      shards.append(cur)
+      cur, size = {}, 0
+    cur[k] = v
+    size += v.nbytes
+  shards.append(cur)
+  meta = {"format": "pt"}  # transformers refuses safetensors files without a known format tag
+  if len(shards) == 1:
+    save_file(shards[0], str(out / SINGLE_FILE), metadata=meta)
+    (out / INDEX_FILE).unlink(missing_ok=True)
+    return out
+  weight_map = {}
+  for i, shard in enumerate(shards):
+    fname = f"model-{i + 1:05d}-of-{len(shards):05d}.safetensors"
+    save_file(shard, str(out / fname), metadata=meta)
+    weight_map.update({k: fname for k in shard})
+  total = sum(v.nbytes for v in arrays.values())
+  (out / INDEX_FILE).write_text(json.dumps({"metadata": {"total_size": total}, "weight_map": weight_map}, indent=2))
+  (out / SINGLE_FILE).unlink(missing_ok=True)
+  return out
+
+
+def _np_dtype(name: str):
+  import jax.numpy as jnp  # noqa: PLC0415 - jnp.dtype knows bfloat16 (ml_dtypes)
+  return jnp.dtype(name)
+
+
+# ---------------------------------------------------------------- workdir <-> HF directory
+
+def _state_for(cfg: Config, params=None, rng_seed: int = 0):
+  """A train state of ``cfg`` (unboxed), built from ``params`` when given; also its abstract twin."""
+  import flax.linen as nn  # noqa: PLC0415
+  import jax  # noqa: PLC0415
+  import jax.numpy as jnp  # noqa: PLC0415
+
+  from framework import model as model_lib  # noqa: PLC0415
+  from framework import optim  # noqa: PLC0415
+  from framework import train_step as ts  # noqa: PLC0415
+  model = model_lib.build(cfg.model)
+  tx = optim.make(cfg.optim, cfg.train.steps)
+  shapes = jax.eval_shape(lambda: nn.unbox(ts.init_state(jax.random.key(rng_seed), model, tx)))
+  dev = jax.sharding.SingleDeviceSharding(jax.local_devices()[0])
+  abstract = jax.tree.map(lambda s: jax.ShapeDtypeStruct(s.shape, s.dtype, sharding=dev), shapes)
+  if params is None:
+    return None, abstract
+  params = jax.tree.map(lambda a, s: jnp.asarray(a, s.dtype), params, shapes.params)
+  state = ts.TrainState(step=jnp.zeros((), jnp.int32), params=params, opt_state=tx.init(params))
+  return state, abstract
+
+
+def import_to_workdir(hf_dir: str, workdir: str, cfg: Config = Config()) -> Config:
+  """Writes ``hf_dir``'s weights as the step-0 checkpoint of ``workdir`` (fresh optimizer state of
+  ``cfg.optim``); ``cfg.model`` is replaced by the checkpoint's. Returns the config to train with."""
+  from framework import checkpoint as ckpt_lib  # noqa: PLC0415
+  from framework import config as config_lib  # noqa: PLC0415
+  m = cfg.model
+  mcfg, params = load(hf_dir, dtype=m.param_dtype, scan_layers=m.scan_layers)
+  mcfg = dataclasses.replace(mcfg, dtype=m.dtype, remat=m.remat, init_std=m.init_std,
+                             max_seq_len=max(mcfg.max_seq_len, cfg.data.seq_len))
+  cfg = dataclasses.replace(cfg, model=mcfg)
+  state, _ = _state_for(cfg, params)
+  os.makedirs(workdir, exist_ok=True)
+  ck = ckpt_lib.Checkpointer(workdir, dataclasses.replace(cfg.checkpoint, async_save=False))
+  if ck.latest_step() is not None:
+    ck.close()
+    raise ConfigError(f"{ck.dir} already holds checkpoints; import into a fresh --workdir")
+  ck.save(0, state, {"step": 0, "seed": cfg.data.seed}, force=True)
+  ck.close()
+  with open(os.path.join(workdir, "config.json"), "w") as f:
+    json.dump(config_lib.to_dict(cfg), f, indent=1, default=str)
+  return cfg
+
+
+def export_from_workdir(workdir: str, out_dir: str, step: Optional[int] = None,
+                        dtype: Optional[str] = None) -> pathlib.Path:
+  """Writes a workdir checkpoint's params (latest, or ``step``) as a HF Llama directory."""
+  import jax  # noqa: PLC0415
+
+  from framework import checkpoint as ckpt_lib  # noqa: PLC0415
+  from framework import config as config_lib  # noqa: PLC0415
+  cfg_path = os.path.join(workdir, "config.json")
+  if not os.path.exists(cfg_path):
+    raise ConfigError(f"{cfg_path} not found: pass the --workdir of a training run (it writes config.json)")
+  with open(cfg_path) as f:
+    cfg = config_lib.from_dict(json.load(f))
+  _, abstract = _state_for(cfg)
+  ck = ckpt_lib.Checkpointer(workdir, cfg.checkpoint)
+  try:
+    state, _ = ck.restore(abstract, step)
+  finally:
+    ck.close()
+  return save(jax.device_get(state.params), cfg.model, out_dir, dtype=dtype)
+
+
+# ---------------------------------------------------------------- CLI
+
+def main(argv=None) -> int:
+  p = argparse.ArgumentParser(prog="python -m framework.hf", description=__doc__,
+                              formatter_class=argparse.RawDescriptionHelpFormatter)
+  sub = p.add_subparsers(dest="cmd", required=True)
+  pi = sub.add_parser("import", help="HF directory -> step-0 checkpoint in a workdir")
+  pi.add_argument("--hf-dir", required=True)
+  pi.add_argument("--workdir", required=True)
+  pi.add_argument("--config", default=None, help="experiment config whose optim/data/train settings to use")
+  pe = sub.add_parser("export", help="workdir checkpoint -> HF directory")
+  pe.add_argument("--workdir", required=True)
+  pe.add_argument("--out", required=True)
+  pe.add_argument("--step", type=int, default=None)
+  pe.add_argument("--dtype", default=None, help="float32 | bfloat16 | float16 (default: the param dtype)")
+  args, rest = p.parse_known_args(sys.argv[1:] if argv is None else argv)
+  try:
+    if args.cmd == "import":
+      from framework import config_file  # noqa: PLC0415
+      if rest and not args.config:
+        p.error("--config.* overrides need --config")
+      cfg = config_file.load(args.config, rest) if args.config else Config()
+      cfg = import_to_workdir(args.hf_dir, args.workdir, cfg)
+      m = cfg.model
+      ov = " ".join(f"--config.model.{k}={getattr(m, k)!r}" for k in
+                    ("vocab_size", "d_model", "n_layers", "n_heads", "n_kv_heads", "head_dim", "d_ff", "rope_theta",
+                     "norm_eps", "tie_embeddings", "max_seq_len"))
+      print(f"imported {m.n_params() / 1e6:.2f}M params into {os.path.abspath(args.workdir)}; train on with:\n"
+            f"  python -m experiments.run --config {args.config or 'CONFIG'} --workdir {args.workdir} {ov}")
+    else:
+      if rest:
+        p.error(f"unrecognised arguments {rest}")
+      out = export_from_workdir(args.workdir, args.out, args.step, args.dtype)
+      print(f"wrote {out}")
+  except (HFError, ConfigError) as e:
+    print(f"error: {e}", file=sys.stderr)
+    return 2
+  return 0
+
+
+if __name__ == "__main__":
+  sys.exit(main())

@@ -1,0 +1,254 @@
+"""GGUF export (framework params -> llama.cpp-compatible file) and import/inspection.
+
+Export writes the llama architecture with llama.cpp tensor names and q/k rows in llama.cpp's RoPE
+order (both via ``framework.names``), page-aligned tensor data (4096 B) so every layer is an
+mmap-able, madvise-able byte range, PrismLLM's byte tokenizer as an SPM vocab (ondevice/tokenizer.py),
+and the exact framework ModelConfig as JSON under ``prismllm.model_config`` for a lossless round trip.
+"""
+from __future__ import annotations
+
+import dataclasses
+import json
+import os
+import re
+from typing import Any, Optional
+
+import numpy as np
+
+from framework import names
+from framework.config import ModelConfig
+from ondevice.tokenizer import ByteTokenizer
+
+QUANTS = ("f32", "f16", "q8_0", "q4_0", "q4_k")
+PAGE = 4096
+_BLOCKED = ("q8_0", "q4_0")
+
+
+class GGUFError(ValueError):
+  """A GGUF file that cannot be used; the message says how to get a good one."""
+
+
+@dataclasses.dataclass(frozen=True)
+class TensorInfo:
+  name: str
+  qtype: str  # 'F32' | 'F16' | 'Q8_0' | 'Q4_0' | ...
+  shape: tuple  # numpy order: (n_out, n_in) for matrices, (n,) for vectors
+  offset: int  # absolute byte offset in the file
+  nbytes: int
+
+
+@dataclasses.dataclass(frozen=True)
+class GGUFInfo:
+  """Everything the runtime needs from a GGUF file's header (no tensor data is read)."""
+  path: str
+  cfg: ModelConfig
+  tensors: dict  # name -> TensorInfo
+  alignment: int
+  file_size: int
+  tokens: tuple
+  token_types: tuple
+  eos_id: int
+  byte_tokenizer: bool
+
+  def layer_range(self, i: int) -> tuple:
+    """[start, end) bytes of layer i's tensors (contiguous as written by export)."""
+    ts = [t for n, t in self.tensors.items() if n.startswith(f"blk.{i}.")]
+    return min(t.offset for t in ts), max(t.offset + t.nbytes for t in ts)
+
+  def layer_bytes(self, i: int) -> int:
+    return sum(t.nbytes for n, t in self.tensors.items() if n.startswith(f"blk.{i}."))
+
+  def tensor_qtype(self, name: str) -> str:
+    return self.tensors[name].qtype
+
+
+# ------------------------------------------------------------------------------------------ export
+
+def _matrix_qtype(quant: str, n_in: int) -> str:
+  if quant in _BLOCKED and n_in % 32:
+    return "F16"  # ggml block quants need rows that are a multiple of 32
+  return {"f32": "F32", "f16": "F16", "q8_0": "Q8_0", "q4_0": "Q4_0"}[quant]
+
+
+def export_gguf(params: Any, cfg: ModelConfig, path: str, quant: str = "f32", align: int = PAGE,
+                name: str = "prismllm", output_quant: Optional[str] = None) -> dict:
+  """Writes ``params`` (framework tree) as a llama-architecture GGUF; returns a small summary dict.
+
+  ``quant`` applies to every matrix (token_embd included, as llama.cpp does); norms stay F32.
+  ``q4_k`` quantises an F16 file with llama.cpp's own quantizer (needs llama-cpp-python).
+  """
+  import gguf
+  quant = quant.lower()
+  if quant not in QUANTS:
+    raise GGUFError(f"--quant {quant!r} unknown; choose one of {', '.join(QUANTS)}")
+  if quant == "q4_k":
+    return _export_q4_k(params, cfg, path, align, name)
+  arrays = names.framework_to_gguf(params, cfg)
+  tok = ByteTokenizer(cfg.vocab_size)
+  w = gguf.GGUFWriter(path, "llama")
+  w.data_alignment = align
+  w.add_custom_alignment(align)
+  w.add_name(name)
+  w.add_context_length(cfg.max_seq_len)
+  w.add_embedding_length(cfg.d_model)
+  w.add_block_count(cfg.n_layers)
+  w.add_feed_forward_length(cfg.ff)
+  w.add_head_count(cfg.n_heads)
+  w.add_head_count_kv(cfg.n_kv_heads)
+  w.add_key_length(cfg.hd)
+  w.add_value_length(cfg.hd)
+  w.add_rope_dimension_count(cfg.hd)
+  w.add_rope_freq_base(cfg.rope_theta)
+  w.add_layer_norm_rms_eps(cfg.norm_eps)
+  w.add_vocab_size(cfg.vocab_size)
+  ftype = {"f32": gguf.LlamaFileType.ALL_F32, "f16": gguf.LlamaFileType.MOSTLY_F16,
+           "q8_0": gguf.LlamaFileType.MOSTLY_Q8_0, "q4_0": gguf.LlamaFileType.MOSTLY_Q4_0}[quant]
+  w.add_file_type(ftype)
+  tokens, scores, types = tok.gguf_vocab()
+  w.add_tokenizer_model("llama")
+  w.add_token_list(tokens)
+  w.add_token_scores(scores)
+  w.add_token_types(types)
+  w.add_bos_token_id(tok.eos_id)
+  w.add_eos_token_id(tok.eos_id)
+  w.add_unk_token_id(0)
+  w.add_add_bos_token(False)
+  w.add_add_eos_token(False)
+  w.add_add_space_prefix(False)
+  w.add_string("prismllm.tokenizer", "bytes")
+  w.add_string("prismllm.model_config", json.dumps(dataclasses.asdict(cfg)))
+  counts: dict = {}
+  for tname, arr in arrays.items():
+    arr = np.asarray(arr, np.float32)
+    if arr.ndim == 1:
+      qt = "F32"
+    else:
+      q = output_quant if (output_quant and tname == "output.weight") else quant
+      qt = _matrix_qtype(q, arr.shape[1])
+    counts[qt] = counts.get(qt, 0) + 1
+    gq = getattr(gguf.GGMLQuantizationType, qt)
+    if qt == "F32":
+      w.add_tensor(tname, arr)
+    elif qt == "F16":
+      w.add_tensor(tname, arr.astype(np.float16))
+    else:
+      w.add_tensor(tname, gguf.quants.quantize(arr, gq), raw_dtype=gq)
+  w.write_header_to_file()
+  w.write_kv_data_to_file()
+  w.write_tensors_to_file()
+  w.close()
+  return {"path": path, "quant": quant, "bytes": os.path.getsize(path), "tensor_types": counts}
+
+
+def _export_q4_k(params, cfg, path, align, name) -> dict:
+  try:
+    import ctypes
+    import llama_cpp
+  except ImportError as e:
+    raise GGUFError("--quant q4_k uses llama.cpp's quantizer: pip install llama-cpp-python, "
+                    "or export q4_0/q8_0") from e
+  if cfg.d_model % 256 or cfg.ff % 256:
+    raise GGUFError(f"Q4_K needs d_model and d_ff multiples of 256 (got {cfg.d_model}, {cfg.ff}); use q4_0")
+  tmp = path + ".f16.tmp"
+  export_gguf(params, cfg, tmp, "f16", align, name)
+  try:
+    p = llama_cpp.llama_model_quantize_default_params()
+    p.ftype = llama_cpp.LLAMA_FTYPE_MOSTLY_Q4_K_M
+    rc = llama_cpp.llama_model_quantize(tmp.encode(), path.encode(), ctypes.byref(p))
+    if rc != 0:
+      raise GGUFError(f"llama_model_quantize failed with code {rc}")
+  finally:
+    os.remove(tmp)
+  return {"path": path, "quant": "q4_k", "bytes": os.path.getsize(path)}
+
+
+# ------------------------------------------------------------------------------------------ import
+
+def _field(reader, key, default=None):
+  f = reader.fields.get(key)
+  if f is None:
+    return default
+  v = f.parts[f.data[0]]
+  if f.types and f.types[0].name == "STRING":
+    return bytes(v).decode("utf-8")
+  return v.tolist()[0] if hasattr(v, "tolist") and len(v) == 1 else v
+
+
+def _cfg_from_llama_keys(reader) -> ModelConfig:
+  g = lambda k, d=None: _field(reader, "llama." + k, d)  # noqa: E731
+  if g("embedding_length") is None:
+    raise GGUFError("GGUF lacks llama.* hyperparameters; only llama-architecture files are supported")
+  d, h = int(g("embedding_length")), int(g("attention.head_count"))
+  n_vocab = len(reader.fields["tokenizer.ggml.tokens"].data)
+  return ModelConfig(vocab_size=int(g("vocab_size", n_vocab)), d_model=d, n_layers=int(g("block_count")),
+                     n_heads=h, n_kv_heads=int(g("attention.head_count_kv", h)),
+                     head_dim=int(g("attention.key_length", d // h)), d_ff=int(g("feed_forward_length")),
+                     rope_theta=float(g("rope.freq_base", 10000.0)),
+                     norm_eps=float(g("attention.layer_norm_rms_epsilon", 1e-5)),
+                     tie_embeddings="output.weight" not in [t.name for t in reader.tensors],
+                     max_seq_len=int(g("context_length", 2048)))
+
+
+def read_info(path: str) -> GGUFInfo:
+  """Parses a GGUF header and checks that every tensor lies inside the file."""
+  from gguf import GGUFReader
+  if not os.path.exists(path):
+    raise GGUFError(f"{path}: no such file; create one with `python -m ondevice.export --random --out {path}`")
+  size = os.path.getsize(path)
+  try:
+    reader = GGUFReader(path, "r")
+  except Exception as e:  # the reader raises ValueError/IndexError/... on bad bytes
+    raise GGUFError(f"{path} is not a readable GGUF file ({type(e).__name__}: {e}); it is corrupt or "
+                    f"truncated ({size} bytes): re-export it with `python -m ondevice.export`") from e
+  arch = _field(reader, "general.architecture")
+  if arch != "llama":
+    raise GGUFError(f"{path}: architecture {arch!r} is not supported; only 'llama' files are")
+  tensors = {}
+  for t in reader.tensors:
+    shape = tuple(int(s) for s in reversed([int(x) for x in t.shape]))
+    tensors[t.name] = TensorInfo(t.name, t.tensor_type.name, shape, int(t.data_offset), int(t.n_bytes))
+    if t.data_offset + t.n_bytes > size:
+      raise GGUFError(f"{path} is truncated: tensor {t.name} ends at byte {t.data_offset + t.n_bytes} but the "
+                      f"file has {size}; re-export or re-copy it")
+  cfg_json = _field(reader, "prismllm.model_config")
+  cfg = ModelConfig(**json.loads(cfg_json)) if cfg_json else _cfg_from_llama_keys(reader)
+  tok_field = reader.fields["tokenizer.ggml.tokens"]
+  tokens = tuple(bytes(tok_field.parts[i]).decode("utf-8") for i in tok_field.data)
+  tt_field = reader.fields.get("tokenizer.ggml.token_type")
+  types = tuple(int(tt_field.parts[i][0]) for i in tt_field.data) if tt_field else (1,) * len(tokens)
+  eos = int(_field(reader, "tokenizer.ggml.eos_token_id", 2))
+  byte_tok = _field(reader, "prismllm.tokenizer") == "bytes"
+  missing = [p.gguf.format(i=i) for p in names.entries(cfg) for i in range(cfg.n_layers if p.per_layer else 1)
+             if p.gguf.format(i=i) not in tensors]
+  if missing:
+    raise GGUFError(f"{path} lacks tensors {missing[:4]}{'...' if len(missing) > 4 else ''}: incomplete export")
+  return GGUFInfo(path, cfg, tensors, int(reader.alignment), size, tokens, types, eos, byte_tok)
+
+
+def load_params(path: str, scan_layers: bool = True) -> tuple:
+  """GGUF -> (framework params tree of f32 numpy arrays, ModelConfig). Quantised tensors are dequantised."""
+  from gguf import GGUFReader
+  from gguf.quants import dequantize
+  info = read_info(path)
+  reader = GGUFReader(path, "r")
+  arrays = {}
+  for t in reader.tensors:
+    a = dequantize(t.data, t.tensor_type)
+    arrays[t.name] = np.asarray(a, np.float32).reshape(info.tensors[t.name].shape)
+  cfg = dataclasses.replace(info.cfg, scan_layers=scan_layers)
+  return names.gguf_to_framework(arrays, cfg), cfg
+
+
+def describe(info: GGUFInfo) -> str:
+  c = info.cfg
+  kinds = sorted({t.qtype for t in info.tensors.values()})
+  return (f"{os.path.basename(info.path)}: llama L={c.n_layers} D={c.d_model} H={c.n_heads}/{c.n_kv_heads} "
+          f"F={c.ff} V={c.vocab_size} types={kinds} {info.file_size / 2**20:.1f} MiB")
+
+
+_LAYER_RE = re.compile(r"^blk\.(\d+)\.")
+
+
+def layer_of(tensor_name: str) -> Optional[int]:
+  m = _LAYER_RE.match(tensor_name)
+  return int(m.group(1)) if m else None

@@ -1,0 +1,82 @@
+"""Turns a GGUF file + device specs into ring windows: Halda, or a baseline split.
+
+Halda's per-device costs come from the profiler's measured per-layer compute on THIS machine, scaled
+by each emulated device's ``cpu_slowdown`` / ``gpu_speedup``, its disk speed and RAM budget, and its
+link (activation bytes per hop / bandwidth + latency).
+"""
+from __future__ import annotations
+
+import dataclasses
+import math
+from typing import Optional, Sequence
+
+from ondevice import halda
+from ondevice.emulation import DeviceSpec
+from ondevice.gguf_io import GGUFInfo
+
+
+@dataclasses.dataclass(frozen=True)
+class RingPlan:
+  windows: list  # [device][cycle] -> layer ids
+  n_gpu: tuple
+  k: int
+  method: str
+  model_latency_s: Optional[float] = None  # Halda's objective (a model, not a measurement)
+
+  def as_dict(self) -> dict:
+    return {"method": self.method, "k": self.k, "w": [len(w[0]) if w else 0 for w in self.windows],
+            "n_gpu": list(self.n_gpu), "halda_model_latency_ms": None if self.model_latency_s is None
+            else 1e3 * self.model_latency_s}
+
+
+def costs(info: GGUFInfo, specs: Sequence[DeviceSpec], layer_s: float, head_s: float, ctx: int) -> tuple:
+  c = info.cfg
+  layer_bytes = max(info.layer_bytes(i) for i in range(c.n_layers))
+  kv = 2 * ctx * c.n_kv_heads * c.hd * 4
+  head_bytes = sum(t.nbytes for n, t in info.tensors.items() if not n.startswith("blk."))
+  act = c.d_model * 4
+  devs = []
+  for m, s in enumerate(specs):
+    ram = s.ram_bytes - (head_bytes if m == 0 else 0)
+    devs.append(halda.DeviceCost(
+        s.name, t_cpu_layer_s=layer_s * s.cpu_slowdown, ram_bytes=ram if math.isfinite(ram) else 1e18,
+        disk_Bps=s.disk_Bps if math.isfinite(s.disk_Bps) else 1e18,
+        t_gpu_layer_s=layer_s / s.gpu_speedup if s.gpu_speedup else 0.0, vram_bytes=s.vram_bytes,
+        link_s=s.link_time(act)))
+  model = halda.ModelCost(c.n_layers, layer_bytes, kv, head_s * specs[0].cpu_slowdown)
+  return devs, model
+
+
+def split_windows(w: Sequence[int], k: int) -> list:
+  return halda.Plan(k, tuple(w), (0,) * len(w), 0.0, ()).windows()
+
+
+def plan(info: GGUFInfo, specs: Sequence[DeviceSpec], method: str = "halda", k="auto", layer_s: float = 1e-3,
+         head_s: float = 0.0, ctx: int = 256, windows: Optional[list] = None, drop_unused: bool = True) -> tuple:
+  """Returns (RingPlan, kept device specs). Methods: halda | memory (exo-like, k=1) | equal (dllama-like)
+  | single (everything on device 0) | manual (``windows`` = per-device layer counts per window)."""
+  L = info.cfg.n_layers
+  M = len(specs)
+  if method == "single":
+    p = RingPlan([[list(range(L))]], (0,), 1, method)
+    return p, [specs[0]]
+  if method == "manual":
+    kk = int(k) if k != "auto" else 1
+    p = RingPlan(split_windows(windows, kk), (0,) * M, kk, method)
+  elif method == "memory":
+    p = RingPlan(split_windows(halda.memory_proportional(costs(info, specs, layer_s, head_s, ctx)[0], L), 1),
+                 (0,) * M, 1, method)
+  elif method == "equal":
+    p = RingPlan(split_windows(halda.equal_split(M, L), 1), (0,) * M, 1, method)
+  elif method == "halda":
+    devs, model = costs(info, specs, layer_s, head_s, ctx)
+    ks = None if k == "auto" else [int(k)]
+    hp = halda.solve(devs, model, ks)
+    p = RingPlan(hp.windows(), hp.n, hp.k, method, hp.latency_s)
+  else:
+    raise ValueError(f"unknown plan method {method!r}; use halda, memory, equal, single or manual")
+  if drop_unused:
+    keep = [m for m in range(M) if m == 0 or any(p.windows[m])]
+    p = dataclasses.replace(p, windows=[p.windows[m] for m in keep], n_gpu=tuple(p.n_gpu[m] for m in keep))
+    specs = [specs[m] for m in keep]
+  return p, list(specs)

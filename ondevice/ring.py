@@ -1,0 +1,198 @@
+"""Pipelined-ring inference: M device processes on localhost, each owning k layer windows.
+
+A forward pass of T tokens goes round the ring k times: the head (rank 0, this process) embeds, runs
+its window of cycle 0 and sends to rank 1, ..., rank M-1 sends back to the head, which runs its
+window of cycle 1, and so on; after cycle k-1 the head applies the output layer. Each device
+prefetches its next window right after sending (device.py), so disk reads overlap the other
+devices' compute and the links. Transport: pyzmq PUSH/PULL over tcp://127.0.0.1, a message is
+[JSON header, raw f32 activations]. Every device keeps the KV cache of its own layers; the header's
+``pos0`` says where this pass writes, so a rollback (speculative decoding) needs no extra message.
+Emulated time travels in the header (``t``) and includes the sender's link delay.
+"""
+from __future__ import annotations
+
+import json
+import multiprocessing as mp
+import os
+import socket
+from typing import Optional, Sequence
+
+import numpy as np
+
+from ondevice.device import Device, DeviceOptions
+from ondevice.emulation import DeviceSpec
+
+_RECV_TIMEOUT_MS = 120_000
+
+
+def free_port_base(n: int) -> int:
+  """A base port with n consecutive free ports (best effort; tests run serially per process)."""
+  for _ in range(50):
+    with socket.socket() as s:
+      s.bind(("127.0.0.1", 0))
+      base = s.getsockname()[1]
+    if base + n < 65535 and all(_port_free(base + i) for i in range(n)):
+      return base
+  raise RuntimeError("no free localhost ports for the ring")
+
+
+def _port_free(p: int) -> bool:
+  with socket.socket() as s:
+    try:
+      s.bind(("127.0.0.1", p))
+      return True
+    except OSError:
+      return False
+
+
+def _sockets(rank: int, world: int, base: int):
+  import zmq
+  ctx = zmq.Context()
+  pull = ctx.socket(zmq.PULL)
+  pull.bind(f"tcp://127.0.0.1:{base + rank}")
+  pull.setsockopt(zmq.RCVTIMEO, _RECV_TIMEOUT_MS)
+  push = ctx.socket(zmq.PUSH)
+  push.setsockopt(zmq.LINGER, 2000)
+  push.connect(f"tcp://127.0.0.1:{base + (rank + 1) % world}")
+  return ctx, pull, push
+
+
+def _send(push, header: dict, x: Optional[np.ndarray]):
+  payload = b"" if x is None else np.ascontiguousarray(x, np.float32)
+  if x is not None:
+    header = dict(header, shape=list(x.shape))
+  push.send_multipart([json.dumps(header).encode(), payload], copy=False)
+
+
+def _recv(pull, procs: Sequence = ()):
+  """Receives one message; polls so that a dead device process is reported at once, not after the timeout."""
+  import zmq
+  waited = 0
+  while not pull.poll(1000):
+    waited += 1000
+    dead = [p for p in procs if not p.is_alive()]
+    if dead:
+      raise RuntimeError(f"ring device process(es) {[p.name for p in dead]} exited with "
+                         f"{[p.exitcode for p in dead]}; see their stderr above")
+    if waited >= _RECV_TIMEOUT_MS:
+      raise TimeoutError("ring peer did not answer within the receive timeout; a device process hangs "
+                         "or the ring ports are blocked")
+  h, p = pull.recv_multipart(copy=False)
+  header = json.loads(bytes(h.buffer))
+  x = None
+  if "shape" in header:
+    x = np.frombuffer(p.buffer, np.float32).reshape(header["shape"]).copy()
+  return header, x
+
+
+def _worker(rank: int, world: int, base: int, model_path: str, windows: list, spec: Optional[DeviceSpec],
+            opts: DeviceOptions, n_gpu: int, env: dict):
+  os.environ.update(env)
+  dev = Device(model_path, windows, spec, opts, head=False)
+  dev.n_gpu = n_gpu
+  ctx, pull, push = _sockets(rank, world, base)
+  if rank == 1:  # readiness token: each rank forwards it only once its own model is loaded
+    _send(push, {"op": "ready"}, None)
+  try:
+    while True:
+      header, x = _recv(pull)
+      op = header["op"]
+      if op == "ready":  # readiness token travels round to the head
+        _send(push, header, None)
+      elif op == "fwd":
+        c = header["cycle"]
+        y = dev.run_window(c, x, header["pos0"], header["t"])
+        t = dev.clock.now + (spec.link_time(y.nbytes) if spec is not None else 0.0)
+        _send(push, dict(header, t=t), y)
+        dev.after_send(c)
+      elif op == "stats":
+        _send(push, dict(header, stats=header["stats"] + [dict(dev.stats(), rank=rank)]), None)
+      elif op == "stop":
+        _send(push, header, None)
+        break
+  finally:
+    pull.close(0)
+    push.close(2000)
+    ctx.term()
+
+
+class RingEngine:
+  """Head of the ring; ``forward(tokens, pos0) -> logits`` like a local model. world=1 runs in-process."""
+
+  def __init__(self, model_path: str, windows: Sequence[list], specs: Sequence[Optional[DeviceSpec]],
+               opts: DeviceOptions = DeviceOptions(), n_gpu: Sequence[int] = (), threads_per_worker: int = 1):
+    self.world = len(windows)
+    self.k = len(windows[0])
+    self.specs = list(specs)
+    self.head = Device(model_path, windows[0], specs[0], opts, head=True)
+    self.head.n_gpu = n_gpu[0] if n_gpu else 0
+    self.procs: list = []
+    self.ctx = None
+    if self.world > 1:
+      base = free_port_base(self.world)
+      env = {"NUMBA_NUM_THREADS": str(threads_per_worker), "OMP_NUM_THREADS": str(threads_per_worker),
+             "OPENBLAS_NUM_THREADS": str(threads_per_worker)}
+      spawn = mp.get_context("spawn")
+      for r in range(1, self.world):
+        p = spawn.Process(target=_worker, daemon=True, name=f"ring-rank{r}",
+                          args=(r, self.world, base, model_path, windows[r], specs[r], opts,
+                                n_gpu[r] if n_gpu else 0, env))
+        p.start()
+        self.procs.append(p)
+      self.ctx, self.pull, self.push = _sockets(0, self.world, base)
+      header, _ = _recv(self.pull, self.procs)  # wait until every worker is up (token from the last rank)
+      assert header["op"] == "ready"
+
+  @property
+  def clock(self):
+    return self.head.clock
+
+  def forward(self, tokens, pos0: int) -> np.ndarray:
+    h = self.head
+    x = h.embed(tokens)
+    for c in range(self.k):
+      x = h.run_window(c, x, pos0, h.clock.now)
+      if self.world > 1:
+        spec = self.specs[0]
+        t = h.clock.now + (spec.link_time(x.nbytes) if spec is not None else 0.0)
+        _send(self.push, {"op": "fwd", "cycle": c, "pos0": pos0, "t": t}, x)
+        h.after_send(c)
+        header, x = _recv(self.pull, self.procs)
+        if header["t"] > h.clock.now:
+          h.clock.idle_s += header["t"] - h.clock.now
+          h.clock.now = header["t"]
+      else:
+        h.after_send(c)
+    return h.logits(x)
+
+  def stats(self) -> list:
+    out = [dict(self.head.stats(), rank=0)]
+    if self.world > 1:
+      _send(self.push, {"op": "stats", "stats": []}, None)
+      header, _ = _recv(self.pull, self.procs)
+      out += header["stats"]
+    return out
+
+  def close(self) -> None:
+    if self.world > 1 and self.ctx is not None:
+      try:
+        _send(self.push, {"op": "stop"}, None)
+        _recv(self.pull, self.procs)
+      except Exception:  # a dead worker must not keep us from cleaning up the rest
+        pass
+      self.pull.close(0)
+      self.push.close(0)
+      self.ctx.term()
+      self.ctx = None
+    for p in self.procs:
+      p.join(timeout=10)
+      if p.is_alive():
+        p.kill()
+        p.join(timeout=5)
+    self.procs = []
+
+  def __enter__(self):
+    return self
+
+  def __exit__(self, *exc):
+    self.close()

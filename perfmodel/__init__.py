@@ -1,0 +1,1 @@
+"""Performance model: compiled program -> execution graph -> costs -> timeline (see README.md)."""

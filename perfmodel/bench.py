@@ -1,0 +1,108 @@
+"""Timing helpers shared by calibrate, the profilers, validate and search: medians with spread, in wall time
+AND process CPU time, and the *pinned* measurement regime that makes them repeatable on a shared host.
+
+The regime (``pin()``, called by the CLI before jax starts) confines the process to one core with
+``os.sched_setaffinity`` and turns off XLA:CPU's multi-threaded Eigen kernels
+(``--xla_cpu_multi_thread_eigen=false``; jax 0.10.2 accepts it). Then every thread of the process —
+the XLA executor and the threads of all virtual devices — runs on that one core, and the process's
+CPU time (``time.process_time``: all threads, user + system) counts the work done, not the time other
+users' processes held the core. On a machine shared with other engineers wall time of even a pinned
+run stretches by the run-queue share; CPU time does not. Predictions in the ``cpu`` profile are in
+these units: seconds of one core's work (see perfmodel/README.md, "Measurement regime", for the noise
+of each clock measured side by side).
+"""
+from __future__ import annotations
+
+import os
+import statistics
+import time
+
+PIN_ENV = "PERFMODEL_PIN_CORE"  # set by pin(): the core this process is confined to
+
+
+def pin(core: int = -1) -> int:
+  """Confines this process (threads created from now on) to one core and single-threaded XLA kernels.
+
+  Call before jax is imported: threads that already exist keep their affinity, and XLA reads its flags
+  once. core=-1 picks the last allowed core. Returns the core."""
+  allowed = sorted(os.sched_getaffinity(0))
+  core = allowed[-1] if core < 0 else core
+  if core not in allowed:
+    raise ValueError(f"core {core} is not in this process's allowed set {allowed}: pass one of them to --pin-core")
+  for tid in _thread_ids():
+    try:
+      os.sched_setaffinity(tid, {core})
+    except OSError:
+      pass
+  os.sched_setaffinity(0, {core})
+  flags = os.environ.get("XLA_FLAGS", "")
+  if "--xla_cpu_multi_thread_eigen" not in flags:
+    os.environ["XLA_FLAGS"] = (flags + " --xla_cpu_multi_thread_eigen=false").strip()
+  os.environ[PIN_ENV] = str(core)
+  return core
+
+
+def _thread_ids() -> list:
+  try:
+    return [int(t) for t in os.listdir("/proc/self/task")]
+  except OSError:
+    return []
+
+
+def pinned() -> bool:
+  return len(os.sched_getaffinity(0)) == 1
+
+
+def regime() -> dict:
+  """What the numbers of this process mean (recorded with every calibration and validation)."""
+  return {"pinned_core": sorted(os.sched_getaffinity(0))[0] if pinned() else None,
+          "allowed_cores": len(os.sched_getaffinity(0)),
+          "xla_multi_thread_eigen": "--xla_cpu_multi_thread_eigen=false" not in os.environ.get("XLA_FLAGS", ""),
+          "load_avg_1m": os.getloadavg()[0]}
+
+
+def _stats(ts: list) -> dict:
+  ts = sorted(ts)
+  return {"median": statistics.median(ts), "p10": ts[len(ts) // 10], "p90": ts[min(len(ts) - 1, (9 * len(ts)) // 10)],
+          "min": ts[0], "n": len(ts)}
+
+
+def time_fn(fn, *args, reps: int = 7, warmup: int = 2, min_time: float = 0.0, max_reps: int = 200) -> dict:
+  """Times fn(*args) (blocked until ready), repeating while under min_time.
+
+  Returns the wall-clock stats at the top level (``median``, ``p10``, ``p90``, ``min``, ``n``) and the
+  process-CPU-time stats under ``"cpu"``; ``"clock"`` says which one the top level is — callers use
+  :func:`seconds` to read the clock of the regime."""
+  import jax
+  for _ in range(warmup):
+    jax.block_until_ready(fn(*args))
+  wall, cpu = [], []
+  t_start = time.perf_counter()
+  while len(wall) < reps or (time.perf_counter() - t_start < min_time and len(wall) < max_reps):
+    c, t = time.process_time(), time.perf_counter()
+    jax.block_until_ready(fn(*args))
+    wall.append(time.perf_counter() - t)
+    cpu.append(time.process_time() - c)
+  out = _stats(wall)
+  out["cpu"] = _stats(cpu)
+  out["clock"] = "wall"
+  return out
+
+
+def seconds(r: dict, clock: str = "auto") -> float:
+  """The median of a time_fn result in the regime's clock: CPU time when pinned (auto), else wall."""
+  if clock == "auto":
+    clock = "cpu" if pinned() else "wall"
+  return r["cpu"]["median"] if clock == "cpu" else r["median"]
+
+
+def view(r: dict, clock: str = "auto") -> dict:
+  """The stats of one clock (the sub-dict time_fn returns for it)."""
+  if clock == "auto":
+    clock = "cpu" if pinned() else "wall"
+  return r["cpu"] if clock == "cpu" else {k: r[k] for k in ("median", "p10", "p90", "min", "n")}
+
+
+def spread_pct(r: dict) -> float:
+  """Half the p10-p90 range as a percent of the median: the run-to-run noise we report."""
+  return 50.0 * (r["p90"] - r["p10"]) / r["median"] if r["median"] else 0.0

@@ -1,0 +1,132 @@
+"""Command line of the performance model. Parses flags and sets XLA's device count *before* jax starts."""
+from __future__ import annotations
+
+import argparse
+import json
+import math
+import sys
+
+COMPILE_MAX_DEVICES = 512  # above this, `--method auto` uses the analytic graph (see README: scale limits)
+
+
+def _load_cfg(config: str, overrides: list, mesh: str = "", devices: int = 0):
+  from framework.config import MESH_AXES, validate
+  from framework.config_file import load
+  ov = list(overrides)
+  if mesh:
+    sizes = dict(kv.split("=") for kv in mesh.split(","))
+    unknown = set(sizes) - set(MESH_AXES)
+    if unknown:
+      raise SystemExit(f"--mesh axis {sorted(unknown)} unknown; axes are {MESH_AXES}")
+    for a in MESH_AXES:
+      ov.append(f"--config.mesh.{a}={int(sizes.get(a, 1))}")
+  cfg = load(config, ov)
+  n = devices or math.prod(abs(v) for v in cfg.mesh.sizes().values())
+  return validate(cfg, n), n
+
+
+def _print(obj):
+  print(json.dumps(obj, indent=None, default=float))
+
+
+def cmd_predict(a, overrides):
+  from perfmodel import capture
+  cfg, n = _load_cfg(a.config, overrides, a.mesh, a.devices)
+  method = a.method
+  if a.mode == "train" and method == "auto":
+    method = "compile" if n <= COMPILE_MAX_DEVICES else "analytic"
+  if method == "compile" or a.mode == "infer":
+    capture.ensure_devices(n if a.mode == "train" else 1)
+  from perfmodel import hardware, predict
+  hw = hardware.load(a.hardware)
+  if a.mode == "infer":
+    cap = capture.sampler(cfg, a.batch, a.prompt_len, a.gen_len)
+    if a.profile_dots:
+      _profile(cap.hlo_text, hw.name)
+    out = predict.predict_infer(cfg, hw, a.batch, a.prompt_len, a.gen_len, a.backend, captured=cap)
+  elif method == "analytic":
+    out = predict.predict_train_analytic(cfg, hw, a.backend)
+  else:
+    cap = capture.train_step(cfg)
+    if a.profile_dots:
+      _profile(cap.hlo_text, hw.name)
+    out = predict.predict_train(cfg, hw, a.backend, captured=cap)
+    out["method"] = "compile"
+  _print(out)
+
+
+def _profile(hlo_text, profile):
+  from perfmodel import graph, profiler
+  r = profiler.profile_dots(graph.from_hlo_text(hlo_text), profile)
+  print(json.dumps({"profiled_dots": r}), file=sys.stderr)
+
+
+def cmd_calibrate(a, overrides):
+  from perfmodel import capture
+  capture.ensure_devices(2)
+  from perfmodel import calibrate
+  _print(calibrate.run(quick=a.quick))
+
+
+def cmd_validate(a, overrides):
+  from perfmodel import capture
+  capture.ensure_devices(8)
+  from perfmodel import validate
+  _print(validate.run(a.suite, reps=a.reps, backend=a.backend, png=a.png, results=not a.no_results,
+                      limit=a.limit))
+
+
+def cmd_search(a, overrides):
+  from framework.config_file import load
+  cfg = load(a.config, list(overrides))  # the config's own mesh need not match --devices
+  from perfmodel import capture
+  if a.run_top:
+    capture.ensure_devices(a.devices)
+  from perfmodel import hardware, search
+  _print(search.run(cfg, hardware.load(a.hardware), a.devices, top=a.top, run_top=a.run_top, backend=a.backend,
+                    config_path=a.config, overrides=overrides))
+
+
+def main(argv=None):
+  argv = sys.argv[1:] if argv is None else list(argv)
+  if argv[:1] == ["emulate"]:
+    # Emulation (perfmodel/emulate/, its own engineer) owns its flags; hand the rest of argv over untouched.
+    from perfmodel.emulate import cli as emulate_cli
+    return emulate_cli.main(argv[1:])
+  p = argparse.ArgumentParser(prog="python -m perfmodel")
+  sub = p.add_subparsers(dest="cmd", required=True)
+  sub.add_parser("emulate", help="emulate a step at the target scale (see perfmodel/emulate/README.md)")
+  pr = sub.add_parser("predict", help="predict step time / tokens/s / MFU / memory (or TTFT/TPOT)")
+  pr.add_argument("--config", required=True)
+  pr.add_argument("--hardware", default="cpu")
+  pr.add_argument("--mesh", default="", help="e.g. data=2,tensor=4 (axes not named are 1)")
+  pr.add_argument("--devices", type=int, default=0, help="device count when the mesh has a -1 axis")
+  pr.add_argument("--mode", choices=("train", "infer"), default="train")
+  pr.add_argument("--method", choices=("auto", "compile", "analytic"), default="auto")
+  pr.add_argument("--backend", choices=("auto", "roofline", "calibrated", "profiled"), default="auto")
+  pr.add_argument("--profile-dots", action="store_true", help="time this program's unique dots on this host first")
+  pr.add_argument("--batch", type=int, default=1)
+  pr.add_argument("--prompt-len", type=int, default=32)
+  pr.add_argument("--gen-len", type=int, default=32)
+  ca = sub.add_parser("calibrate", help="fit the cpu profile on this host (a few minutes)")
+  ca.add_argument("--quick", action="store_true")
+  va = sub.add_parser("validate", help="measured vs predicted over a suite of configs on this host")
+  va.add_argument("--suite", default=None, help="python file with SUITE = [...] (default: perfmodel/suite.py)")
+  va.add_argument("--reps", type=int, default=7)
+  va.add_argument("--backend", default="auto")
+  va.add_argument("--png", default="benchmarks/perfmodel_validate.png")
+  va.add_argument("--no-results", action="store_true", help="do not append to benchmarks/RESULTS.md")
+  va.add_argument("--limit", type=int, default=0, help="run only the first N configs (smoke)")
+  se = sub.add_parser("search", help="rank layouts for a model on N devices under memory limits")
+  se.add_argument("--config", required=True)
+  se.add_argument("--hardware", default="cpu")
+  se.add_argument("--devices", type=int, required=True)
+  se.add_argument("--top", type=int, default=10)
+  se.add_argument("--backend", default="auto")
+  se.add_argument("--run-top", action="store_true", help="on this host: run the top layout and the default one")
+  a, rest = p.parse_known_args(argv)
+  bad = [r for r in rest if not r.startswith("--config.")]
+  if bad:
+    p.error(f"unrecognized arguments: {bad}")
+  {"predict": cmd_predict, "calibrate": cmd_calibrate, "validate": cmd_validate, "search": cmd_search}[a.cmd](a, rest)
+  return 0

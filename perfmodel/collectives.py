@@ -1,0 +1,143 @@
+"""Latency-bandwidth (alpha-beta) models of collectives over a hardware profile's link levels.
+
+Shared by prediction and emulation: both price a collective node here. S is the payload in bytes
+(the full buffer: the all-reduce operand, the all-gather result, the reduce-scatter operand), n the
+group size, B the per-device one-direction bandwidth of the level, alpha its per-step latency.
+
+  ring all-reduce      2(n-1)/n * S/B + 2(n-1) alpha
+  tree all-reduce      2 S/B + 2 ceil(log2 n) alpha          (pipelined double binary tree)
+  ring all-gather / reduce-scatter   (n-1)/n * S/B + (n-1) alpha
+  all-to-all           (n-1)/n * S/B_bisection + (n-1) alpha
+  collective-permute   S/B + alpha
+  hierarchical         groups spanning several domains of the innermost level: reduce-scatter inside
+                       the domain, all-reduce of S/n_inner across domains, all-gather inside.
+Torus levels run bidirectional rings on every torus dimension: effective B = 2 * dims * link B.
+
+Which devices share a domain: device ids are assumed numbered so that ``id // level.size`` is the
+domain (meshes put the tensor axis innermost, so tensor groups land inside NVLink islands).
+"""
+from __future__ import annotations
+
+import dataclasses
+import math
+from typing import Optional
+
+from perfmodel.hardware import HardwareProfile, LinkLevel, interp_log
+
+
+@dataclasses.dataclass(frozen=True)
+class CollectiveCost:
+  seconds: float
+  algorithm: str  # ring | tree | hierarchical | direct | measured
+  level: str  # link level(s) used
+
+
+def _eff_bw(level: LinkLevel) -> float:
+  dims = {"torus2d": 2, "torus3d": 3}.get(level.topology)
+  return level.bandwidth * 2 * dims if dims else level.bandwidth
+
+
+def ring_all_reduce(S: float, n: int, B: float, alpha: float) -> float:
+  return 0.0 if n <= 1 else 2 * (n - 1) / n * S / B + 2 * (n - 1) * alpha
+
+
+def tree_all_reduce(S: float, n: int, B: float, alpha: float) -> float:
+  return 0.0 if n <= 1 else 2 * S / B + 2 * math.ceil(math.log2(n)) * alpha
+
+
+def ring_all_gather(S: float, n: int, B: float, alpha: float) -> float:
+  """Also reduce-scatter (same volume, reversed)."""
+  return 0.0 if n <= 1 else (n - 1) / n * S / B + (n - 1) * alpha
+
+
+def all_to_all(S: float, n: int, B: float, alpha: float) -> float:
+  return 0.0 if n <= 1 else (n - 1) / n * S / B + (n - 1) * alpha
+
+
+def permute(S: float, B: float, alpha: float) -> float:
+  return S / B + alpha
+
+
+def _flat(kind: str, S: float, n: int, level: LinkLevel, algorithm: str) -> tuple:
+  B, a = _eff_bw(level), level.latency
+  if kind == "all-reduce":
+    ring, tree = ring_all_reduce(S, n, B, a), tree_all_reduce(S, n, B, a)
+    if algorithm == "ring" or (algorithm == "auto" and ring <= tree):
+      return ring, "ring"
+    return tree, "tree"
+  if kind in ("all-gather", "reduce-scatter", "collective-broadcast"):
+    return ring_all_gather(S, n, B, a), "ring"
+  if kind in ("all-to-all", "ragged-all-to-all"):
+    # A fat-tree/switch has full bisection; a torus ring's bisection is ~n/4 links of the dimension.
+    Bb = B if level.topology in ("switch", "fat-tree") else B * 4 / max(4, n)
+    return all_to_all(S, n, Bb, a), "direct"
+  if kind == "collective-permute":
+    return permute(S, B, a), "direct"
+  raise ValueError(f"no model for collective {kind!r}")
+
+
+def domains_spanned(group, level_size: int) -> tuple:
+  """(devices per domain, number of domains) of a device group at a level of `level_size`."""
+  if level_size <= 0:
+    return len(group), 1
+  doms = {}
+  for d in group:
+    doms[d // level_size] = doms.get(d // level_size, 0) + 1
+  return max(doms.values()), len(doms)
+
+
+def cost(kind: str, S: float, group: tuple, hw: HardwareProfile, algorithm: str = "auto") -> CollectiveCost:
+  """Time of one collective for one group (all groups of a node run in parallel on disjoint devices)."""
+  n = len(group)
+  if n <= 1 or S <= 0:
+    return CollectiveCost(0.0, "none", "")
+  measured = hw.collective_curve.get(kind) if hw.collective_curve else None
+  if measured:
+    # Calibrated on this host for n=2; scale the bandwidth part like a ring for larger groups.
+    t2 = interp_log(measured, S)
+    scale = {"all-reduce": (2 * (n - 1) / n) / 1.0, "all-gather": ((n - 1) / n) / 0.5,
+             "reduce-scatter": ((n - 1) / n) / 0.5}.get(kind, 1.0)
+    return CollectiveCost(t2 * scale, "measured", "loopback")
+  levels = list(hw.links) or [LinkLevel("none", 0, float("inf"), 0.0)]
+  inner = levels[0]
+  per_dom, n_dom = domains_spanned(group, inner.size)
+  if n_dom == 1 or len(levels) == 1:
+    t, alg = _flat(kind, S, n, inner, algorithm)
+    return CollectiveCost(t, alg, inner.name)
+  outer = levels[1]
+  if kind == "all-reduce":
+    t = (ring_all_gather(S, per_dom, _eff_bw(inner), inner.latency) * 2  # RS + AG inside the domain
+         + _flat("all-reduce", S / per_dom, n_dom, outer, algorithm)[0])
+  elif kind in ("all-gather", "reduce-scatter"):
+    t = (ring_all_gather(S / n_dom, per_dom, _eff_bw(inner), inner.latency)
+         + ring_all_gather(S, n_dom, _eff_bw(outer), outer.latency))
+  else:
+    t = _flat(kind, S, n, outer, algorithm)[0]  # a2a / permute across domains: bound by the outer level
+  return CollectiveCost(t, "hierarchical", f"{inner.name}+{outer.name}")
+
+
+def node_cost(info, hw: HardwareProfile, algorithm: str = "auto", group: Optional[tuple] = None) -> CollectiveCost:
+  """Cost of a graph CollectiveInfo: its first group stands for all (SPMD groups are symmetric)."""
+  if group is None:
+    if info.kind == "collective-permute":
+      pairs = info.groups()
+      group = tuple(pairs[0]) if pairs else (0, 1)
+      return _permute_cost(info.bytes, group, hw)
+    group = _first_group(info)
+  return cost(info.kind, info.bytes, group, hw, algorithm)
+
+
+def _first_group(info) -> tuple:
+  # Expanding every group of an 8192-device program is wasteful: parse once, keep the first.
+  groups = info.groups()
+  return tuple(groups[0]) if groups else tuple(range(info.group_size))
+
+
+def _permute_cost(S, pair, hw) -> CollectiveCost:
+  levels = list(hw.links)
+  if not levels:
+    return CollectiveCost(0.0, "none", "")
+  lv = levels[0]
+  if len(levels) > 1 and lv.size and pair[0] // lv.size != pair[-1] // lv.size:
+    lv = levels[1]
+  return CollectiveCost(permute(S, _eff_bw(lv), lv.latency), "direct", lv.name)

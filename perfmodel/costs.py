@@ -1,0 +1,143 @@
+"""Operator cost backends. Each prices one graph node and says which backend did it.
+
+  * ``roofline``    max(flops / peak, bytes / memory BW) + launch overhead (datasheet profiles)
+  * ``calibrated``  fitted efficiency curves of the profile: dots at the achieved FLOP/s of their
+                    size, other fusions at the achieved streaming BW of their size plus element and
+                    transcendental work (the CPU does not overlap compute with memory, so these add)
+  * ``profiled``    a database of measured times keyed by (device, jax version, node fingerprint);
+                    filled by ``python -m perfmodel calibrate`` (dots are rebuilt from their
+                    m, n, k, batch, dtype and timed on the real device)
+A :class:`Chain` asks its backends in order; the first that can price a node wins. Collective nodes
+always go to ``perfmodel.collectives`` (the same model emulation uses).
+"""
+from __future__ import annotations
+
+import dataclasses
+import json
+import os
+from typing import Optional
+
+from perfmodel import collectives
+from perfmodel.graph import Node
+from perfmodel.hardware import HardwareProfile, interp_log
+
+DB_DIR = os.path.join(os.path.dirname(__file__), "profiles", "db")
+
+
+@dataclasses.dataclass(frozen=True)
+class Priced:
+  seconds: float
+  backend: str
+
+
+class Roofline:
+  name = "roofline"
+
+  def __init__(self, hw: HardwareProfile):
+    self.hw = hw
+
+  def price(self, node: Node) -> Optional[Priced]:
+    hw = self.hw
+    dtype = node.dot.dtype if node.dot else "f32"
+    t_compute = node.flops / hw.peak(dtype) + node.transcendentals / hw.trans_rate
+    t_mem = node.bytes / hw.mem_bandwidth
+    return Priced(hw.launch_overhead + max(t_compute, t_mem), self.name)
+
+
+class Calibrated:
+  name = "calibrated"
+
+  def __init__(self, hw: HardwareProfile):
+    if not hw.calibrated:
+      raise ValueError(f"profile {hw.name!r} has no fitted curves: run `python -m perfmodel calibrate` "
+                       f"(CPU) or use the roofline backend")
+    self.hw = hw
+    self.vector_rate = hw.calibration.get("vector_flops_per_s", hw.peak("f32") / 4)
+
+  def price(self, node: Node) -> Optional[Priced]:
+    hw = self.hw
+    if node.kind == "dot" and node.dot is not None:
+      rate = interp_log(hw.dot_curve, max(node.flops, 1.0)) or hw.peak(node.dot.dtype)
+      if node.dot.dtype == "bf16":
+        rate *= hw.calibration.get("bf16_dot_ratio", 1.0)
+      # skinny matmuls (small m, n or k) run far below the square-matrix rate
+      small = min(node.dot.m, node.dot.n, node.dot.k)
+      rate *= min(1.0, (small / hw.calibration.get("skinny_dim", 1)) ** 0.5) if small else 1.0
+      extra = max(0.0, node.flops - 2.0 * node.dot.m * node.dot.n * node.dot.k * node.dot.batch)
+      return Priced(hw.launch_overhead + node.flops / rate + extra / self.vector_rate
+                    + self._bytes_time(node.out_bytes) * 0.0, self.name)
+    if node.kind in ("fusion", "other"):
+      t = hw.launch_overhead + self._bytes_time(node.bytes)
+      t += node.flops / self.vector_rate + node.transcendentals / hw.trans_rate
+      return Priced(t, self.name)
+    return None
+
+  def _bytes_time(self, nbytes: float) -> float:
+    if nbytes <= 0:
+      return 0.0
+    bw = interp_log(self.hw.stream_curve, nbytes) or self.hw.mem_bandwidth
+    return nbytes / bw
+
+
+class Profiled:
+  """Measured node times keyed by fingerprint; versioned by device kind and jax version."""
+  name = "profiled"
+
+  def __init__(self, hw: HardwareProfile, path: Optional[str] = None):
+    self.hw = hw
+    self.path = path or db_path(hw.name)
+    self.table = {}
+    if os.path.exists(self.path):
+      with open(self.path) as f:
+        data = json.load(f)
+      self.meta = data.get("meta", {})
+      self.table = data.get("entries", {})
+
+  def price(self, node: Node) -> Optional[Priced]:
+    t = self.table.get(node.fingerprint)
+    if t is None:
+      return None
+    return Priced(float(t), self.name)
+
+
+def db_path(profile: str) -> str:
+  import jax
+  return os.path.join(DB_DIR, f"{profile}-jax{jax.__version__}.json")
+
+
+class Chain:
+  def __init__(self, backends: list, hw: HardwareProfile, algorithm: str = "auto"):
+    self.backends, self.hw, self.algorithm = backends, hw, algorithm
+
+  @property
+  def names(self) -> list:
+    return [b.name for b in self.backends]
+
+  def price(self, node: Node) -> Priced:
+    if node.collective is not None:
+      c = collectives.node_cost(node.collective, self.hw, self.algorithm)
+      return Priced(c.seconds + self.hw.launch_overhead, f"collective:{c.algorithm}")
+    if node.kind in ("wait", "loop"):
+      return Priced(0.0, "none")
+    for b in self.backends:
+      p = b.price(node)
+      if p is not None:
+        return p
+    return Priced(self.hw.launch_overhead, "launch-only")
+
+
+def make_chain(hw: HardwareProfile, backend: str = "auto", algorithm: str = "auto") -> Chain:
+  """backend: 'roofline' | 'calibrated' | 'profiled' | 'auto' (profiled -> calibrated -> roofline)."""
+  if backend == "roofline":
+    return Chain([Roofline(hw)], hw, algorithm)
+  if backend == "calibrated":
+    return Chain([Calibrated(hw)], hw, algorithm)
+  if backend == "profiled":
+    return Chain([Profiled(hw), Calibrated(hw) if hw.calibrated else Roofline(hw)], hw, algorithm)
+  if backend != "auto":
+    raise ValueError(f"unknown cost backend {backend!r}: choose roofline, calibrated, profiled or auto")
+  chain = [Profiled(hw)]
+  if hw.calibrated:
+    chain.append(Calibrated(hw))
+  chain.append(Roofline(hw))
+  return Chain(chain, hw, algorithm)

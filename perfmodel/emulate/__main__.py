@@ -1,0 +1,3 @@
+import sys
+from perfmodel.emulate.cli import main
+sys.exit(main())

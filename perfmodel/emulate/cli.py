@@ -1,0 +1,62 @@
+"""python -m perfmodel emulate --config <experiment config> [--config.x=y ...] --mesh data=64,tensor=8,pipeline=16
+                              [--ranks auto|0,17,...] --hardware <profile> --out DIR
+
+Prints one JSON object (emulated_devices, real_devices, iteration_time_s per rank and overall,
+peak_memory_bytes per rank, wall_time_s, ...) and writes Perfetto traces to DIR.
+"""
+from __future__ import annotations
+
+import argparse
+import json
+import sys
+
+
+def parse(argv):
+  p = argparse.ArgumentParser(prog="python -m perfmodel emulate", description=__doc__,
+                              formatter_class=argparse.RawDescriptionHelpFormatter)
+  p.add_argument("--config", required=True, help="experiments/configs/x.py[:arg]")
+  p.add_argument("--mesh", default="", help="target mesh, e.g. data=64,tensor=8,pipeline=16 (default: the config's)")
+  p.add_argument("--ranks", default="auto", help="'auto' (one per distinct program) or comma-separated rank ids")
+  p.add_argument("--hardware", default="cpu", help="target hardware profile (perfmodel/profiles) or a .json path")
+  p.add_argument("--local-hardware", default="cpu", help="profile of the device the real rank runs on")
+  p.add_argument("--out", default=None, help="directory for trace files and emulation.json")
+  p.add_argument("--repeats", type=int, default=5)
+  p.add_argument("--warmup", type=int, default=1)
+  p.add_argument("--compile-only", action="store_true", help="slice and compute memory; do not execute")
+  p.add_argument("--exact-memory", action="store_true",
+                 help="also compile the real N-device program on N virtual CPU devices (N <= 1024) for exact memory")
+  args, rest = p.parse_known_args(argv)
+  bad = [a for a in rest if not a.startswith("--config.")]
+  if bad:
+    p.error(f"unrecognised arguments {bad} (config overrides look like --config.model.n_layers=4)")
+  return args, rest
+
+
+def mesh_overrides(mesh: dict) -> list:
+  from framework.config import MESH_AXES  # noqa: PLC0415
+  return [f"--config.mesh.{a}={mesh.get(a, 1)}" for a in MESH_AXES] if mesh else []
+
+
+def main(argv=None) -> int:
+  args, overrides = parse(sys.argv[1:] if argv is None else argv)
+  from framework import config as config_lib  # noqa: PLC0415
+  from framework import config_file  # noqa: PLC0415
+  from perfmodel.emulate import emulator, topology  # noqa: PLC0415
+  mesh = topology.parse_mesh(args.mesh)
+  overrides = list(overrides) + mesh_overrides(mesh) + ["--config.mesh.form=shard_map"]
+  cfg = config_file.load(args.config, overrides)
+  n = 1
+  for a in config_lib.MESH_AXES:
+    n *= max(1, getattr(cfg.mesh, a))
+  cfg = config_lib.validate(cfg, n)
+  ranks = None if args.ranks in ("auto", "") else [int(x) for x in args.ranks.split(",") if x.strip()]
+  notes = list(config_lib.extras(cfg, "emulate").get("notes", ()))
+  res = emulator.emulate(cfg, ranks=ranks, hardware=args.hardware, local_hardware=args.local_hardware,
+                         out_dir=args.out, repeats=args.repeats, warmup=args.warmup, execute=not args.compile_only,
+                         exact_memory=(args.config, overrides) if args.exact_memory else None, notes=notes)
+  print(json.dumps(res, default=str))
+  return 0
+
+
+if __name__ == "__main__":
+  sys.exit(main())

@@ -1,0 +1,104 @@
+"""emulate(): a training step at the target scale from one real device (PrismLLM-style hybrid emulation).
+
+  per-rank program (rank_program) -> slicing into classes of ranks with distinct programs (slicing)
+  -> each representative rank runs for real with stand-in collectives (measure)
+  -> its timeline on the execution graph with modelled collectives (timeline.rank_timeline)
+  -> classes aligned at their synchronising collectives (timeline.compose) -> JSON + Perfetto traces.
+"""
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+import time
+from typing import Optional, Sequence
+
+from framework.config import Config
+from perfmodel import hardware as hw_lib
+from perfmodel.emulate import measure, rank_program, slicing, trace
+from perfmodel.emulate import timeline as tl_lib
+
+EXACT_MEMORY_MAX_DEVICES = 1024  # XLA:CPU compiles up to here on virtual devices; 8192 is refused (measured)
+
+
+def target_compile_memory(config_spec: str, overrides: Sequence[str], n: int, timeout_s: float = 600.0) -> dict:
+  """Per-device memory of the *real* N-device program, compiled on N virtual CPU devices in a child
+  process (XLA_FLAGS must be set before jax starts). Byte-exact for the CPU compiler."""
+  env = dict(os.environ, XLA_FLAGS=f"--xla_force_host_platform_device_count={n}", JAX_PLATFORMS="cpu")
+  code = ("import json,sys; from framework import config_file, config as C; from perfmodel import capture; "
+          "cfg=C.validate(config_file.load(sys.argv[1], sys.argv[2:]), %d); c=capture.train_step(cfg); "
+          "print('@@'+json.dumps(dict(c.memory, compile_s=c.compile_s)))" % n)
+  root = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+  env["PYTHONPATH"] = root + os.pathsep + env.get("PYTHONPATH", "")
+  p = subprocess.run([sys.executable, "-c", code, config_spec, *overrides], env=env, capture_output=True,
+                     text=True, timeout=timeout_s, cwd=root)
+  for line in p.stdout.splitlines():
+    if line.startswith("@@"):
+      return json.loads(line[2:])
+  raise RuntimeError(f"target compile on {n} virtual devices failed: {p.stderr[-2000:]}")
+
+
+def emulate(cfg: Config, ranks: Optional[Sequence[int]] = None, hardware: str = "cpu", local_hardware: str = "cpu",
+            out_dir: Optional[str] = None, repeats: int = 5, warmup: int = 1, execute: bool = True,
+            exact_memory: Optional[tuple] = None, notes: Sequence[str] = (), algorithm: str = "auto") -> dict:
+  """Emulates one training step of ``cfg`` (validated at its target mesh). ``ranks``: None = one per
+  class of distinct programs; else these ranks run for real (plus one per class they leave uncovered).
+  ``exact_memory``: (config_spec, overrides) to also compile the real N-device program for its
+  byte-exact per-device memory (N <= EXACT_MEMORY_MAX_DEVICES)."""
+  t0 = time.perf_counter()
+  target_hw, local_hw = hw_lib.load(hardware), hw_lib.load(local_hardware)
+  prog = rank_program.build(cfg)
+  space = prog.space
+  sl = slicing.slice_ranks(prog.body, space, ranks)
+  to_run = list(dict.fromkeys(list(ranks or []) + [c.representative for c in sl.classes]))
+  runs, tls = {}, {}
+  for r in to_run:
+    runs[r] = measure.run_rank(prog, r, repeats=repeats, warmup=warmup, execute=execute)
+    measured = runs[r].compute_s if execute else 0.0
+    tls[r] = tl_lib.rank_timeline(r, runs[r].hlo_text, runs[r].records, measured if measured == measured else 0.0,
+                                  space, target_hw, local_hw, algorithm)
+  reps = {c.label: c.representative for c in sl.classes}
+  composed = tl_lib.compose({lab: tls[r] for lab, r in reps.items()}, sl.structural)
+  for lab, r in reps.items():
+    tls[r] = composed[lab]
+  exact = None
+  if exact_memory is not None and space.n <= EXACT_MEMORY_MAX_DEVICES:
+    exact = target_compile_memory(exact_memory[0], exact_memory[1], space.n)
+  per_rank = []
+  for r in to_run:
+    run, tl = runs[r], tls[r]
+    cls = sl.class_of(r)
+    mem = exact["peak_bytes"] if exact else run.memory["peak_bytes"]
+    per_rank.append({
+        "rank": r, "coords": space.coords(r), "class": cls.label, "class_size": cls.count,
+        "iteration_time_s": tl.iteration_s if execute else None,
+        "compute_s": tl.compute_s, "comm_s": tl.comm_s, "wait_s": tl.wait_s,
+        "measured_standin_program_s": run.compute_s if execute else None,
+        "standin_local_s": tl.standin_local_s, "noise_p10_p90": run.noise, "step_times_s": run.step_times_s,
+        "peak_memory_bytes": mem,
+        "memory_source": "target N-device compile (exact)" if exact else "compiled per-rank program at real shapes",
+        "per_rank_program_memory": run.memory, "collective_sites": len(run.records),
+        "collective_bytes_per_step": sum(x.bytes * x.trips for x in run.records),
+        "comm_by_kind_s": tl.by_kind, "unplaced_collectives": tl.unplaced, "compile_s": run.compile_s,
+        "loss": run.loss})
+  iteration = max((p["iteration_time_s"] for p in per_rank if p["iteration_time_s"] is not None), default=None)
+  result = {
+      "emulated_devices": space.n, "real_devices": 1, "mesh": space.axis_sizes, "config": cfg.name,
+      "hardware": hardware, "local_hardware": local_hardware, "local_device": next(iter(runs.values())).device,
+      "iteration_time_s": iteration, "peak_memory_bytes": max(p["peak_memory_bytes"] for p in per_rank),
+      "ranks": per_rank,
+      "slicing": {"structural_axes": list(sl.structural), "assumption": sl.assumption,
+                  "classes": [{"class": c.label, "representative": c.representative, "ranks": c.count,
+                               "chosen_by": c.chosen_by} for c in sl.classes]},
+      "per_rank_params": prog.n_params_local, "trace_s": prog.trace_s, "executed": execute,
+      "exact_memory": exact, "notes": list(notes), "wall_time_s": None, "trace_files": []}
+  if out_dir:
+    labels = [(f"rank {r} ({sl.class_of(r).label})", tls[r]) for r in to_run]
+    result["trace_files"] = trace.write(out_dir, labels, {"mesh": space.describe(), "config": cfg.name,
+                                                          "hardware": hardware})
+  result["wall_time_s"] = time.perf_counter() - t0
+  if out_dir:
+    with open(os.path.join(out_dir, "emulation.json"), "w") as f:
+      json.dump(result, f, indent=1, default=str)
+  return result

@@ -1,0 +1,254 @@
+"""Hybrid execution, the composed half: one rank's timeline at the target scale.
+
+Inputs: the compiled stand-in program of the rank (its HLO, parsed into ``perfmodel.graph``'s execution
+graph, the same graph ``perfmodel predict`` prices), the measured step time of that program on the
+local device, and the collective records. Walking the graph in program order (the compiled module is
+scheduled, so text order is execution order; loops are expanded trip by trip):
+
+* compute nodes get **measured** time: the measured total is spread over the nodes in proportion to
+  their modelled cost (``perfmodel.costs`` roofline of the local device), so the sum is exactly the
+  measurement and only the split inside it is modelled;
+* the nodes of a stand-in (marked ``emu_c<i>`` in their op_name) are removed, together with their
+  share of the measured time, and replaced by the real collective, priced by
+  ``perfmodel.collectives`` on the *target* hardware profile for the rank's real group of global ids;
+* collectives are synchronous: the stand-in program is compiled for the local device, which has no
+  async collectives to overlap (XLA:CPU, the validation target, runs them synchronously too); see
+  README "Limitations" for GPU overlap.
+
+Ranks whose programs differ (pipeline stages) are composed by :func:`compose`: a collective over an
+axis that separates classes is a synchronisation point where every class waits for the slowest
+(this is what makes pipeline bubbles appear); collectives inside one class need no waiting, its
+members run the same program.
+"""
+from __future__ import annotations
+
+import dataclasses
+from collections import defaultdict
+from typing import Optional
+
+from perfmodel import collectives as coll_model
+from perfmodel import costs as costs_lib
+from perfmodel import graph as graph_lib
+from perfmodel.emulate.standins import marker_index
+from perfmodel.emulate.topology import RankSpace
+from perfmodel.hardware import HardwareProfile
+
+MAX_EVENTS = 20000
+
+
+@dataclasses.dataclass
+class Event:
+  name: str
+  cat: str  # compute | comm | wait
+  start: float
+  dur: float
+  args: dict = dataclasses.field(default_factory=dict)
+
+
+@dataclasses.dataclass
+class RankTimeline:
+  rank: int
+  events: list  # Event in time order (start relative to the step start)
+  compute_s: float  # measured compute, stand-ins removed
+  standin_local_s: float  # measured time attributed to stand-in nodes (removed)
+  comm_s: float  # modelled collective time on this rank
+  wait_s: float = 0.0  # time waiting for other classes (pipeline bubbles), filled by compose()
+  unplaced: int = 0  # collective records with no node in the compiled program (appended at the end)
+  by_kind: dict = dataclasses.field(default_factory=dict)
+
+  @property
+  def iteration_s(self) -> float:
+    return max((e.start + e.dur for e in self.events), default=0.0)
+
+
+def _walk(graph, region: str, path: tuple, out: list, budget: list):
+  """Flattens the graph into (node, instance_path) in execution order, expanding loops."""
+  for n in graph.regions[region].nodes:
+    if n.kind == "loop":
+      for i in range(n.trip_count):
+        if budget[0] <= 0:
+          out.append((n, path + (("loop-rest", n.trip_count - i),)))
+          break
+        _walk(graph, n.body, path + ((n.name, i),), out, budget)
+      continue
+    budget[0] -= 1
+    out.append((n, path))
+
+
+def _marker_map(module) -> dict:
+  """(computation, instruction name) -> (sorted stand-in indices inside it, pure): ``pure`` when every
+  real instruction of the node (descending into fusions) belongs to a stand-in."""
+  from perfmodel import hlo_parse as hp  # noqa: PLC0415
+  cache = {}
+
+  def scan(comp_name):
+    if comp_name in cache:
+      return cache[comp_name]
+    cache[comp_name] = (set(), True)
+    comp = module.computations.get(comp_name)
+    idx, pure = set(), True
+    for ins in comp.instructions if comp else ():
+      if ins.opcode in ("parameter", "constant", "tuple", "get-tuple-element", "bitcast", "broadcast"):
+        continue
+      i = marker_index(ins.op_name)
+      if ins.opcode == "fusion":
+        sub_idx, sub_pure = scan(ins.called()[0])
+        idx |= sub_idx
+        pure &= sub_pure and bool(sub_idx)
+      elif i is not None:
+        idx.add(i)
+      else:
+        pure = False
+    cache[comp_name] = (idx, pure)
+    return cache[comp_name]
+
+  out = {}
+  for cname, comp in module.computations.items():
+    for ins in comp.instructions:
+      i = marker_index(ins.op_name)
+      if ins.opcode == "fusion":
+        idx, pure = scan(ins.called()[0])
+        if i is not None:
+          idx = idx | {i}
+        if idx:
+          out[(cname, ins.name)] = (tuple(sorted(idx)), pure)
+      elif i is not None:
+        out[(cname, ins.name)] = ((i,), True)
+  return out
+
+
+def collective_seconds(rec, space: RankSpace, rank: int, hw: HardwareProfile, algorithm: str = "auto") -> tuple:
+  group = rec.group(space, rank)
+  if len(group) <= 1 or rec.bytes <= 0:
+    return 0.0, "none"
+  c = coll_model.cost(rec.kind, rec.bytes, group, hw, algorithm)
+  return c.seconds + hw.launch_overhead, c.algorithm
+
+
+def rank_timeline(rank: int, hlo_text: str, records: list, measured_s: float, space: RankSpace,
+                  target_hw: HardwareProfile, local_hw: HardwareProfile, algorithm: str = "auto") -> RankTimeline:
+  from perfmodel import hlo_parse as hp  # noqa: PLC0415
+  module = hp.parse_module(hlo_text)
+  graph = graph_lib.build_graph(module, n_devices=1)
+  node_region = {n.id: r for r, reg in graph.regions.items() for n in reg.nodes}
+  markers = _marker_map(module)
+  flat = []
+  _walk(graph, graph.entry, (), flat, [MAX_EVENTS])
+  chain = costs_lib.make_chain(local_hw, "roofline")
+  model = []
+  for n, path in flat:
+    if n.kind in ("wait",):
+      model.append(0.0)
+      continue
+    if n.kind == "loop":  # collapsed remainder of a huge loop: priced by the perfmodel timeline
+      from perfmodel import timeline as tl  # noqa: PLC0415
+      model.append(tl.schedule(graph, chain, n.body).makespan * dict(path).get("loop-rest", 1))
+      continue
+    model.append(chain.price(n).seconds)
+  total_model = sum(model) or 1.0
+  scale = measured_s / total_model
+  rec_by_index = {r.index: r for r in records}
+  events, t, seen = [], 0.0, set()
+  standin_local, compute, comm = 0.0, 0.0, 0.0
+  by_kind = defaultdict(float)
+  seg = None  # open compute segment
+
+  def close():
+    nonlocal seg
+    if seg is not None:
+      events.append(seg)
+      seg = None
+
+  for (n, path), m in zip(flat, model):
+    dur = m * scale
+    idxs, pure = markers.get((node_region.get(n.id), n.name), ((), False))
+    for idx in idxs:
+      # The collective runs before the node holding its stand-in (the stand-in's output is its result).
+      key = (idx, path)
+      if idx not in rec_by_index or key in seen:
+        continue
+      seen.add(key)
+      rec = rec_by_index[idx]
+      secs, alg = collective_seconds(rec, space, rank, target_hw, algorithm)
+      if secs <= 0:
+        continue
+      close()
+      events.append(Event(f"{rec.kind} {'x'.join(rec.axes)}", "comm", t, secs,
+                          {"bytes": rec.bytes, "group_size": rec.group_size, "axes": list(rec.axes),
+                           "algorithm": alg, "site": idx, "scope": rec.scope}))
+      t += secs
+      comm += secs
+      by_kind[rec.kind] += secs
+    if idxs and pure:
+      standin_local += dur  # pure stand-in work: replaced by the collective above
+      continue
+    if dur <= 0:
+      continue
+    phase = n.attribution.phase
+    if seg is None or seg.args.get("phase") != phase:
+      close()
+      seg = Event(f"compute {phase}", "compute", t, 0.0, {"phase": phase, "nodes": 0, "layer": n.attribution.layer})
+    seg.dur += dur
+    seg.args["nodes"] += 1
+    t += dur
+    compute += dur
+  close()
+  placed = {i for i, _ in seen}
+  unplaced = 0
+  for rec in records:  # collectives XLA left without a node of their own (e.g. a fused stand-in)
+    if rec.index in placed:
+      continue
+    secs, alg = collective_seconds(rec, space, rank, target_hw, algorithm)
+    if secs <= 0:
+      continue
+    unplaced += 1
+    total = secs * rec.trips
+    events.append(Event(f"{rec.kind} {'x'.join(rec.axes)} (unplaced x{rec.trips})", "comm", t, total,
+                        {"bytes": rec.bytes, "group_size": rec.group_size, "site": rec.index, "algorithm": alg}))
+    t += total
+    comm += total
+    by_kind[rec.kind] += total
+  return RankTimeline(rank=rank, events=events, compute_s=compute, standin_local_s=standin_local, comm_s=comm,
+                      unplaced=unplaced, by_kind=dict(by_kind))
+
+
+def compose(timelines: dict, sync_axes: tuple) -> dict:
+  """Aligns class representatives at collectives over ``sync_axes`` (axes separating classes): the
+  k-th such collective starts on every class when the slowest class reaches it. ``timelines`` maps a
+  class label to its RankTimeline; returns new timelines with 'wait' events for the bubbles."""
+  if len(timelines) <= 1 or not sync_axes:
+    return timelines
+  seqs = {k: [e for e in tl.events if e.cat == "comm" and set(e.args.get("axes", ())) & set(sync_axes)]
+          for k, tl in timelines.items()}
+  lengths = {len(s) for s in seqs.values()}
+  if len(lengths) != 1:
+    return timelines  # classes disagree on their synchronising collectives: left unaligned (reported)
+  out = {}
+  shift = {k: 0.0 for k in timelines}
+  new_events = {k: [] for k in timelines}
+  cursors = {k: 0 for k in timelines}
+  n_sync = lengths.pop()
+  evs = {k: tl.events for k, tl in timelines.items()}
+  for j in range(n_sync + 1):
+    # advance every class to its j-th sync collective
+    arrive = {}
+    for k in timelines:
+      while cursors[k] < len(evs[k]):
+        e = evs[k][cursors[k]]
+        if j < n_sync and e is seqs[k][j]:
+          break
+        new_events[k].append(dataclasses.replace(e, start=e.start + shift[k]))
+        cursors[k] += 1
+      if j < n_sync:
+        arrive[k] = seqs[k][j].start + shift[k]
+    if j == n_sync:
+      break
+    go = max(arrive.values())
+    for k in timelines:
+      if go > arrive[k]:
+        new_events[k].append(Event("wait (peer stages)", "wait", arrive[k], go - arrive[k]))
+      shift[k] += go - arrive[k]
+  for k, tl in timelines.items():
+    waits = sum(e.dur for e in new_events[k] if e.cat == "wait")
+    out[k] = dataclasses.replace(tl, events=new_events[k], wait_s=waits)
+  return out

@@ -1,0 +1,136 @@
+"""predict: config (+ overrides, mesh, hardware) -> step time, tokens/s, MFU, peak memory, breakdowns.
+
+Training: the real compiled step (capture.train_step) -> execution graph -> cost chain -> timeline.
+Inference: the real KV-cached sampler (capture.sampler) -> graph; everything before the decode loop
+is the prefill (TTFT), one trip of the loop body is one decode step (TPOT).
+
+Virtual CPU devices share the host's cores, so on the ``cpu`` profile a program replicated over N
+virtual devices takes about N x its per-device time / host_parallelism (calibrated); on real
+accelerators every device runs its copy in parallel and the per-device timeline is the step.
+"""
+from __future__ import annotations
+
+import time
+
+from framework import flops as flops_lib
+from framework.config import Config
+from perfmodel import capture, costs, graph as graph_lib, memory, timeline
+from perfmodel.hardware import HardwareProfile
+
+
+def _host_factor(hw: HardwareProfile, n_devices: int) -> float:
+  if hw.name != "cpu" or n_devices <= 1:
+    return 1.0
+  return n_devices / max(1.0, min(float(n_devices), hw.calibration.get("host_parallelism", 1.0)))
+
+
+def price_graph(g: graph_lib.ExecGraph, hw: HardwareProfile, backend: str = "auto", algorithm: str = "auto"):
+  chain = costs.make_chain(hw, backend, algorithm)
+  return timeline.schedule(g, chain), chain
+
+
+def _breakdown(tl: timeline.Timeline, scale: float) -> dict:
+  return {
+      "by_kind_s": {k: v * scale for k, v in sorted(tl.busy_by_kind.items())},
+      "by_phase_s": {k: v * scale for k, v in sorted(tl.by_phase.items())},
+      "by_layer_s": {(k or "other"): v * scale for k, v in sorted(tl.by_layer.items())},
+      "exposed_comm_s": tl.exposed_comm * scale,
+      "priced_by": tl.backend_counts,
+      "top_nodes": [{"s": s * scale, "name": nm, "kind": kd, "backend": b, "op": op[-80:]}
+                    for s, nm, kd, b, op in tl.top_nodes[:8]],
+  }
+
+
+def predict_train(cfg: Config, hw: HardwareProfile, backend: str = "auto", captured=None) -> dict:
+  t0 = time.perf_counter()
+  cap = captured or capture.train_step(cfg)
+  t1 = time.perf_counter()
+  g = graph_lib.from_hlo_text(cap.hlo_text, cap.n_devices)
+  tl, chain = price_graph(g, hw, backend)
+  t2 = time.perf_counter()
+  scale = _host_factor(hw, cap.n_devices)
+  step = tl.makespan * scale + hw.calibration.get("step_overhead_s", 0.0)
+  tokens = cfg.data.global_batch * cfg.data.seq_len
+  model_flops = flops_lib.train_flops_per_token(cfg.model, cfg.data.seq_len) * tokens
+  dtype = {"bfloat16": "bf16", "float16": "f16"}.get(cfg.model.dtype, "f32")
+  peak_total = hw.peak(dtype) * (1 if hw.name == "cpu" else cap.n_devices)
+  tot = g.totals()
+  ana = memory.analytic(cfg)
+  return {
+      "mode": "train", "config": cfg.name, "hardware": hw.name, "calibrated": hw.calibrated,
+      "backends": chain.names, "n_devices": cap.n_devices,
+      "mesh": {k: v for k, v in cfg.mesh.sizes().items() if v != 1},
+      "step_time_s": step, "tokens_per_s": tokens / step, "mfu": model_flops / step / peak_total,
+      "peak_memory_bytes": cap.memory["peak_bytes"], "memory_analysis": cap.memory,
+      "memory_analytic": ana.to_dict(),
+      "flops_per_device": tot["flops"], "xla_cost_analysis_flops": cap.cost_analysis.get("flops"),
+      "model_flops_per_step": model_flops, "collective_bytes_per_device": tot["collective_bytes"],
+      "node_counts": tot["node_counts"], "breakdown": _breakdown(tl, scale), "host_device_factor": scale,
+      "compile_s": cap.lower_s + cap.compile_s, "predict_s": t2 - t1, "total_s": t2 - t0,
+  }
+
+
+def predict_infer(cfg: Config, hw: HardwareProfile, batch: int, prompt_len: int, gen_len: int,
+                  backend: str = "auto", captured=None) -> dict:
+  t0 = time.perf_counter()
+  cap = captured or capture.sampler(cfg, batch, prompt_len, gen_len)
+  g = graph_lib.from_hlo_text(cap.hlo_text, 1)
+  chain = costs.make_chain(hw, backend)
+  cache = {}
+  entry = g.regions[g.entry]
+  loops = [n for n in entry.nodes if n.kind == "loop" and n.trip_count == gen_len]
+  decode = max(loops, key=lambda n: timeline.schedule(g, chain, n.body, cache).makespan) if loops else None
+  full = timeline.schedule(g, chain, None, cache)
+  tpot = timeline.schedule(g, chain, decode.body, cache).makespan if decode else 0.0
+  overhead = hw.calibration.get("step_overhead_s", 0.0)
+  ttft = full.makespan - (tpot * gen_len) + overhead
+  total = full.makespan + overhead
+  return {
+      "mode": "infer", "config": cfg.name, "hardware": hw.name, "calibrated": hw.calibrated, "backends": chain.names,
+      "batch": batch, "prompt_len": prompt_len, "gen_len": gen_len,
+      "ttft_s": ttft, "tpot_s": tpot, "total_s": total,
+      "tokens_per_s": batch * gen_len / total if total else 0.0,
+      "decode_tokens_per_s": batch / tpot if tpot else 0.0,
+      "peak_memory_bytes": cap.memory["peak_bytes"], "memory_analysis": cap.memory,
+      "breakdown": _breakdown(full, 1.0), "compile_s": cap.lower_s + cap.compile_s,
+      "predict_s": time.perf_counter() - t0 - cap.lower_s - cap.compile_s,
+  }
+
+
+def predict_train_analytic(cfg: Config, hw: HardwareProfile, backend: str = "auto") -> dict:
+  """No compile: analytic graph (perfmodel.analytic) + pipeline schedule + analytic memory."""
+  from perfmodel import analytic, pipeline
+  t0 = time.perf_counter()
+  mesh = cfg.mesh
+  mb = mesh.microbatches if mesh.pipeline > 1 else 1
+  g = analytic.build(cfg, microbatch_tokens_div=mb)
+  tl, chain = price_graph(g, hw, backend)
+  n_dev = g.n_devices
+  if mesh.pipeline > 1:
+    fwd = tl.by_phase.get("fwd", 0.0)
+    bwd = tl.makespan - fwd
+    act_bytes = (cfg.data.global_batch // (mesh.data * mesh.fsdp) // mb) * cfg.data.seq_len * cfg.model.d_model * 4
+    from perfmodel import collectives
+    p2p = collectives.permute(act_bytes, hw.links[0].bandwidth, hw.links[0].latency) if hw.links else 0.0
+    pc = pipeline.cost(mesh.schedule, mesh.pipeline, mb, fwd, bwd, c=p2p)
+    step, bubble = pc.step_time, pc.bubble_fraction
+  else:
+    step, bubble = tl.makespan, 0.0
+  scale = _host_factor(hw, n_dev)
+  step = step * scale + hw.calibration.get("step_overhead_s", 0.0)
+  tokens = cfg.data.global_batch * cfg.data.seq_len
+  model_flops = flops_lib.train_flops_per_token(cfg.model, cfg.data.seq_len) * tokens
+  dtype = {"bfloat16": "bf16", "float16": "f16"}.get(cfg.model.dtype, "f32")
+  peak_total = hw.peak(dtype) * (1 if hw.name == "cpu" else n_dev)
+  mem = memory.analytic(cfg)
+  tot = g.totals()
+  return {
+      "mode": "train", "method": "analytic", "config": cfg.name, "hardware": hw.name, "calibrated": hw.calibrated,
+      "backends": chain.names, "n_devices": n_dev, "mesh": {k: v for k, v in mesh.sizes().items() if v != 1},
+      "step_time_s": step, "tokens_per_s": tokens / step, "mfu": model_flops / step / peak_total,
+      "peak_memory_bytes": mem.total, "memory_analytic": mem.to_dict(), "pipeline_bubble_fraction": bubble,
+      "flops_per_device": tot["flops"] * mb, "model_flops_per_step": model_flops,
+      "collective_bytes_per_device": tot["collective_bytes"] * mb, "node_counts": tot["node_counts"],
+      "breakdown": _breakdown(tl, scale * mb), "fits_in_memory": mem.total <= hw.mem_bytes,
+      "predict_s": time.perf_counter() - t0,
+  }

@@ -1,0 +1,179 @@
+"""`python -m perfmodel validate`: run a suite on this host, measured medians vs predictions.
+
+Per training config: compile the real step once (capture.train_step), time it (median of `reps`
+calls in two interleaved rounds, so drift from other users of the machine shows up as noise),
+profile its unique dots (the profiled backend), predict from the same compiled program, compare.
+Per inference config: time the KV-cached sampler at two generation lengths; TPOT = slope.
+Prints one line per config, then one JSON object; writes a PNG and appends a row to
+benchmarks/RESULTS.md. Noise is reported beside the error, never folded into it.
+"""
+from __future__ import annotations
+
+import datetime
+import importlib.util
+import json
+import os
+import platform
+import statistics
+import sys
+
+import numpy as np
+
+from framework.config import from_dict, validate as validate_cfg
+from perfmodel import bench, capture, graph as graph_lib, hardware, predict, profiler
+
+
+def _merge(base: dict, over: dict) -> dict:
+  out = {k: dict(v) if isinstance(v, dict) else v for k, v in base.items()}
+  for k, v in over.items():
+    if isinstance(v, dict):
+      out.setdefault(k, {}).update(v)
+    elif k not in ("name", "batch", "prompt_len", "gen_lens"):
+      out[k] = v
+  return out
+
+
+def kendall_tau(a, b) -> float:
+  n, s = len(a), 0
+  for i in range(n):
+    for j in range(i + 1, n):
+      s += np.sign(a[i] - a[j]) * np.sign(b[i] - b[j])
+  return float(2 * s / (n * (n - 1))) if n > 1 else 1.0
+
+
+def _load_suite(path):
+  if path is None:
+    from perfmodel import suite
+    return suite
+  spec = importlib.util.spec_from_file_location("perfmodel_suite", path)
+  mod = importlib.util.module_from_spec(spec)
+  spec.loader.exec_module(mod)
+  return mod
+
+
+def measure_train(cap, cfg, reps: int) -> dict:
+  import jax
+  compiled, step = cap.compiled
+  state = step.init_state(jax.random.key(0))
+  rng = np.random.default_rng(0)
+  d = cfg.data
+  batch = step.put_batch({k: rng.integers(0, 256, (d.global_batch, d.seq_len), dtype=np.int32)
+                          for k in ("inputs", "targets")})
+  holder = [state]
+
+  def run():
+    holder[0], metrics = compiled(holder[0], batch)
+    return metrics
+  return bench.time_fn(run, reps=reps, warmup=2)
+
+
+def measure_infer(cfg, batch, prompt_len, gen_len, reps) -> dict:
+  import jax
+  import jax.numpy as jnp
+  from framework import model as model_lib
+  cap = capture.sampler(cfg, batch, prompt_len, gen_len, keep_compiled=True)
+  compiled, model = cap.compiled
+  params = model_lib.init_params(model, jax.random.key(0))
+  params = jax.tree.map(lambda x: x, __import__("flax").linen.unbox(params))
+  prompt = jnp.zeros((batch, prompt_len), jnp.int32)
+  r = bench.time_fn(lambda: compiled(params, prompt, jax.random.key(0)), reps=reps)
+  return r, cap
+
+
+def run(suite_path=None, reps: int = 7, backend: str = "auto", png: str = None, results: bool = True,
+        limit: int = 0, hardware_name: str = "cpu") -> dict:
+  hw = hardware.load(hardware_name)
+  suite = _load_suite(suite_path)
+  rows = []
+  entries = suite.SUITE[:limit] if limit else suite.SUITE
+  for entry in entries:
+    cfg = from_dict(_merge(suite.BASE, entry))
+    n = cfg.mesh.data * cfg.mesh.fsdp * cfg.mesh.tensor
+    cfg = validate_cfg(cfg, n)
+    cfg = cfg.__class__(**{**cfg.__dict__, "name": entry["name"]})
+    cap = capture.train_step(cfg, keep_compiled=True)
+    profiler.profile_dots(graph_lib.from_hlo_text(cap.hlo_text), hw.name)
+    r1 = measure_train(cap, cfg, reps)
+    pred = predict.predict_train(cfg, hw, backend, captured=cap)
+    r2 = measure_train(cap, cfg, reps)
+    meas = statistics.median([r1["median"], r2["median"]])
+    noise = max(bench.spread_pct(r1), bench.spread_pct(r2), 50 * abs(r1["median"] - r2["median"]) / meas)
+    err = 100 * (pred["step_time_s"] - meas) / meas
+    rows.append(dict(name=entry["name"], kind="train", measured_s=meas, predicted_s=pred["step_time_s"], err_pct=err,
+                     noise_pct=noise, n_devices=n, predict_s=pred["predict_s"],
+                     mem_pred=pred["peak_memory_bytes"], mem_xla=cap.memory["peak_bytes"]))
+    print(f"{entry['name']:>16}  measured {meas * 1e3:9.2f} ms  predicted {pred['step_time_s'] * 1e3:9.2f} ms  "
+          f"err {err:+6.1f}%  noise ±{noise:4.1f}%  ({n} dev)", file=sys.stderr, flush=True)
+  inf_rows = []
+  for entry in getattr(suite, "INFER", []) if not limit else []:
+    cfg = validate_cfg(from_dict(_merge(suite.BASE, entry)), 1)
+    g1, g2 = entry["gen_lens"]
+    m1, _ = measure_infer(cfg, entry["batch"], entry["prompt_len"], g1, reps)
+    m2, cap2 = measure_infer(cfg, entry["batch"], entry["prompt_len"], g2, reps)
+    profiler.profile_dots(graph_lib.from_hlo_text(cap2.hlo_text), hw.name)
+    tpot_meas = (m2["median"] - m1["median"]) / (g2 - g1)
+    pred = predict.predict_infer(cfg, hw, entry["batch"], entry["prompt_len"], g2, backend, captured=cap2)
+    err = 100 * (pred["tpot_s"] - tpot_meas) / tpot_meas if tpot_meas > 0 else float("nan")
+    noise = max(bench.spread_pct(m1), bench.spread_pct(m2)) * m2["median"] / max(1e-12, m2["median"] - m1["median"])
+    inf_rows.append(dict(name=entry["name"], kind="infer", measured_s=tpot_meas, predicted_s=pred["tpot_s"],
+                         err_pct=err, noise_pct=noise))
+    print(f"{entry['name']:>16}  TPOT measured {tpot_meas * 1e3:8.3f} ms  predicted {pred['tpot_s'] * 1e3:8.3f} ms  "
+          f"err {err:+6.1f}%  noise ±{noise:4.1f}%", file=sys.stderr, flush=True)
+  meas = [r["measured_s"] for r in rows]
+  prd = [r["predicted_s"] for r in rows]
+  mape = float(np.mean([abs(r["err_pct"]) for r in rows]))
+  tps_m = [1 / m for m in meas]
+  best_pred = int(np.argmin(prd))
+  regret = 100 * (1 - tps_m[best_pred] / max(tps_m))
+  mem_err = float(np.max([abs(r["mem_pred"] - r["mem_xla"]) / r["mem_xla"] * 100 for r in rows]))
+  out = {"mape": mape, "kendall_tau": kendall_tau(meas, prd), "n_configs": len(rows),
+         "noise_pct": float(np.median([r["noise_pct"] for r in rows])),
+         "top1_regret_pct": regret, "signed_err_pct": {r["name"]: round(r["err_pct"], 2) for r in rows},
+         "tpot_mape": float(np.mean([abs(r["err_pct"]) for r in inf_rows])) if inf_rows else None,
+         "tpot_n_configs": len(inf_rows),
+         "peak_memory_max_err_pct_vs_memory_analysis": mem_err,
+         "predict_s_max": float(max(r["predict_s"] for r in rows)),
+         "hardware": hw.name, "calibrated": hw.calibrated, "backend": backend,
+         "load_avg": os.getloadavg()[0], "rows": rows + inf_rows}
+  if png:
+    _plot(rows + inf_rows, png)
+    out["png"] = png
+  if results:
+    _append_results(out)
+  return out
+
+
+def _plot(rows, path):
+  import matplotlib
+  matplotlib.use("Agg")
+  import matplotlib.pyplot as plt
+  fig, ax = plt.subplots(figsize=(5, 5))
+  for kind, mk in (("train", "o"), ("infer", "^")):
+    rr = [r for r in rows if r["kind"] == kind]
+    if not rr:
+      continue
+    ax.errorbar([r["measured_s"] * 1e3 for r in rr], [r["predicted_s"] * 1e3 for r in rr],
+                xerr=[r["measured_s"] * 1e3 * r["noise_pct"] / 100 for r in rr], fmt=mk, label=kind, capsize=2)
+  lo = min(min(r["measured_s"], r["predicted_s"]) for r in rows) * 1e3 / 1.5
+  hi = max(max(r["measured_s"], r["predicted_s"]) for r in rows) * 1e3 * 1.5
+  ax.plot([lo, hi], [lo, hi], "k--", lw=0.8)
+  ax.set_xscale("log"), ax.set_yscale("log")
+  ax.set_xlabel("measured (ms)"), ax.set_ylabel("predicted (ms)")
+  ax.set_title("perfmodel: predicted vs measured (this CPU)")
+  ax.legend()
+  os.makedirs(os.path.dirname(path) or ".", exist_ok=True)
+  fig.savefig(path, dpi=120, bbox_inches="tight")
+
+
+def _append_results(out):
+  path = os.path.join("benchmarks", "RESULTS.md")
+  if not os.path.exists(path):
+    os.makedirs("benchmarks", exist_ok=True)
+    with open(path, "w") as f:
+      f.write("# Benchmark results\n\n| date | command | machine | numbers |\n|---|---|---|---|\n")
+  nums = {k: (round(v, 3) if isinstance(v, float) else v) for k, v in out.items()
+          if k in ("mape", "kendall_tau", "n_configs", "noise_pct", "top1_regret_pct", "tpot_mape",
+                   "peak_memory_max_err_pct_vs_memory_analysis", "load_avg")}
+  with open(path, "a") as f:
+    f.write(f"| {datetime.datetime.now().isoformat(timespec='minutes')} | python -m perfmodel validate | "
+            f"{platform.node()} {os.cpu_count()} cores (shared) | {json.dumps(nums)} |\n")

@@ -1,0 +1,620 @@
+"""Controller: membership, commit, failure detection, hot swap (one per job; no jax runtime).
+
+Generation protocol (what restarts and what survives):
+* agents and their shared-memory stores survive every failure except their own node's;
+* every worker of generation g is fenced (SIGKILL through its agent) on any failure: on CPU/gloo a
+  survivor cannot leave a collective whose peer died (notes 4b), and a fresh process per
+  generation is the design that also holds on GPU clusters without relying on NCCL abort;
+* generation g+1 runs on a fresh coordinator port hosted by the new rank 0 (a spare if rank 0
+  failed), so it never depends on the failed node; agents hand it to warm standby workers.
+Commit: version v is durable once every rank's own copy is stored and r buddies acknowledged it.
+Restore tier (automatic, logged): memory (own shared memory; spares pull their rank's replica from
+a buddy) if every failed rank has a live replica of the last committed version, else persistent
+(orbax, latest step), else init (step 0; deterministic, so still bit-identical, only slower).
+"""
+from __future__ import annotations
+
+import json
+import logging
+import os
+import signal
+import subprocess
+import sys
+import time
+from typing import Dict, List, Optional
+
+import zmq
+
+from resilience import injection, wire
+from resilience.settings import HotswapSettings
+
+log = logging.getLogger("prismllm.resilience")
+REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+
+
+class RunFailed(RuntimeError):
+  pass
+
+
+class Node:
+  def __init__(self, name: str, proc: subprocess.Popen):
+    self.name, self.proc = name, proc
+    self.data_addr: Optional[str] = None
+    self.alive = True
+    self.role = "spare"  # member | spare | retired
+    self.last_hb = time.time()
+    self.standby_ready = False
+    self.worker_pid: Optional[int] = None
+    self.hello = False
+
+
+class Controller:
+  def __init__(self, cfg_dict: dict, total_steps: int, s: HotswapSettings, workdir: str, run_id: str):
+    self.cfg_dict, self.total, self.s, self.workdir, self.run_id = cfg_dict, total_steps, s, workdir, run_id
+    self.ctx = zmq.Context()
+    self.router = wire.new_socket(self.ctx, zmq.ROUTER)
+    self.router_addr = wire.bind_random(self.router)
+    self.pull = wire.new_socket(self.ctx, zmq.PULL)
+    self.pull_addr = wire.bind_random(self.pull)
+    self.pub = wire.new_socket(self.ctx, zmq.PUB)
+    self.pub_addr = wire.bind_random(self.pub)
+    self.nodes: Dict[str, Node] = {}
+    self.members: List[str] = []
+    self.gen = -1
+    self.state = "starting"  # starting | running | fencing | done
+    self.committed = -1
+    self.committed_holders: Dict[int, set] = {}
+    self.committed_owner: Dict[int, str] = {}
+    self.gen_first_steps: set = set()
+    self.stored: Dict[int, set] = {}
+    self.acks: Dict[int, Dict[int, set]] = {}
+    self.losses: Dict[int, float] = {}
+    self.loss_mismatch: List[int] = []
+    self.max_step = 0
+    self.gen_max_step = 0
+    self.worker_hb: Dict[int, float] = {}
+    self.gen_started_at = 0.0
+    self.last_progress = time.time()
+    self.step_times: List[dict] = []
+    self.done: Dict[int, dict] = {}
+    self.events: List[dict] = []
+    self.recoveries: List[dict] = []
+    self.rec: Optional[dict] = None
+    self.pending_error: Optional[dict] = None
+    self.faults = injection.plan(s, total_steps)
+    self.spare_counter = 0
+    self.cache_dir = s.compile_cache_dir or os.path.join(workdir, "jax_cache")
+    self.events_f = open(os.path.join(workdir, "hotswap_events.jsonl"), "a")
+    self.t0 = time.time()
+
+  # -- bookkeeping -----------------------------------------------------------------------------------
+  def event(self, what: str, **kw):
+    rec = {"t": round(time.time() - self.t0, 4), "event": what, "gen": self.gen, **kw}
+    self.events.append(rec)
+    self.events_f.write(json.dumps(rec, default=str) + "\n")
+    self.events_f.flush()
+    log.info("%s %s", what, {k: v for k, v in kw.items() if k != "trace"})
+
+  def launch_node(self, name: str) -> Node:
+    env = dict(os.environ)
+    env["PYTHONPATH"] = REPO + os.pathsep + env.get("PYTHONPATH", "")
+    logf = open(os.path.join(self.workdir, "logs", f"{name}-agent.log"), "w")
+    from resilience.agent import _die_with_parent  # noqa: PLC0415
+    proc = subprocess.Popen(
+        [sys.executable, "-m", "resilience.agent", "--name", name, "--controller", self.router_addr,
+         "--run-id", self.run_id, "--workdir", self.workdir, "--heartbeat-s", str(self.s.heartbeat_s),
+         "--chunk-mb", str(self.s.chunk_mb)],
+        env=env, cwd=REPO, stdout=logf, stderr=subprocess.STDOUT, preexec_fn=_die_with_parent)
+    logf.close()
+    node = self.nodes[name] = Node(name, proc)
+    return node
+
+  def send(self, name: str, msg: dict):
+    wire.send(self.router, msg, ident=name.encode())
+
+  def spares(self) -> List[str]:
+    return [n.name for n in self.nodes.values() if n.role == "spare" and n.alive and n.standby_ready]
+
+  def rank_of(self, name: str) -> Optional[int]:
+    return self.members.index(name) if name in self.members else None
+
+  def buddies(self, rank: int) -> List[int]:
+    return [(rank + 1 + j) % self.s.nodes for j in range(self.s.replicas)]
+
+  # -- start -------------------------------------------------------------------------------------------
+  def start(self):
+    os.makedirs(os.path.join(self.workdir, "logs"), exist_ok=True)
+    for i in range(self.s.nodes):
+      self.launch_node(f"node{i}")
+    for i in range(self.s.spares):
+      self.launch_node(f"spare{i}")
+    deadline = time.time() + self.s.startup_timeout_s
+    while not all(n.hello and n.standby_ready for n in self.nodes.values()):
+      if time.time() > deadline:
+        bad = [n.name for n in self.nodes.values() if not (n.hello and n.standby_ready)]
+        raise RunFailed(f"agents {bad} did not come up within {self.s.startup_timeout_s}s: see "
+                        f"{self.workdir}/logs/*.log")
+      self.poll_once(50)
+      for n in self.nodes.values():
+        if n.proc.poll() is not None:
+          raise RunFailed(f"agent {n.name} exited with rc {n.proc.returncode} at start-up: see "
+                          f"{self.workdir}/logs/{n.name}-agent.log")
+    self.members = [f"node{i}" for i in range(self.s.nodes)]
+    for name in self.members:
+      self.nodes[name].role = "member"
+    self.event("agents_ready", nodes=self.members, spares=self.spares())
+    self.start_generation({"tier": "init", "version": 0})
+
+  def start_generation(self, plan: dict):
+    self.gen += 1
+    coordinator = f"127.0.0.1:{wire.free_port()}"
+    self.stored = {v: r for v, r in self.stored.items() if v <= self.committed}
+    self.acks = {v: a for v, a in self.acks.items() if v <= self.committed}
+    self.worker_hb = {}
+    self.gen_started_at = self.last_progress = time.time()
+    self.gen_max_step = plan["version"]
+    self.done = {}
+    self.gen_first_steps = set()
+    self.pending_error = None
+    self.state = "running"
+    for rank, name in enumerate(self.members):
+      msg = {"type": "assign", "gen": self.gen, "rank": rank, "n": self.s.nodes, "coordinator": coordinator,
+             "restore": dict(plan), "buddies": [self.nodes[self.members[b]].data_addr for b in self.buddies(rank)],
+             "config": self.cfg_dict, "settings": _settings_dict(self.s), "workdir": self.workdir,
+             "controller_pull": self.pull_addr, "controller_pub": self.pub_addr,
+             "compile_cache_dir": self.cache_dir}
+      self.send(name, msg)
+    self.event("generation", coordinator=coordinator, members=list(self.members), tier=plan["tier"],
+               version=plan["version"])
+
+  # -- messages ----------------------------------------------------------------------------------------
+  def poll_once(self, timeout_ms: int):
+    poller = zmq.Poller()
+    poller.register(self.router, zmq.POLLIN)
+    poller.register(self.pull, zmq.POLLIN)
+    socks = dict(poller.poll(timeout_ms))
+    while self.router.poll(0):
+      ident, msg, _ = wire.recv(self.router, router=True)
+      self.on_agent(ident.decode(), msg)
+    while self.pull.poll(0):
+      _, msg, _ = wire.recv(self.pull)
+      self.on_worker(msg)
+    return socks
+
+  def on_agent(self, name: str, msg: dict):
+    node = self.nodes.get(name)
+    if node is None:
+      return
+    node.last_hb = time.time()
+    kind = msg["type"]
+    if kind == "hello":
+      node.hello, node.data_addr = True, msg["data_addr"]
+    elif kind == "standby_ready":
+      node.standby_ready = True
+    elif kind == "standby_exit":
+      node.standby_ready = False
+    elif kind == "started":
+      node.standby_ready = False
+      node.worker_pid = msg["pid"]
+      self.maybe_inject_recovery_stage(name)
+    elif kind == "killed":
+      if self.rec is not None:
+        self.rec["kills_pending"].discard(name)
+    elif kind == "fetched":
+      self.on_fetched(name, msg)
+    elif kind == "worker_exit":
+      self.on_worker_exit(name, msg)
+    elif kind == "assign_failed":
+      self.event("assign_failed", node=name, why=msg["why"])
+      if msg["gen"] == self.gen:
+        self.begin_recovery(set(), "assign_failed", time.time(), force_tier="persistent")
+    elif kind == "stored":
+      if msg["gen"] == self.gen:
+        self.stored.setdefault(msg["version"], set()).add(msg["rank"])
+        self.check_commit(msg["version"])
+        self.maybe_inject_replication_time(msg)
+    elif kind == "ack":
+      if msg["gen"] == self.gen:
+        self.acks.setdefault(msg["version"], {}).setdefault(msg["origin"], set()).add(name)
+        self.check_commit(msg["version"])
+
+  def on_worker(self, msg: dict):
+    kind = msg["type"]
+    if msg.get("gen") != self.gen:
+      return
+    rank = msg["rank"]
+    self.worker_hb[rank] = time.time()
+    if kind == "step":
+      step = msg["step"]
+      if step in self.losses and self.losses[step] != msg["loss"]:
+        self.loss_mismatch.append(step)
+      if rank == 0:
+        self.losses[step] = msg["loss"]
+        self.step_times.append({"gen": self.gen, "step": step, "dt": msg["dt"], "on": msg["on"],
+                                "transition": msg["transition"], "first": msg["first"]})
+      if step > self.gen_max_step:
+        self.gen_max_step = step
+        self.last_progress = time.time()
+      self.max_step = max(self.max_step, step)
+      self.t_first_step = getattr(self, "t_first_step", None) or time.time()
+      self.t_last_step = time.time()
+      if rank not in self.gen_first_steps:
+        self.gen_first_steps.add(rank)
+        if len(self.gen_first_steps) == self.s.nodes:  # the generation runs: refill warm standbys
+          for name, node in self.nodes.items():
+            if node.alive and node.role in ("member", "spare"):
+              self.send(name, {"type": "spawn_standby"})
+      if self.rec is not None and self.state == "running":
+        self.rec.setdefault("first_step_t", {})[rank] = msg["t"]
+        if len(self.rec["first_step_t"]) == self.s.nodes:
+          self.finish_recovery()
+      self.maybe_inject(step)
+    elif kind == "timing":
+      if self.rec is not None:
+        self.rec.setdefault("timings", {})[rank] = msg
+    elif kind == "done":
+      self.done[rank] = msg
+      if self.rec is not None and self.state == "running":  # recovered at the very end: nothing left to run
+        self.rec.setdefault("first_step_t", {})[rank] = time.time()
+        if len(self.rec["first_step_t"]) == self.s.nodes:
+          self.finish_recovery()
+    elif kind == "error":
+      self.event("worker_error", rank=rank, node=msg["node"], error=msg["error"], trace=msg.get("trace"))
+      if self.pending_error is None and self.state == "running" and self.rec is None:
+        self.pending_error = {"t": time.time(), **msg}
+
+  def check_commit(self, v: int):
+    if v <= self.committed or len(self.stored.get(v, ())) < self.s.nodes:
+      return
+    acks = self.acks.get(v, {})
+    if all(len(acks.get(k, ())) >= self.s.replicas for k in range(self.s.nodes)):
+      self.committed = v
+      self.committed_holders = {k: set(acks[k]) for k in range(self.s.nodes)}
+      self.committed_owner = {k: self.members[k] for k in range(self.s.nodes)}
+      wire.send(self.pub, {"type": "commit", "gen": self.gen, "version": v})
+      for old in [x for x in self.stored if x < v]:
+        self.stored.pop(old, None)
+        self.acks.pop(old, None)
+
+  # -- failure detection ----------------------------------------------------------------------------
+  def on_worker_exit(self, name: str, msg: dict):
+    node = self.nodes[name]
+    node.worker_pid = None
+    if msg["gen"] != self.gen or node.role != "member":
+      return
+    rank = self.rank_of(name)
+    if msg["rc"] == 0 and rank in self.done:
+      return
+    if self.state == "fencing":
+      return  # expected: we are killing this generation
+    self.failure({rank}, f"worker exit rc={msg['rc']}", msg["t"])
+
+  def tick(self):
+    now = time.time()
+    for node in list(self.nodes.values()):
+      if not node.alive:
+        continue
+      dead = node.proc.poll() is not None or now - node.last_hb > max(4 * self.s.heartbeat_timeout_s, 2.0)
+      if dead:
+        node.alive = False
+        node.standby_ready = False
+        self.event("agent_lost", node=node.name, role=node.role, rc=node.proc.returncode)
+        if node.role == "member":
+          self.failure({self.rank_of(node.name)}, "node lost", now)
+        elif node.role == "spare":
+          node.role = "retired"
+          self.replenish()
+    if self.state == "running":
+      for rank in range(self.s.nodes):
+        last = self.worker_hb.get(rank)
+        if rank in self.done:
+          continue
+        training = len(self.gen_first_steps) == self.s.nodes
+        if last is None or not training:
+          # before the first step (init, restore, compile) a busy host may starve heartbeats: use the
+          # start-up limit; a worker that dies meanwhile is still seen at once through its exit
+          if now - self.gen_started_at > self.s.startup_timeout_s:
+            self.failure({rank} if last is None else set(), "generation did not start in time", now)
+            return
+        elif now - last > self.s.heartbeat_timeout_s:
+          self.failure({rank}, "heartbeat timeout (hang)", last)
+          return
+      if len(self.gen_first_steps) == self.s.nodes and now - self.last_progress > self.s.step_timeout_s \
+          and len(self.done) < self.s.nodes:
+        self.failure(set(), "step timeout (no progress)", self.last_progress)
+        return
+      if self.pending_error is not None and self.pending_error["gen"] == self.gen and \
+         now - self.pending_error["t"] > 2 * self.s.heartbeat_timeout_s + 1:
+        pe = self.pending_error
+        raise RunFailed(f"worker rank {pe['rank']} ({pe['node']}) raised and no node failed: this is a bug, "
+                        f"not a fault: {pe['error']}\n{pe.get('trace', '')}")
+    if self.state == "fencing":
+      self.advance_recovery()
+
+  def failure(self, ranks: set, cause: str, t_fail: float, force_tier: Optional[str] = None):
+    ranks = {r for r in ranks if r is not None}
+    injected = [f for f in self.faults if f.fired and not f.__dict__.get("detected")]
+    t_inj = None
+    for f in injected:
+      f.__dict__["detected"] = True
+      t_inj = f.__dict__.get("t_fail", t_inj)
+    self.begin_recovery(ranks, cause, t_inj or t_fail, force_tier=force_tier)
+
+  # -- recovery ----------------------------------------------------------------------------------------
+  def begin_recovery(self, ranks: set, cause: str, t_fail: float, force_tier: Optional[str] = None):
+    now = time.time()
+    self.pending_error = None
+    if self.rec is None:
+      self.rec = {"t_fail": t_fail, "t_detect": now, "failed": set(), "causes": [], "last_step": self.max_step,
+                  "tier_forced": None, "n_restarts": 0}
+      self.event("failure_detected", ranks=sorted(ranks), cause=cause, detect_s=round(now - t_fail, 4))
+    else:
+      self.rec["n_restarts"] += 1
+      self.event("failure_during_recovery", ranks=sorted(ranks), cause=cause)
+    rec = self.rec
+    rec["failed"] |= set(ranks)
+    rec["causes"].append(cause)
+    if force_tier:
+      rec["tier_forced"] = force_tier
+    self.state = "fencing"
+    for r in ranks:  # retire failed nodes (a crashed worker may mean bad hardware: never reuse it here)
+      node = self.nodes[self.members[r]]
+      if node.role == "member":
+        node.role = "retired"
+        if node.alive:
+          self.send(node.name, {"type": "exit"})
+        self.replenish()
+    rec["kills_pending"] = set()
+    for name in self.members:
+      node = self.nodes[name]
+      if node.role == "member" and node.alive:
+        self.send(name, {"type": "kill_worker", "gen": self.gen})
+        rec["kills_pending"].add(name)
+    rec.pop("fetch_pending", None)
+    rec.pop("plan", None)
+    rec.pop("first_step_t", None)
+    rec.pop("timings", None)
+
+  def replenish(self):
+    if self.s.respawn_spares:
+      self.spare_counter += 1
+      self.launch_node(f"repl{self.spare_counter}")
+
+  def advance_recovery(self):
+    rec = self.rec
+    if any(self.nodes[n].alive for n in rec["kills_pending"]):
+      return
+    rec.setdefault("t_fenced", time.time())
+    if "plan" not in rec:
+      # assign spares to every failed rank whose member is retired
+      need = [r for r in range(self.s.nodes) if self.nodes[self.members[r]].role != "member"]
+      free = self.spares()
+      if len(free) < len(need):
+        if self.s.respawn_spares and time.time() - rec["t_detect"] < self.s.startup_timeout_s:
+          return  # a replacement node is booting
+        raise RunFailed(f"{len(need)} rank(s) failed but only {len(free)} warm spare(s) are left: raise "
+                        f"extras.resilience.spares or set respawn_spares=True")
+      rec["swaps"] = {}
+      for r, spare in zip(need, free):
+        old = self.members[r]
+        self.members[r] = spare
+        self.nodes[spare].role = "member"
+        rec["swaps"][r] = (old, spare)
+      rec["plan"] = self.choose_tier(set(rec["swaps"]))
+      rec["fetch_pending"] = {}
+      if rec["plan"]["tier"] == "memory":
+        for r in rec["swaps"]:
+          sources = [self.nodes[h].data_addr for h in sorted(self.committed_holders.get(r, ()))
+                     if self.nodes[h].alive and self.nodes[h].role == "member"]
+          spare = self.members[r]
+          self.send(spare, {"type": "fetch", "rank": r, "version": rec["plan"]["version"], "sources": sources})
+          rec["fetch_pending"][spare] = r
+      self.event("swap", swaps={r: list(v) for r, v in rec["swaps"].items()}, tier=rec["plan"]["tier"],
+                 version=rec["plan"]["version"])
+    if rec["fetch_pending"]:
+      return
+    rec["t_fetched"] = time.time()
+    self.start_generation(rec["plan"])
+
+  def choose_tier(self, swapped: set) -> dict:
+    rec = self.rec
+    c = self.committed
+    ok = c >= 0 and rec["tier_forced"] is None
+    why = "" if ok else ("nothing committed yet" if c < 0 else f"forced ({rec['tier_forced']})")
+    if ok:
+      for r in range(self.s.nodes):
+        if r in swapped:
+          live = [h for h in self.committed_holders.get(r, ()) if self.nodes[h].alive and self.nodes[h].role == "member"]
+          if not live:
+            ok, why = False, f"rank {r}: its node and all {self.s.replicas} replica holder(s) are lost"
+            break
+        elif self.committed_owner.get(r) != self.members[r]:
+          ok, why = False, f"rank {r}: own copy is on a node that no longer holds it"
+          break
+    if ok:
+      plan = {"tier": "memory", "version": c}
+    else:
+      p = latest_persistent_step(self.workdir)
+      plan = {"tier": "persistent", "version": p} if p is not None else {"tier": "init", "version": 0}
+    self.event("tier", **plan, why=why or "every rank has a live in-memory copy")
+    return plan
+
+  def on_fetched(self, name: str, msg: dict):
+    rec = self.rec
+    if rec is None or name not in rec.get("fetch_pending", {}):
+      return
+    rec.setdefault("fetch_s", []).append(msg["t"] - msg["t0"])
+    r = rec["fetch_pending"].pop(name)
+    if msg["ok"]:
+      self.committed_owner[r] = name  # the spare now holds rank r's committed copy in its own store
+    self.event("fetched", node=name, ok=msg["ok"], rank=msg["rank"], source=msg.get("source"),
+               mb=round(msg.get("bytes", 0) / 1e6, 3), s=round(msg["t"] - msg["t0"], 4))
+    if not msg["ok"]:
+      rec["fetch_pending"] = {}
+      p = latest_persistent_step(self.workdir)
+      rec["plan"] = {"tier": "persistent", "version": p} if p is not None else {"tier": "init", "version": 0}
+      self.event("tier", **rec["plan"], why="replica fetch failed (checksum or all sources gone)")
+
+  def finish_recovery(self):
+    rec, self.rec = self.rec, None
+    t = rec.get("timings", {})
+    first = max(rec["first_step_t"].values())
+    restore_worker = max((x["t_restored"] - x["t_built"]) for x in t.values()) if t else 0.0
+    init = max((x["t_init"] - x["t_start"]) for x in t.values()) if t else 0.0
+    build = max((x["t_built"] - x["t_init"]) for x in t.values()) if t else 0.0
+    compile_ = max((x["t_compiled"] - x["t_restored"]) for x in t.values()) if t else 0.0
+    first_step = max(first - x["t_compiled"] for x in t.values()) if t else 0.0
+    fetch = max(rec.get("fetch_s", [0.0]))
+    total = first - rec["t_fail"]
+    detect = rec["t_detect"] - rec["t_fail"]
+    restore = fetch + restore_worker
+    rebuild = total - detect - restore - compile_ - first_step
+    plan = rec.get("plan", {})
+    out = {"causes": rec["causes"], "failed_ranks": sorted(rec["failed"]), "swaps": rec.get("swaps", {}),
+           "tier": plan.get("tier"), "restored_version": plan.get("version"), "last_step": rec["last_step"],
+           "steps_recomputed": max(rec["last_step"] - plan.get("version", 0), 0),
+           "recovery_time_s": total,
+           "breakdown_s": {"detect": detect, "rebuild": rebuild, "restore": restore, "recompile": compile_,
+                           "first_step": first_step},
+           "detail_s": {"fence": rec.get("t_fenced", rec["t_detect"]) - rec["t_detect"], "replica_fetch": fetch,
+                        "jax_distributed_init": init, "mesh_and_step_build": build,
+                        "restore_in_worker": restore_worker},
+           "restarts_during_recovery": rec["n_restarts"]}
+    self.recoveries.append(out)
+    self.event("recovered", **{k: v for k, v in out.items() if k != "swaps"})
+
+  # -- injection -------------------------------------------------------------------------------------------
+  def _kill(self, pid: Optional[int], sig=signal.SIGKILL):
+    if pid:
+      try:
+        os.kill(pid, sig)
+      except ProcessLookupError:
+        pass
+
+  def _kill_node(self, name: str):
+    node = self.nodes[name]
+    self._kill(node.worker_pid)
+    node.proc.kill()
+
+  def maybe_inject(self, step: int):
+    if self.state != "running" or self.rec is not None:
+      return
+    for f in self.faults:
+      if f.fired or step < f.at_step:
+        continue
+      f.fired = True
+      f.__dict__["t_fail"] = time.time()
+      name = self.members[f.rank]
+      node = self.nodes[name]
+      self.event("inject", kind=f.kind, rank=f.rank, node=name, step=step)
+      if f.kind == "worker":
+        self._kill(node.worker_pid)
+      elif f.kind in ("node", "recovery"):
+        self._kill_node(name)
+      elif f.kind == "hang":
+        self._kill(node.worker_pid, signal.SIGSTOP)
+      elif f.kind == "two":
+        self._kill_node(name)
+        self._kill_node(self.members[(f.rank + 1) % self.s.nodes])
+      elif f.kind == "replication":
+        self.send(name, {"type": "fault", "kind": "replication", "version": step + 1})
+        f.__dict__["t_fail"] = None  # set when that node reports the snapshot it dies sending
+      elif f.kind == "spare":
+        idle = self.spares()
+        if idle:
+          self.nodes[idle[0]].proc.kill()
+          self.event("inject_target", node=idle[0])
+        f.__dict__["detected"] = True  # no recovery expected
+      return  # one fault per step
+
+  def maybe_inject_replication_time(self, msg: dict):
+    for f in self.faults:
+      if f.fired and f.kind == "replication" and f.__dict__.get("t_fail") is None and \
+         self.members[f.rank] in self.nodes and msg["rank"] == f.rank:
+        f.__dict__["t_fail"] = msg["t"]
+
+  def maybe_inject_recovery_stage(self, started_node: str):
+    """'recovery' kind, stage 2: a survivor dies while the new generation is starting."""
+    if self.rec is None:
+      return
+    for f in self.faults:
+      if f.kind == "recovery" and f.fired and f.stage == 0:
+        # the victim is rank+2: a survivor whose replica holder (rank+3) is alive, so the memory tier
+        # can still serve it (rank+1 would lose its only replica with the first node when r=1)
+        if "swaps" not in self.rec or self.rank_of(started_node) != (f.rank + 2) % self.s.nodes:
+          continue
+        f.stage = 1
+        self.event("inject", kind="recovery-stage2", node=started_node, rank=self.rank_of(started_node))
+        self._kill_node(started_node)
+
+  # -- main loop -------------------------------------------------------------------------------------------
+  def run(self) -> dict:
+    deadline = self.t0 + self.s.wall_timeout_s
+    self.start()
+    while len(self.done) < self.s.nodes or self.rec is not None:
+      if time.time() > deadline:
+        raise RunFailed(f"hot-swap run exceeded wall_timeout_s={self.s.wall_timeout_s}; events in "
+                        f"{self.workdir}/hotswap_events.jsonl")
+      self.poll_once(10)
+      self.tick()
+    self.state = "done"
+    self.event("finished", steps=self.total)
+    return self.summary()
+
+  def summary(self) -> dict:
+    fired = [f for f in self.faults if f.fired]
+    on = [x["dt"] for x in self.step_times if x["on"] and not x["first"] and not x["transition"]]
+    off = [x["dt"] for x in self.step_times if not x["on"] and not x["first"] and not x["transition"]]
+    done = [self.done[r] for r in sorted(self.done)]
+    return {"steps": self.total, "nodes": self.s.nodes, "spares": self.s.spares, "replicas": self.s.replicas,
+            "generations": self.gen + 1, "failures_injected": sum(2 if f.kind in ("two",) or
+                                                                  (f.kind == "recovery" and f.stage) else 1
+                                                                  for f in fired if f.kind != "spare"),
+            "spares_killed": sum(1 for f in fired if f.kind == "spare"),
+            "recoveries": self.recoveries, "losses": {str(k): v for k, v in sorted(self.losses.items())},
+            "loss_mismatch_on_recompute": self.loss_mismatch, "final_crc": [d["final_crc"] for d in done],
+            "snapshot_bytes_per_rank": done[0].get("snapshot_bytes") if done else None,
+            "snapshot_copy_ms_median": done[0].get("snap_copy_ms_median") if done else None,
+            "snapshot_crc_ms_median": done[0].get("snap_crc_ms_median") if done else None,
+            "snapshots_skipped": sum(d.get("snapshots_skipped") or 0 for d in done),
+            "step_times_on_s": on, "step_times_off_s": off, "committed": self.committed,
+            "wall_s": time.time() - self.t0, "workdir": self.workdir,
+            "train_wall_s": getattr(self, "t_last_step", 0.0) - (getattr(self, "t_first_step", None) or 0.0),
+            "events": os.path.join(self.workdir, "hotswap_events.jsonl")}
+
+  def close(self):
+    for node in self.nodes.values():
+      if node.alive and node.proc.poll() is None:
+        try:
+          self.send(node.name, {"type": "exit"})
+        except zmq.ZMQError:
+          pass
+    end = time.time() + 3
+    for node in self.nodes.values():
+      try:
+        node.proc.wait(timeout=max(end - time.time(), 0.05))
+      except subprocess.TimeoutExpired:
+        pass
+      if node.proc.poll() is None:
+        node.proc.kill()
+        node.proc.wait()
+      self._kill(node.worker_pid)
+    self.events_f.close()
+    self.router.close()
+    self.pull.close()
+    self.pub.close()
+    self.ctx.term()
+
+
+def latest_persistent_step(workdir: str) -> Optional[int]:
+  """Latest *finalized* orbax step in <workdir>/checkpoints (orbax writes tmp dirs, then renames)."""
+  d = os.path.join(os.path.abspath(workdir), "checkpoints")
+  if not os.path.isdir(d):
+    return None
+  steps = [int(x) for x in os.listdir(d) if x.isdigit() and os.path.isdir(os.path.join(d, x))]
+  return max(steps) if steps else None
+
+
+def _settings_dict(s: HotswapSettings) -> dict:
+  import dataclasses  # noqa: PLC0415
+  return dataclasses.asdict(s)

@@ -1,0 +1,83 @@
+"""Goodput under failures: disk checkpoint/restart vs in-memory + restart vs hot swap.
+
+Model (exponential failures, rate lam = 1 / job MTBF; job MTBF = node MTBF / nodes): a segment of
+``w`` seconds of work that is lost and redone whenever a failure strikes it, with a restart cost
+``R`` during which failures can also strike, takes in expectation (Daly 2006, eq. for restart
+cost R)::
+
+    E[w] = exp(lam * R) * (exp(lam * w) - 1) / lam
+
+A strategy commits work in segments: disk checkpointing every ``tau`` seconds with a blocking save
+cost ``delta`` (segment tau + delta, useful tau); in-memory snapshots and hot swap commit every
+step (segment = one step with the layer's overhead ratio, useful = one plain step). Goodput is
+useful time / expected wall time. Hot swap and in-memory differ in R: hot swap replaces a node
+(measured recovery: seconds), in-memory + restart relaunches the job (scheduler, process start,
+jax init, compile) but restores from memory. Spares are idle hardware: ``goodput_per_node`` divides
+by (nodes + spares) / nodes.
+
+Floor-3 rule: this module takes numbers (a dict or the benchmark's JSON), never imports perfmodel;
+perfmodel may import nothing from here either and can read ``predict`` outputs as JSON.
+"""
+from __future__ import annotations
+
+import dataclasses
+import json
+import math
+from typing import Optional
+
+
+@dataclasses.dataclass(frozen=True)
+class Costs:
+  step_s: float  # failure-free step time without any resilience layer
+  nodes: int
+  node_mtbf_s: float  # mean time between failures of one node
+  spares: int = 1
+  # disk checkpoint / restart
+  disk_save_s: float = 30.0  # blocking part of a checkpoint save
+  disk_restart_s: float = 300.0  # job relaunch + jax init + compile + read checkpoint
+  disk_interval_s: Optional[float] = None  # None -> Young/Daly optimum sqrt(2 * save * MTBF)
+  # in-memory snapshot + job restart
+  mem_overhead_ratio: float = 1.0
+  mem_restart_s: float = 120.0  # relaunch + init + compile, state from host memory
+  # hot swap (measured by benchmarks/hotswap.py)
+  hotswap_overhead_ratio: float = 1.0
+  hotswap_recovery_s: float = 10.0
+
+
+def expected_segment_s(w: float, restart_s: float, lam: float) -> float:
+  if lam <= 0:
+    return w
+  return math.exp(lam * restart_s) * math.expm1(lam * w) / lam
+
+
+def predict(c: Costs) -> dict:
+  lam = c.nodes / c.node_mtbf_s
+  job_mtbf = 1.0 / lam
+  tau = c.disk_interval_s or math.sqrt(2 * c.disk_save_s * job_mtbf)
+  disk = tau / expected_segment_s(tau + c.disk_save_s, c.disk_restart_s, lam)
+  mem = c.step_s / expected_segment_s(c.step_s * c.mem_overhead_ratio, c.mem_restart_s, lam)
+  hs = c.step_s / expected_segment_s(c.step_s * c.hotswap_overhead_ratio, c.hotswap_recovery_s, lam)
+  share = c.nodes / (c.nodes + c.spares)
+  return {"job_mtbf_s": job_mtbf, "failure_rate_per_s": lam, "disk_interval_s": tau,
+          "goodput": {"disk_checkpoint_restart": disk, "in_memory_restart": mem, "hotswap": hs},
+          # hot swap keeps spare hardware idle; the others need none
+          "goodput_per_node": {"disk_checkpoint_restart": disk, "in_memory_restart": mem, "hotswap": hs * share},
+          "costs": dataclasses.asdict(c)}
+
+
+def measured_goodput(useful_steps: int, plain_step_s: float, wall_s: float) -> float:
+  """Useful work (steps x failure-free plain step time) / wall time of the run."""
+  return useful_steps * plain_step_s / wall_s if wall_s > 0 else float("nan")
+
+
+def costs_from_benchmark(path_or_dict, node_mtbf_s: float, **overrides) -> Costs:
+  """Costs from benchmarks/hotswap.py JSON (measured overhead ratio, recovery time, step time)."""
+  d = path_or_dict
+  if isinstance(d, str):
+    with open(d) as f:
+      d = json.load(f)
+  kw = dict(step_s=d["step_time_off_s"], nodes=d["nodes"], spares=d["spares"], node_mtbf_s=node_mtbf_s,
+            hotswap_overhead_ratio=d["failure_free_overhead_ratio"], hotswap_recovery_s=d["recovery_time_s"],
+            mem_overhead_ratio=d["failure_free_overhead_ratio"])
+  kw.update(overrides)
+  return Costs(**kw)

@@ -1,0 +1,253 @@
+"""The training worker: one jax process per node and generation.
+
+Started by its node agent *before* it is needed (a warm standby: jax, flax, optax and the framework
+imported, the corpus loaded), it waits for an assignment (generation, rank, coordinator, restore
+plan), then joins ``jax.distributed`` on that generation's coordinator, builds the mesh and the
+compiled step (persistent compilation cache: a swap recompiles from disk, not from scratch),
+restores the state (own shared memory, a replica fetched by the agent, or orbax), and trains.
+
+A worker never survives a generation change: on any failure the controller fences every worker of
+the old generation with SIGKILL (gloo collectives cannot be cancelled on CPU, notes 4b) and the
+agents hand the next generation to their standbys. Exceptions (e.g. a gloo "connection closed" after
+a peer died) are reported and the worker waits to be killed, so only real crashes show as exits.
+
+  python -m resilience.worker --agent tcp://127.0.0.1:PORT --name node0
+"""
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import threading
+import time
+import traceback
+
+import zmq
+
+from resilience import wire
+
+
+def _log(*a):
+  print(time.strftime("%H:%M:%S"), *a, flush=True)
+
+
+def _heartbeat(ctx, addr, info, period, stop):
+  push = wire.new_socket(ctx, zmq.PUSH)
+  push.connect(addr)
+  try:
+    while not stop.wait(period):
+      wire.send(push, {"type": "hb", **info, "t": wire.now()})
+  finally:
+    push.close()
+
+
+def main(argv=None):
+  ap = argparse.ArgumentParser()
+  ap.add_argument("--agent", required=True)
+  ap.add_argument("--name", required=True)
+  ap.add_argument("--workdir", required=True)
+  args = ap.parse_args(argv)
+
+  # Warm-up: everything that does not need the assignment happens before it arrives.
+  t_import0 = time.time()
+  import jax  # noqa: F401
+  import numpy as np  # noqa: F401
+  from framework import checkpoint, config, data, model, train_step  # noqa: F401
+  from parallelism import mesh, step  # noqa: F401
+  # The corpus listing/reading costs seconds on a busy host: do it now, from the job's config.json.
+  with open(os.path.join(args.workdir, "config.json")) as f:
+    cfg0 = config.from_dict(json.load(f)["config"])
+  warm = {"data_cfg": cfg0.data, "corpus": data.split(data.load_corpus(cfg0.data), cfg0.data)}
+  import_s = time.time() - t_import0
+
+  ctx = zmq.Context()
+  agent = wire.new_socket(ctx, zmq.DEALER)
+  agent.connect(args.agent)
+  wire.send(agent, {"type": "standby_ready", "pid": os.getpid(), "import_s": import_s})
+  _, start, _ = wire.recv(agent)
+  assert start["type"] == "start", start
+  t_start = wire.now()
+  push = wire.new_socket(ctx, zmq.PUSH)
+  push.connect(start["controller_pull"])
+  stop = threading.Event()
+  info = {"rank": start["rank"], "gen": start["gen"], "pid": os.getpid(), "node": args.name}
+  threading.Thread(target=_heartbeat, args=(ctx, start["controller_pull"], info, start["settings"]["heartbeat_s"],
+                                            stop), daemon=True).start()
+  try:
+    _train(start, agent, push, ctx, t_start, args.name, warm)
+  except BaseException as e:  # noqa: BLE001 - report, then wait to be fenced (see module docstring)
+    wire.send(push, {"type": "error", **info, "error": f"{type(e).__name__}: {e}",
+                     "trace": traceback.format_exc()[-4000:]})
+    time.sleep(3600)
+    os._exit(3)
+  stop.set()
+  os._exit(0)  # skip interpreter teardown: gloo/zmq threads can hang on exit
+
+
+def _cache_on_every_rank():
+  """jax writes persistent-cache entries only from process 0 (write contention on GCS), but on CPU the
+  cache key includes the process's device assignment, so ranks >= 1 would never hit and a spare taking
+  rank k would compile cold. Each rank writes its own entries here (distinct keys: no contention)."""
+  from jax._src import compiler
+  from jax._src import distributed as jdist
+  orig = compiler._cache_write
+  if getattr(orig, "_prismllm", False):
+    return
+
+  def write(*a, **k):
+    pid = jdist.global_state.process_id
+    jdist.global_state.process_id = 0
+    try:
+      return orig(*a, **k)
+    finally:
+      jdist.global_state.process_id = pid
+  write._prismllm = True
+  compiler._cache_write = write
+
+
+def _train(start, agent, push, ctx, t_start, name, warm):
+  import jax
+  import numpy as np
+  from framework import checkpoint as ckpt_lib
+  from framework import config as config_lib
+  from framework import data as data_lib
+  from parallelism.mesh import make_mesh
+  from parallelism.step import build_step
+  from resilience import layout as layout_lib
+  from resilience import slots as slots_lib
+  from resilience.snapshot import Snapshotter
+
+  s = start["settings"]
+  gen, rank, n = start["gen"], start["rank"], start["n"]
+  base = {"rank": rank, "gen": gen, "node": name}
+  jax.config.update("jax_compilation_cache_dir", start["compile_cache_dir"])
+  jax.config.update("jax_persistent_cache_min_compile_time_secs", 0.0)
+  jax.config.update("jax_persistent_cache_min_entry_size_bytes", -1)
+  jax.config.update("jax_cpu_collectives_implementation", "gloo")
+  # jax's own heartbeat would abort every survivor (SIGABRT) when a peer stops; our controller
+  # detects and fences first, so give jax a long timeout and let fencing be the only exit path.
+  _log("start", json.dumps({k: start[k] for k in ("gen", "rank", "n", "coordinator", "restore")}))
+  _cache_on_every_rank()
+  jax.distributed.initialize(coordinator_address=start["coordinator"], num_processes=n, process_id=rank,
+                             initialization_timeout=int(s["startup_timeout_s"]), heartbeat_timeout_seconds=600,
+                             shutdown_timeout_seconds=30)
+  t_init = wire.now()
+  _log("distributed initialized", jax.devices())
+
+  cfg = config_lib.validate(config_lib.from_dict(start["config"]), jax.device_count(), jax.process_count())
+  msh = make_mesh(cfg.mesh)
+  # The layer reads the state while the next step runs, so its step must not donate the state.
+  step_obj = build_step(cfg, msh, donate=not s["snapshot"])
+  probe = s["snapshot"] and s["overhead_probe_block"] > 0
+  donated_obj = build_step(cfg, msh, donate=True) if probe else None
+  abstract = step_obj.abstract_state()
+  lay = layout_lib.make(abstract)
+  corpus = warm["corpus"] if warm["data_cfg"] == cfg.data else data_lib.split(data_lib.load_corpus(cfg.data), cfg.data)
+  t_built = wire.now()
+  _log("built step; snapshot bytes", lay.nbytes)
+
+  slot_file, snap = None, None
+  if s["snapshot"]:
+    wire.send(agent, {"type": "alloc", "nbytes": lay.nbytes})
+    _, rep, _ = wire.recv(agent)
+    slot_file = slots_lib.SlotFile(rep["path"], lay.nbytes, create=False)
+
+  plan = start["restore"]
+  workdir = start["workdir"]
+  ckpt = ckpt_lib.Checkpointer(workdir, cfg.checkpoint) if s["persist_every"] > 0 or plan["tier"] == "persistent" \
+      else None
+  if plan["tier"] == "memory":
+    slot = plan["slot"]
+    view = slot_file.view(slot, lay.nbytes)
+    crc = slots_lib.checksum(view)
+    if crc != plan["crc"] or plan["nbytes"] != lay.nbytes:
+      raise RuntimeError(f"in-memory snapshot v{plan['version']} failed its checksum on {name} "
+                         f"({crc} != {plan['crc']}); the controller falls back to the persistent tier")
+    state = layout_lib.unpack(view, lay)
+    start_step = plan["version"]
+  elif plan["tier"] == "persistent":
+    state, _ = ckpt.restore(abstract, step=plan["version"])
+    start_step = plan["version"]
+  else:
+    state = step_obj.init_state(jax.random.key(cfg.train.seed))
+    start_step = 0
+  jax.block_until_ready(state)
+  assert int(jax.device_get(state.step)) == start_step, (int(jax.device_get(state.step)), start_step)
+  t_restored = wire.now()
+  _log("restored", plan)
+
+  with step_obj.context():
+    run = step_obj.lower().compile()
+    run_donated = donated_obj.lower().compile() if probe else None
+  # Ranks compile at different speeds (a warm spare hits the cache, a busy host does not); gloo gives
+  # the first collective only 30 s to find every peer, so meet at a coordination-service barrier first.
+  from jax._src import distributed as jdist
+  jdist.global_state.client.wait_at_barrier(f"compiled_g{gen}", int(1000 * s["startup_timeout_s"]))
+  t_compiled = wire.now()
+  _log("compiled")
+  wire.send(push, {"type": "timing", **base, "t_start": t_start, "t_init": t_init, "t_built": t_built,
+                   "t_restored": t_restored, "t_compiled": t_compiled, "tier": plan["tier"],
+                   "start_step": start_step})
+
+  if s["snapshot"]:
+    committed_slot = plan.get("slot") if plan["tier"] == "memory" else None
+    snap = Snapshotter(ctx, start["agent_local"], start["controller_pub"], slot_file, lay, gen, rank,
+                       committed=start_step if plan["tier"] == "memory" else -1, committed_slot=committed_slot)
+  total = cfg.train.steps
+  block = s["overhead_probe_block"]
+  prev_on = None
+  t_prev = time.perf_counter()
+  first = True
+  for step in range(start_step, total):
+    on = s["snapshot"] and (not probe or ((step - start_step) // block) % 2 == 0)
+    transition = prev_on is not None and on != prev_on
+    if prev_on and not on:
+      snap.drain()  # a donated step may overwrite buffers the snapshot thread still reads
+    prev_on = on
+    batch = step_obj.put_batch(data_lib.batch_at(corpus.train, step, cfg.data, process_index=rank,
+                                                 process_count=n))
+    with step_obj.context():
+      state, m = (run if on or not probe else run_donated)(state, batch)
+    loss = float(m.loss)  # blocks: the step time below is a completed step
+    t_now = time.perf_counter()
+    dt, t_prev = t_now - t_prev, t_now
+    version = step + 1
+    if on:
+      snap.offer(version, state)
+    wire.send(push, {"type": "step", **base, "step": version, "loss": loss, "dt": dt, "on": bool(on),
+                     "transition": transition, "first": first, "t": wire.now()})
+    first = False
+    if ckpt is not None and s["persist_every"] > 0 and version % s["persist_every"] == 0:
+      if not on and probe:
+        jax.block_until_ready(state)
+      ckpt.save(version, state, {"step": version, "seed": cfg.data.seed})
+
+  if ckpt is not None:
+    ckpt.wait()
+  final_crc, final_bytes = None, None
+  if snap is not None:
+    if prev_on is False:  # the last probe block ran without the layer: make the final state durable too
+      snap.offer(total, state)
+    if not snap.wait_committed(total, timeout=s["startup_timeout_s"]):
+      raise RuntimeError(f"final snapshot v{total} was not committed in time")
+    snap.close()
+  buf = np.zeros(lay.nbytes, np.uint8)
+  layout_lib.pack(state, lay, buf)
+  final_crc = slots_lib.checksum(buf)
+  os.makedirs(os.path.join(workdir, "final"), exist_ok=True)
+  buf.tofile(os.path.join(workdir, "final", f"rank{rank}.bin"))
+  final_bytes = int(buf.size)
+  stats = {}
+  if snap is not None:
+    stats = {"snap_copy_ms_median": 1e3 * float(np.median(snap.copy_s)) if snap.copy_s else None,
+             "snap_crc_ms_median": 1e3 * float(np.median(snap.crc_s)) if snap.crc_s else None,
+             "snapshots_written": snap.written, "snapshots_skipped": snap.skipped}
+  wire.send(push, {"type": "done", **base, "final_crc": final_crc, "final_bytes": final_bytes,
+                   "snapshot_bytes": lay.nbytes, **stats})
+  if ckpt is not None:
+    ckpt.close()
+  jax.distributed.shutdown()
+
+
+if __name__ == "__main__":
+  main()

@@ -1,0 +1,185 @@
+"""Hugging Face interop (framework/hf.py): our model *is* Llama.
+
+A small randomly initialised ``LlamaForCausalLM`` is built locally (no download), saved with
+``save_pretrained``, loaded into PrismLLM, and the logits compared; then our export is loaded back by
+transformers. Tolerance 1e-4 absolute on float32 logits of magnitude ~1-10: both sides compute in
+float32 with different op orders (fused einsums vs. separate matmuls), which accounts for ~1e-6.
+"""
+import dataclasses
+import json
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+
+torch = pytest.importorskip("torch", reason="torch not installed: HF interop tests need torch (CPU build is fine)")
+transformers = pytest.importorskip("transformers", reason="transformers not installed: pip install transformers")
+
+from framework import hf  # noqa: E402
+from framework import model as model_lib  # noqa: E402
+from framework.config import Config, MeshConfig, OptimConfig, TrainConfig  # noqa: E402
+
+CASES = {
+    # name: (LlamaConfig kwargs, scan_layers)
+    "gqa_untied": (dict(num_attention_heads=4, num_key_value_heads=2, tie_word_embeddings=False), True),
+    "mha_tied": (dict(num_attention_heads=4, num_key_value_heads=4, tie_word_embeddings=True), True),
+    "gqa_headdim_unrolled": (dict(num_attention_heads=4, num_key_value_heads=1, head_dim=24,
+                                  tie_word_embeddings=False), False),
+}
+
+
+def _hf_model(kw, seed=0):
+  cfg = transformers.LlamaConfig(vocab_size=300, hidden_size=64, intermediate_size=96, num_hidden_layers=2,
+                                 max_position_embeddings=64, rms_norm_eps=1e-5, rope_theta=5000.0,
+                                 attn_implementation="eager", **kw)
+  torch.manual_seed(seed)
+  m = transformers.LlamaForCausalLM(cfg).eval()
+  # Random (not default) values everywhere, norms included, so every tensor's mapping matters and the
+  # logits are O(1-10), not the near-zero logits of a 0.02-std init.
+  with torch.no_grad():
+    for name, p in m.named_parameters():
+      if name.endswith("norm.weight"):
+        p.copy_(1.0 + 0.2 * torch.randn_like(p))
+      else:
+        p.copy_(0.15 * torch.randn_like(p))
+  return m
+
+
+def _tokens(seed=1, b=2, t=12):
+  return np.random.default_rng(seed).integers(0, 300, size=(b, t)).astype(np.int32)
+
+
+def _hf_logits(m, tokens):
+  with torch.no_grad():
+    return m(torch.from_numpy(tokens.astype(np.int64))).logits.numpy()
+
+
+def _our_logits(cfg, params, tokens):
+  return np.asarray(model_lib.build(cfg).apply({"params": jax.tree.map(jnp.asarray, params)}, jnp.asarray(tokens)))
+
+
+@pytest.mark.parametrize("case", sorted(CASES))
+def test_hf_checkpoint_logits_match_transformers(case, tmp_path):
+  kw, scan = CASES[case]
+  m = _hf_model(kw)
+  m.save_pretrained(tmp_path / "hf")
+  cfg, params = hf.load(str(tmp_path / "hf"), scan_layers=scan)
+  assert cfg.tie_embeddings == kw["tie_word_embeddings"] and cfg.n_kv_heads == kw["num_key_value_heads"]
+  assert cfg.hd == kw.get("head_dim", 16) and cfg.rope_theta == 5000.0
+  assert ("layers" in params) == scan and ("lm_head" in params) != cfg.tie_embeddings
+  n_hf = sum(p.numel() for p in m.parameters())
+  assert cfg.n_params() == n_hf
+  toks = _tokens()
+  ref, got = _hf_logits(m, toks), _our_logits(cfg, params, toks)
+  assert np.abs(ref).max() > 1.0  # non-trivial logits, so 1e-4 is a real bar
+  np.testing.assert_allclose(got, ref, rtol=0, atol=1e-4)
+
+
+@pytest.mark.parametrize("case", sorted(CASES))
+def test_export_loads_in_transformers(case, tmp_path):
+  kw, scan = CASES[case]
+  m = _hf_model(kw, seed=3)
+  m.save_pretrained(tmp_path / "hf")
+  cfg, params = hf.load(str(tmp_path / "hf"), scan_layers=scan)
+  hf.save(params, cfg, str(tmp_path / "out"))
+  back = transformers.LlamaForCausalLM.from_pretrained(str(tmp_path / "out"), attn_implementation="eager").eval()
+  # Bit-exact weights both ways (float32 throughout), and the same config.
+  ref_sd, got_sd = m.state_dict(), back.state_dict()
+  assert set(ref_sd) == set(got_sd)
+  for k in ref_sd:
+    assert torch.equal(ref_sd[k], got_sd[k]), k
+  for attr in ("num_key_value_heads", "head_dim", "tie_word_embeddings", "intermediate_size", "rms_norm_eps"):
+    assert getattr(back.config, attr) == getattr(m.config, attr), attr
+  assert back.config.rope_parameters["rope_theta"] == 5000.0
+  toks = _tokens(seed=4)
+  np.testing.assert_allclose(_hf_logits(back, toks), _our_logits(cfg, params, toks), rtol=0, atol=1e-4)
+
+
+def test_sharded_checkpoints_both_ways(tmp_path):
+  m = _hf_model(CASES["gqa_untied"][0], seed=5)
+  m.save_pretrained(tmp_path / "hf", max_shard_size="40KB")
+  assert (tmp_path / "hf" / hf.INDEX_FILE).exists()
+  cfg, params = hf.load(str(tmp_path / "hf"))
+  toks = _tokens(seed=6)
+  np.testing.assert_allclose(_our_logits(cfg, params, toks), _hf_logits(m, toks), rtol=0, atol=1e-4)
+  hf.save(params, cfg, str(tmp_path / "out"), max_shard_bytes=40_000)
+  idx = json.loads((tmp_path / "out" / hf.INDEX_FILE).read_text())
+  assert len(set(idx["weight_map"].values())) > 1
+  back = transformers.LlamaForCausalLM.from_pretrained(str(tmp_path / "out"), attn_implementation="eager").eval()
+  np.testing.assert_allclose(_hf_logits(back, toks), _hf_logits(m, toks), rtol=0, atol=1e-6)
+
+
+def test_bfloat16_export_loads_in_transformers(tmp_path):
+  m = _hf_model(CASES["mha_tied"][0], seed=7)
+  m.save_pretrained(tmp_path / "hf")
+  cfg, params = hf.load(str(tmp_path / "hf"))
+  hf.save(params, cfg, str(tmp_path / "out"), dtype="bfloat16")
+  back = transformers.LlamaForCausalLM.from_pretrained(str(tmp_path / "out"))
+  w = back.model.embed_tokens.weight
+  assert w.dtype == torch.bfloat16
+  torch.testing.assert_close(w.float(), m.model.embed_tokens.weight.to(torch.bfloat16).float(), rtol=0, atol=0)
+
+
+def test_unsupported_checkpoints_are_refused(tmp_path):
+  base = dict(model_type="llama", vocab_size=300, hidden_size=64, intermediate_size=96, num_hidden_layers=2,
+              num_attention_heads=4)
+  with pytest.raises(hf.HFError, match="RoPE scaling 'llama3'"):
+    hf.model_config_from_hf({**base, "rope_scaling": {"rope_type": "llama3", "factor": 8.0}})
+  with pytest.raises(hf.HFError, match="RoPE scaling 'yarn'"):
+    hf.model_config_from_hf({**base, "rope_parameters": {"rope_type": "yarn", "rope_theta": 1e4}})
+  with pytest.raises(hf.HFError, match="attention_bias"):
+    hf.model_config_from_hf({**base, "attention_bias": True})
+  with pytest.raises(hf.HFError, match="model_type='qwen2'"):
+    hf.model_config_from_hf({**base, "model_type": "qwen2"})
+  # A tensor the model has no slot for must not be dropped silently.
+  m = _hf_model(CASES["gqa_untied"][0])
+  m.save_pretrained(tmp_path / "hf")
+  from safetensors.numpy import load_file, save_file
+  f = tmp_path / "hf" / hf.SINGLE_FILE
+  arrays = load_file(str(f))
+  arrays["model.layers.0.self_attn.q_proj.bias"] = np.zeros(64, np.float32)
+  save_file(arrays, str(f), metadata={"format": "pt"})
+  with pytest.raises(hf.HFError, match="q_proj.bias"):
+    hf.load(str(tmp_path / "hf"))
+  with pytest.raises(hf.HFError, match="no config.json"):
+    hf.load(str(tmp_path))
+
+
+def test_workdir_import_export_cli_round_trip(tmp_path):
+  """HF dir -> step-0 orbax checkpoint (CLI) -> HF dir (CLI): identical tensors."""
+  m = _hf_model(CASES["gqa_untied"][0], seed=8)
+  m.save_pretrained(tmp_path / "hf")
+  wd, out = tmp_path / "wd", tmp_path / "out"
+  spec = "experiments/configs/quickstart.py:runlocal=True"
+  assert hf.main(["import", "--hf-dir", str(tmp_path / "hf"), "--workdir", str(wd), "--config", spec]) == 0
+  assert (wd / "config.json").exists()
+  # Importing twice into the same workdir would mix runs: refused.
+  assert hf.main(["import", "--hf-dir", str(tmp_path / "hf"), "--workdir", str(wd)]) == 2
+  assert hf.main(["export", "--workdir", str(wd), "--out", str(out)]) == 0
+  back = transformers.LlamaForCausalLM.from_pretrained(str(out))
+  for k, v in m.state_dict().items():
+    assert torch.equal(v, back.state_dict()[k]), k
+
+
+def test_imported_checkpoint_is_what_training_resumes(tmp_path):
+  """The import's step-0 state has exactly the structure the training loop restores (same optimizer)."""
+  from framework import checkpoint as ckpt_lib
+  from parallelism.mesh import make_mesh
+  from parallelism.step import build_step
+  m = _hf_model(CASES["mha_tied"][0], seed=9)
+  m.save_pretrained(tmp_path / "hf")
+  cfg = dataclasses.replace(Config(), optim=OptimConfig(warmup_steps=2), train=TrainConfig(steps=4))
+  cfg = dataclasses.replace(cfg, data=dataclasses.replace(cfg.data, seq_len=16, global_batch=8),
+                            mesh=MeshConfig(data=2, tensor=4))  # restores into a sharded layout
+  cfg = hf.import_to_workdir(str(tmp_path / "hf"), str(tmp_path / "wd"), cfg)
+  from framework import config as config_lib
+  cfg = config_lib.validate(cfg, jax.device_count())
+  step = build_step(cfg, make_mesh(cfg.mesh))
+  ck = ckpt_lib.Checkpointer(str(tmp_path / "wd"), cfg.checkpoint)
+  state, data_state = ck.restore(step.abstract_state())
+  ck.close()
+  assert int(state.step) == 0 and data_state["step"] == 0
+  toks = _tokens(seed=10)
+  np.testing.assert_allclose(_our_logits(cfg.model, jax.device_get(state.params), toks), _hf_logits(m, toks),
+                             rtol=0, atol=1e-4)

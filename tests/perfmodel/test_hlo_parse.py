@@ -1,0 +1,106 @@
+"""Golden HLO parsing: replica groups in all 3 formats, async pairs, loop trip counts, FLOPs vs hand/XLA."""
+import os
+
+import jax
+import jax.numpy as jnp
+import pytest
+from jax.sharding import NamedSharding, PartitionSpec as P
+
+from perfmodel import graph as G
+from perfmodel import hlo_parse as hp
+
+GOLDEN = os.path.join(os.path.dirname(__file__), "golden")
+
+
+def test_replica_groups_explicit():
+  assert hp.parse_replica_groups("{{0,1},{2,3}}") == [(0, 1), (2, 3)]
+  assert hp.parse_replica_groups("{}", 4) == [(0, 1, 2, 3)]
+  assert hp.parse_replica_groups(None, 2) == [(0, 1)]
+
+
+def test_replica_groups_iota():
+  assert hp.parse_replica_groups("[4,2]<=[8]") == [(0, 1), (2, 3), (4, 5), (6, 7)]
+  # reshape [4,2] -> transpose -> [2,4]: groups stride over the first axis
+  assert hp.parse_replica_groups("[2,4]<=[4,2]T(1,0)") == [(0, 2, 4, 6), (1, 3, 5, 7)]
+  assert hp.parse_replica_groups("[1,8]<=[8]") == [tuple(range(8))]
+  assert hp.parse_replica_groups("[2,4]<=[2,2,2]T(1,0,2)") == [(0, 1, 4, 5), (2, 3, 6, 7)]
+
+
+def test_replica_groups_mesh_axes():
+  text = "mesh['axis_0'=4,'axis_1'=2] {'axis_1'}"
+  assert hp.parse_replica_groups(text) == [(0, 1), (2, 3), (4, 5), (6, 7)]
+  assert hp.parse_replica_groups("mesh['a'=4,'b'=2] {'a'}") == [(0, 2, 4, 6), (1, 3, 5, 7)]
+  assert hp.parse_replica_groups("mesh['a'=2,'b'=2,'c'=2] {'a','c'}") == [(0, 1, 4, 5), (2, 3, 6, 7)]
+  # sub-axis 'a':(2)2 = the inner half of axis a (size 4 split as 2 x 2)
+  assert hp.parse_replica_groups("mesh['a'=4,'b'=2] {'a':(2)2}") == [(0, 2), (1, 3), (4, 6), (5, 7)]
+
+
+def test_golden_module_async_pairs_loops_and_collectives():
+  with open(os.path.join(GOLDEN, "async_gpu.hlo")) as f:
+    mod = hp.parse_module(f.read())
+  assert mod.entry == "main" and mod.num_partitions == 8
+  loop = mod.entry_computation.by_name["loop"]
+  assert hp.trip_count(mod, loop) == 12  # from the `i < 12` condition (no known_trip_count)
+  g = G.build_graph(mod)
+  nodes = {n.name: (n, k) for n, k in g.walk()}
+  d, mult = nodes["d"]
+  assert d.kind == "dot" and mult == 12 and d.attribution.layer == "layers"
+  assert d.attribution.source == "framework/model.py:200"
+  ars, _ = nodes["ars"]
+  assert ars.collective.kind == "all-reduce" and ars.collective.is_async and ars.collective.group_size == 4
+  assert ars.collective.bytes == 16 * 1024 * 2
+  ard, _ = nodes["ard"]
+  assert ard.kind == "wait" and ard.start == ars.id
+  ags, _ = nodes["ags"]
+  assert ags.collective.kind == "all-gather" and ags.collective.groups() == [(0, 4), (1, 5), (2, 6), (3, 7)]
+  assert ags.collective.bytes == 32 * 1024 * 2  # the gathered buffer
+  cp, _ = nodes["cp"]
+  assert cp.kind == "p2p" and cp.collective.groups()[:2] == [(0, 1), (1, 2)]
+  rss, _ = nodes["rss"]
+  assert rss.collective.kind == "reduce-scatter" and rss.collective.group_size == 8
+  assert rss.collective.bytes == 64 * 1024 * 2
+  assert nodes["rsd"][0].kind == "wait" and nodes["rsd"][0].start == rss.id
+  # dependencies: the wait of the all-reduce depends (transitively) on the start, and `s` on both
+  s, _ = nodes["s"]
+  assert ard.id in s.deps and nodes["f"][0].id in s.deps
+
+
+def _mesh():
+  return jax.make_mesh((4, 2), ("data", "tensor"), axis_types=(jax.sharding.AxisType.Auto,) * 2)
+
+
+def test_compiled_scan_trip_counts_and_flops_match_hand_count():
+  L, B, D = 5, 16, 64
+  mesh = _mesh()
+
+  def f(x, w):
+    y, _ = jax.lax.scan(lambda c, wl: (jnp.tanh(c @ wl), None), x, w)
+    return (y ** 2).sum()
+  x = jax.ShapeDtypeStruct((B, D), jnp.float32, sharding=NamedSharding(mesh, P("data", None)))
+  w = jax.ShapeDtypeStruct((L, D, D), jnp.float32, sharding=NamedSharding(mesh, P(None, None, "tensor")))
+  comp = jax.jit(jax.grad(f, argnums=1)).lower(x, w).compile()
+  g = G.from_hlo_text(comp.as_text())
+  loops = [n for n, _ in g.walk() if n.kind == "loop"]
+  assert sorted(n.trip_count for n in loops) == [L, L]
+  # per device: B/4 rows, D/2 output columns; fwd 1 dot + bwd 2 dots per layer
+  hand = L * 3 * 2 * (B // 4) * D * (D // 2)
+  dot_flops = sum(n.flops * k for n, k in g.walk() if n.kind == "dot")
+  assert dot_flops == hand
+  # XLA counts loop bodies once: our count with multiplicity is ~L x its count
+  xla = comp.cost_analysis()
+  xla = xla[0] if isinstance(xla, list) else xla
+  once = sum(n.flops for n, _ in g.walk() if n.kind == "dot")
+  assert once == pytest.approx(hand / L)
+  assert xla["flops"] == pytest.approx(once, rel=0.1)
+  kinds = {n.collective.kind for n, _ in g.walk() if n.collective}
+  assert "all-reduce" in kinds
+
+
+def test_plain_matmul_flops_equal_xla():
+  a = jax.ShapeDtypeStruct((128, 256), jnp.float32)
+  b = jax.ShapeDtypeStruct((256, 64), jnp.float32)
+  comp = jax.jit(lambda x, y: x @ y).lower(a, b).compile()
+  g = G.from_hlo_text(comp.as_text())
+  xla = comp.cost_analysis()
+  xla = xla[0] if isinstance(xla, list) else xla
+  assert g.totals()["flops"] == 2 * 128 * 256 * 64 == xla["flops"]

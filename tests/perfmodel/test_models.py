@@ -1,0 +1,107 @@
+"""Closed forms: collectives (alpha-beta), pipeline bubbles (formula == simulation), timeline overlap, profiles."""
+import math
+
+import pytest
+
+from perfmodel import collectives as C
+from perfmodel import hardware, pipeline
+from perfmodel.costs import Chain, Roofline
+from perfmodel.graph import CollectiveInfo, ExecGraph, Node, Region
+from perfmodel.hardware import HardwareProfile, LinkLevel
+from perfmodel.timeline import schedule
+
+
+def test_ring_tree_formulas():
+  S, B, a = 1e9, 100e9, 5e-6
+  assert C.ring_all_reduce(S, 8, B, a) == pytest.approx(2 * 7 / 8 * S / B + 14 * a)
+  assert C.ring_all_gather(S, 4, B, a) == pytest.approx(3 / 4 * S / B + 3 * a)
+  assert C.tree_all_reduce(S, 8, B, a) == pytest.approx(2 * S / B + 6 * a)
+  assert C.ring_all_reduce(S, 1, B, a) == 0.0
+
+
+def _hw(links):
+  return HardwareProfile(name="t", device_kind="t", peak_flops={"f32": 1e12}, mem_bandwidth=1e12, mem_bytes=1e9,
+                         launch_overhead=0.0, links=tuple(links))
+
+
+def test_auto_picks_tree_for_small_messages_and_ring_for_large():
+  hw = _hw([LinkLevel("ib", 0, 50e9, 10e-6, "fat-tree")])
+  small = C.cost("all-reduce", 1e3, tuple(range(64)), hw)
+  large = C.cost("all-reduce", 1e10, tuple(range(64)), hw)
+  assert small.algorithm == "tree" and large.algorithm == "ring"
+
+
+def test_hierarchical_allreduce_uses_island_then_network():
+  nv, ib = LinkLevel("nvlink", 8, 450e9, 3e-6), LinkLevel("ib", 0, 50e9, 6e-6, "fat-tree")
+  hw = _hw([nv, ib])
+  S = 1e9
+  inside = C.cost("all-reduce", S, tuple(range(8)), hw)
+  assert inside.level == "nvlink" and inside.seconds == pytest.approx(C.ring_all_reduce(S, 8, 450e9, 3e-6))
+  across = C.cost("all-reduce", S, tuple(range(32)), hw, algorithm="ring")
+  expect = 2 * C.ring_all_gather(S, 8, 450e9, 3e-6) + C.ring_all_reduce(S / 8, 4, 50e9, 6e-6)
+  assert across.algorithm == "hierarchical" and across.seconds == pytest.approx(expect)
+  # a strided group (one device per island) goes over IB only
+  strided = C.cost("all-reduce", S, (0, 8, 16, 24), hw, algorithm="ring")
+  assert strided.seconds == pytest.approx(2 * 0 + C.ring_all_reduce(S, 4, 50e9, 6e-6) + 0)
+
+
+def test_torus_uses_all_dimensions():
+  hw = _hw([LinkLevel("ici", 256, 50e9, 1e-6, "torus2d")])
+  t = C.cost("all-gather", 1e9, tuple(range(16)), hw)
+  assert t.seconds == pytest.approx(C.ring_all_gather(1e9, 16, 4 * 50e9, 1e-6))
+
+
+@pytest.mark.parametrize("p,m", [(2, 4), (4, 8), (4, 4), (8, 16), (3, 1)])
+@pytest.mark.parametrize("schedule_name", ["gpipe", "1f1b"])
+def test_pipeline_formula_equals_simulation(p, m, schedule_name):
+  f, b = 1.0, 2.0
+  sim = pipeline.simulate(schedule_name, p, m, f, b)
+  closed = pipeline.cost(schedule_name, p, m, f, b)
+  assert sim["step_time"] == pytest.approx(closed.step_time)
+  assert sim["bubble_fraction"] == pytest.approx(closed.bubble_fraction)
+  assert closed.bubble_fraction == pytest.approx((p - 1) / (m + p - 1))
+  # 1F1B bounds live activations by p; GPipe keeps all m
+  assert sim["in_flight"] == (min(p, m) if schedule_name == "1f1b" else m)
+
+
+def test_interleaved_bubble_shrinks_with_chunks():
+  a = pipeline.cost("interleaved", 4, 8, 1.0, 2.0, v=1)
+  b = pipeline.cost("interleaved", 4, 8, 1.0, 2.0, v=4)
+  assert a.step_time == pytest.approx(pipeline.cost("1f1b", 4, 8, 1.0, 2.0).step_time)
+  assert b.step_time == pytest.approx((8 + 3 / 4) * 3.0)
+  assert b.bubble_fraction < a.bubble_fraction
+
+
+def test_timeline_overlaps_async_but_not_sync_collectives():
+  hw = _hw([LinkLevel("l", 0, 1e9, 0.0)])
+  info = lambda a: CollectiveInfo("all-reduce", 2, 1, 1e6, "{{0,1}}", is_async=a, n_devices=2)  # 2 ms ring AR / 2
+  comp = lambda i, d: Node(id=i, name=f"c{i}", kind="fusion", opcode="fusion", bytes=1e9, deps=d)  # 1 ms at 1 TB/s
+  nodes_async = [comp(0, ()), Node(id=1, name="ar", kind="collective", opcode="all-reduce-start", deps=(0,),
+                                   collective=info(True)),
+                 comp(2, (0,)), Node(id=3, name="w", kind="wait", opcode="all-reduce-done", deps=(1,), start=1)]
+  nodes_sync = [comp(0, ()), Node(id=1, name="ar", kind="collective", opcode="all-reduce", deps=(0,),
+                                  collective=info(False)), comp(2, (0,))]
+  chain = Chain([Roofline(hw)], hw)
+  t_comm = C.ring_all_reduce(1e6, 2, 1e9, 0.0)
+  ta = schedule(ExecGraph({"e": Region("e", nodes_async)}, "e", 2), chain)
+  ts = schedule(ExecGraph({"e": Region("e", nodes_sync)}, "e", 2), chain)
+  assert ts.makespan == pytest.approx(2e-3 + t_comm)
+  assert ta.makespan == pytest.approx(1e-3 + max(1e-3, t_comm))
+  assert ta.exposed_comm == pytest.approx(max(0.0, t_comm - 1e-3))
+
+
+def test_loop_region_multiplies_by_trip_count():
+  hw = _hw([])
+  body = [Node(id=1, name="b", kind="fusion", opcode="f", bytes=1e9)]
+  entry = [Node(id=0, name="l", kind="loop", opcode="while", body="body", trip_count=7)]
+  tl = schedule(ExecGraph({"e": Region("e", entry), "body": Region("body", body)}, "e", 1), Chain([Roofline(hw)], hw))
+  assert tl.makespan == pytest.approx(7e-3)
+
+
+@pytest.mark.parametrize("name", ["cpu", "a100", "h100", "h200", "tpu_v5e", "tpu_v5p"])
+def test_profiles_load_with_sources(name):
+  hw = hardware.load(name)
+  assert hw.peak("bf16") > 0 and hw.mem_bandwidth > 0 and hw.links
+  assert all(hw.sources.get(k) for k in ("mem_bandwidth", "mem_bytes", "launch_overhead")), hw.sources
+  if name == "h200":
+    assert hw.mem_bytes == 141e9 and hw.mem_bandwidth == 4.8e12 and hw.peak("bf16") == 989e12
