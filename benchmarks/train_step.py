@@ -77,6 +77,8 @@ def parse(argv):
   p.add_argument("--reps", type=int, default=None, help="paired repetitions (default 7; quick 5)")
   p.add_argument("--steps", type=int, default=None, help="steps per timed block (default 3; quick 5)")
   p.add_argument("--layout-reps", type=int, default=None, help="paired repetitions per layout (default 3)")
+  p.add_argument("--pin", action="store_true",
+                 help="one core + single-threaded XLA kernels: CPU-time ratios then count work only (shared host)")
   p.add_argument("--no-append", action="store_true", help="do not append rows to benchmarks/RESULTS.md")
   args, rest = p.parse_known_args(argv)
   bad = [a for a in rest if not a.startswith("--config.")]
@@ -101,6 +103,12 @@ def _set_env(args):
     os.environ.setdefault("JAX_PLATFORMS", "cpu")
     if "device_count" not in os.environ.get("XLA_FLAGS", ""):
       os.environ["XLA_FLAGS"] = (os.environ.get("XLA_FLAGS", "") + " --xla_force_host_platform_device_count=8").strip()
+  if args.pin:
+    # Every thread created from now on (XLA's executor, the emulated devices' threads) runs on one core;
+    # with single-threaded kernels no worker spins waiting for work, so process CPU time is work done.
+    os.sched_setaffinity(0, {sorted(os.sched_getaffinity(0))[-1]})
+    if "multi_thread_eigen" not in os.environ.get("XLA_FLAGS", ""):
+      os.environ["XLA_FLAGS"] = (os.environ.get("XLA_FLAGS", "") + " --xla_cpu_multi_thread_eigen=false").strip()
   if str(REPO) not in sys.path:
     sys.path.insert(0, str(REPO))
 
@@ -412,7 +420,8 @@ def main(argv=None) -> int:
   cfg = build_config(args)
   res = {"benchmark": "train_step", "command": "python benchmarks/train_step.py " + " ".join(argv),
          "machine": machine(), "jax": jax.__version__, "xla_flags": os.environ.get("XLA_FLAGS", ""),
-         "devices": jax.device_count(), "platform": jax.devices()[0].platform,
+         "devices": jax.device_count(), "platform": jax.devices()[0].platform, "pinned": args.pin,
+         "cores": len(os.sched_getaffinity(0)),
          "load_avg_start": os.getloadavg()[0], "model": cfg.model.__dict__,
          "seq_len": cfg.data.seq_len, "global_batch": cfg.data.global_batch, "reps": args.reps, "steps": args.steps}
   rng = np.random.default_rng(0)

@@ -249,7 +249,7 @@ def build(cfg: Config, mesh: Mesh, donate: bool = True) -> step_lib.CompiledStep
 
   def step(state: ts.TrainState, batch):
     loss, grads = loss_and_grads(state.params, batch["inputs"], batch["targets"])
-    metrics = ts.StepMetrics(loss=loss, grad_norm=optax.global_norm(grads),
+    metrics = ts.StepMetrics(loss=loss, grad_norm=optax.tree.norm(grads),
                              n_tokens=jnp.asarray(n_tokens, jnp.int32))
     return ts.apply_grads(state, grads, tx), metrics
 

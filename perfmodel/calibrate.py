@@ -22,10 +22,10 @@ from perfmodel import bench, hardware
 
 
 def _median_rate(work, r):
-  return work / r["median"]
+  return work / bench.seconds(r)
 
 
-def run(quick: bool = False, out_path: str = None) -> dict:
+def run(quick: bool = False, out_path: str = None, nodes: bool = True) -> dict:
   import jax
   import jax.numpy as jnp
   import numpy as np
@@ -36,22 +36,22 @@ def run(quick: bool = False, out_path: str = None) -> dict:
   put = lambda x: jax.device_put(x, dev)  # noqa: E731
 
   dispatch = bench.time_fn(jax.jit(lambda v: v + 1), put(jnp.ones((4,))), reps=50)
-  step_overhead = dispatch["median"]
+  step_overhead = bench.seconds(dispatch)
 
   dot_curve = []
   for n in (16, 32, 64, 128, 256, 384, 512, 768, 1024) if not quick else (32, 128, 512):
     a = put(jnp.ones((n, n), jnp.float32))
     r = bench.time_fn(jax.jit(lambda x: x @ x), a, reps=reps, min_time=0.1)
-    noise.append(bench.spread_pct(r))
+    noise.append(bench.spread_pct(bench.view(r)))
     flops = 2.0 * n ** 3
-    dot_curve.append([flops, flops / max(1e-9, r["median"] - step_overhead)])
+    dot_curve.append([flops, flops / max(1e-9, bench.seconds(r) - step_overhead)])
   # Skinny matmuls: fit d in rate = curve(flops) * min(1, sqrt(min_dim / d)).
   skinny = []
   for m, k, n in ((8, 512, 512), (16, 1024, 256), (4, 256, 1024), (32, 512, 512)):
     a, b = put(jnp.ones((m, k), jnp.float32)), put(jnp.ones((k, n), jnp.float32))
     r = bench.time_fn(jax.jit(lambda x, y: x @ y), a, b, reps=reps, min_time=0.05)
     flops = 2.0 * m * k * n
-    ratio = (flops / max(1e-9, r["median"] - step_overhead)) / hardware.interp_log(dot_curve, flops)
+    ratio = (flops / max(1e-9, bench.seconds(r) - step_overhead)) / hardware.interp_log(dot_curve, flops)
     skinny.append((min(m, k, n), ratio))
   skinny_dim = statistics.median([s / max(1e-6, min(1.0, r)) ** 2 for s, r in skinny])
 
@@ -61,7 +61,7 @@ def run(quick: bool = False, out_path: str = None) -> dict:
     x = put(jnp.ones((n,), jnp.float32))
     r = bench.time_fn(jax.jit(lambda v: v * 1.5 + 0.5), x, reps=reps, min_time=0.05)
     nbytes = 8.0 * n
-    stream_curve.append([nbytes, nbytes / max(1e-9, r["median"] - step_overhead)])
+    stream_curve.append([nbytes, nbytes / max(1e-9, bench.seconds(r) - step_overhead)])
   big = 2 ** 22
   x = put(jnp.ones((big,), jnp.float32))
   t_stream = 8.0 * big / hardware.interp_log(stream_curve, 8.0 * big)
@@ -72,9 +72,9 @@ def run(quick: bool = False, out_path: str = None) -> dict:
     return v
   r = bench.time_fn(jax.jit(chain16), x, reps=reps)
   # Under heavy load the subtraction can go negative: never credit more than 10x the measured rate.
-  vector_rate = 16 * big / max(0.1 * r["median"], r["median"] - step_overhead - t_stream)
+  vector_rate = 16 * big / max(0.1 * bench.seconds(r), bench.seconds(r) - step_overhead - t_stream)
   r = bench.time_fn(jax.jit(jnp.exp), x, reps=reps)
-  trans_rate = big / max(0.1 * r["median"], r["median"] - step_overhead - t_stream)
+  trans_rate = big / max(0.1 * bench.seconds(r), bench.seconds(r) - step_overhead - t_stream)
 
   # Per-node overhead: a scan of tiny dots; the compiled body's node count comes from our own parser.
   from perfmodel import graph as graph_lib
@@ -87,7 +87,7 @@ def run(quick: bool = False, out_path: str = None) -> dict:
   g = graph_lib.from_hlo_text(f.lower(w).compile().as_text())
   body_nodes = max(sum(1 for _ in g.walk(n.body)) for n in g.regions[g.entry].nodes if n.kind == "loop")
   r = bench.time_fn(f, w, reps=reps)
-  launch = max(1e-7, r["median"] / trips / max(1, body_nodes))
+  launch = max(1e-7, bench.seconds(r) / trips / max(1, body_nodes))
 
   # Host parallelism: N virtual devices doing the per-device work of one.
   host_par = 1.0
@@ -100,7 +100,7 @@ def run(quick: bool = False, out_path: str = None) -> dict:
     f2 = jax.jit(jax.shard_map(lambda x: jnp.tanh(jnp.tanh(x @ x.T[:, :256]) @ x[:256]), mesh=mesh,
                                in_specs=P("d", None), out_specs=P("d", None), check_vma=False))
     r2 = bench.time_fn(f2, a2, reps=reps, min_time=0.2)
-    host_par = 2.0 * r1["median"] / r2["median"]
+    host_par = 2.0 * bench.seconds(r1) / bench.seconds(r2)
 
   coll = {}
   if len(jax.devices()) >= 2:
@@ -118,7 +118,7 @@ def run(quick: bool = False, out_path: str = None) -> dict:
         fn = jax.jit(jax.shard_map(body, mesh=mesh, in_specs=P("d"), out_specs=P("d") if kind == "all-reduce" else P(),
                                    check_vma=False))
         r = bench.time_fn(fn, x, reps=reps, min_time=0.05)
-        pts.append([payload, max(1e-7, r["median"] - step_overhead)])
+        pts.append([payload, max(1e-7, bench.seconds(r) - step_overhead)])
       coll[kind] = pts
     coll["reduce-scatter"] = [[s, t] for s, t in coll["all-gather"]]
 
@@ -145,10 +145,35 @@ def run(quick: bool = False, out_path: str = None) -> dict:
                                 "load_avg": os.getloadavg()[0]}, "source": src},
   })
   base["collective_curve"] = base["collective_curve"]["value"]
+  base["calibration"]["value"]["regime"] = bench.regime()
+  base["calibration"]["value"]["clock"] = "cpu" if bench.pinned() else "wall"
+  base["calibration"]["value"].pop("composition", None)
   with open(prof_path, "w") as f:
     json.dump(base, f, indent=1)
   hw = hardware.load(prof_path)
+  node_cal = None
+  if nodes:
+    # Second stage: real calibration programs, traced per node (learned backend + step composition).
+    import sys
+    from perfmodel import calibrate_nodes, learned
+    res = calibrate_nodes.run(hw, reps=3 if quick else 7, entries=None,
+                              log=lambda m: print(m, file=sys.stderr, flush=True))
+    spath = learned.samples_path(hw.name)
+    os.makedirs(os.path.dirname(spath), exist_ok=True)
+    with open(spath, "w") as f:
+      json.dump({"meta": {"source": src, "regime": bench.regime(), "method": "XLA TraceMe per thunk, p25 of "
+                          "occurrences, calibration suite perfmodel/suite.py:CALIBRATION"},
+                 "samples": res["samples"]}, f)
+    base["calibration"]["value"]["composition"] = res["composition"]
+    base["calibration"]["value"]["calibration_loo_mape"] = res["loo_mape"]
+    base["calibration"]["value"]["calibration_loo"] = [{k: (round(v, 6) if isinstance(v, float) else v)
+                                                        for k, v in c.items()} for c in res["loo"]]
+    with open(prof_path, "w") as f:
+      json.dump(base, f, indent=1)
+    hw = hardware.load(prof_path)
+    node_cal = {"samples": len(res["samples"]), "composition": res["composition"], "loo_mape": res["loo_mape"],
+                "node_noise_pct": res["noise_pct_median"]}
   return {"profile": prof_path, "peak_f32_flops": peak, "dram_bw": stream_curve[-1][1], "launch_s": launch,
           "step_overhead_s": step_overhead, "vector_flops_per_s": vector_rate, "trans_per_s": trans_rate,
           "skinny_dim": skinny_dim, "host_parallelism": host_par, "noise_pct": statistics.median(noise),
-          "calibrated": hw.calibrated}
+          "calibrated": hw.calibrated, "regime": bench.regime(), "nodes": node_cal}

@@ -61,15 +61,28 @@ def _profile(hlo_text, profile):
   print(json.dumps({"profiled_dots": r}), file=sys.stderr)
 
 
+def _regime(a, trace: bool = True):
+  """The measurement regime (perfmodel/bench.py): one pinned core, single-threaded XLA, CPU-time clock.
+  Set before jax starts; calibration and validation must share it so predictions and measurements are in
+  the same units. TraceMe is compiled in for both (calibration reads it; validation keeps the same code)."""
+  from perfmodel import bench, trace_nodes
+  if trace:
+    trace_nodes.enable()
+  if not a.no_pin:
+    bench.pin(a.pin_core)
+
+
 def cmd_calibrate(a, overrides):
   from perfmodel import capture
-  capture.ensure_devices(2)
+  _regime(a)
+  capture.ensure_devices(4)
   from perfmodel import calibrate
-  _print(calibrate.run(quick=a.quick))
+  _print(calibrate.run(quick=a.quick, nodes=not a.no_nodes))
 
 
 def cmd_validate(a, overrides):
   from perfmodel import capture
+  _regime(a)
   capture.ensure_devices(8)
   from perfmodel import validate
   _print(validate.run(a.suite, reps=a.reps, backend=a.backend, png=a.png, results=not a.no_results,
@@ -81,6 +94,7 @@ def cmd_search(a, overrides):
   cfg = load(a.config, list(overrides))  # the config's own mesh need not match --devices
   from perfmodel import capture
   if a.run_top:
+    _regime(a)
     capture.ensure_devices(a.devices)
   from perfmodel import hardware, search
   _print(search.run(cfg, hardware.load(a.hardware), a.devices, top=a.top, run_top=a.run_top, backend=a.backend,
@@ -103,13 +117,14 @@ def main(argv=None):
   pr.add_argument("--devices", type=int, default=0, help="device count when the mesh has a -1 axis")
   pr.add_argument("--mode", choices=("train", "infer"), default="train")
   pr.add_argument("--method", choices=("auto", "compile", "analytic"), default="auto")
-  pr.add_argument("--backend", choices=("auto", "roofline", "calibrated", "profiled"), default="auto")
+  pr.add_argument("--backend", choices=("auto", "roofline", "calibrated", "profiled", "learned"), default="auto")
   pr.add_argument("--profile-dots", action="store_true", help="time this program's unique dots on this host first")
   pr.add_argument("--batch", type=int, default=1)
   pr.add_argument("--prompt-len", type=int, default=32)
   pr.add_argument("--gen-len", type=int, default=32)
   ca = sub.add_parser("calibrate", help="fit the cpu profile on this host (a few minutes)")
   ca.add_argument("--quick", action="store_true")
+  ca.add_argument("--no-nodes", action="store_true", help="micro-benchmarks only (skip the learned backend)")
   va = sub.add_parser("validate", help="measured vs predicted over a suite of configs on this host")
   va.add_argument("--suite", default=None, help="python file with SUITE = [...] (default: perfmodel/suite.py)")
   va.add_argument("--reps", type=int, default=7)
@@ -124,6 +139,9 @@ def main(argv=None):
   se.add_argument("--top", type=int, default=10)
   se.add_argument("--backend", default="auto")
   se.add_argument("--run-top", action="store_true", help="on this host: run the top layout and the default one")
+  for sp in (ca, va, se):
+    sp.add_argument("--no-pin", action="store_true", help="measure unpinned in wall time (noisy on a shared host)")
+    sp.add_argument("--pin-core", type=int, default=-1, help="core to pin to (default: the last allowed)")
   a, rest = p.parse_known_args(argv)
   bad = [r for r in rest if not r.startswith("--config.")]
   if bad:

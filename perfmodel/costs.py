@@ -127,7 +127,13 @@ class Chain:
 
 
 def make_chain(hw: HardwareProfile, backend: str = "auto", algorithm: str = "auto") -> Chain:
-  """backend: 'roofline' | 'calibrated' | 'profiled' | 'auto' (profiled -> calibrated -> roofline)."""
+  """backend: 'roofline' | 'calibrated' | 'profiled' | 'learned' | 'auto'
+  (learned -> profiled -> calibrated -> roofline, each where available)."""
+  from perfmodel import learned  # noqa: PLC0415 (learned imports this module)
+  if backend == "learned":
+    if not learned.Learned.available(hw):
+      raise ValueError(f"profile {hw.name!r} has no learned node samples: run `python -m perfmodel calibrate`")
+    return Chain([learned.Learned(hw), Calibrated(hw), Roofline(hw)], hw, algorithm)
   if backend == "roofline":
     return Chain([Roofline(hw)], hw, algorithm)
   if backend == "calibrated":
@@ -136,7 +142,8 @@ def make_chain(hw: HardwareProfile, backend: str = "auto", algorithm: str = "aut
     return Chain([Profiled(hw), Calibrated(hw) if hw.calibrated else Roofline(hw)], hw, algorithm)
   if backend != "auto":
     raise ValueError(f"unknown cost backend {backend!r}: choose roofline, calibrated, profiled or auto")
-  chain = [Profiled(hw)]
+  chain = [learned.Learned(hw)] if learned.Learned.available(hw) else []
+  chain.append(Profiled(hw))
   if hw.calibrated:
     chain.append(Calibrated(hw))
   chain.append(Roofline(hw))

@@ -18,6 +18,23 @@ from perfmodel import capture, costs, graph as graph_lib, memory, timeline
 from perfmodel.hardware import HardwareProfile
 
 
+def composed(g: graph_lib.ExecGraph, chain, hw: HardwareProfile, n_devices: int, region: str = None,
+             per_step: bool = True):
+  """Step seconds from the calibrated composition (cpu profile, learned chain) or None.
+
+  On this host the N virtual devices run their per-device programs on one pinned core, so per-node times
+  add up over devices with a per-thunk gap and per-device and collective terms fitted by
+  ``python -m perfmodel calibrate`` (perfmodel/calibrate_nodes.py)."""
+  coef = hw.calibration.get("composition")
+  if not coef or not chain.names or chain.names[0] != "learned":
+    return None
+  from perfmodel import calibrate_nodes
+  feats = calibrate_nodes.composition_features(g, lambda n: chain.price(n).seconds, n_devices, region)
+  if not per_step:
+    feats[2] = 0.0
+  return calibrate_nodes.compose(coef, feats)
+
+
 def _host_factor(hw: HardwareProfile, n_devices: int) -> float:
   if hw.name != "cpu" or n_devices <= 1:
     return 1.0
@@ -47,9 +64,14 @@ def predict_train(cfg: Config, hw: HardwareProfile, backend: str = "auto", captu
   t1 = time.perf_counter()
   g = graph_lib.from_hlo_text(cap.hlo_text, cap.n_devices)
   tl, chain = price_graph(g, hw, backend)
-  t2 = time.perf_counter()
   scale = _host_factor(hw, cap.n_devices)
-  step = tl.makespan * scale + hw.calibration.get("step_overhead_s", 0.0)
+  step = composed(g, chain, hw, cap.n_devices)
+  composition = step is not None
+  if step is None:
+    step = tl.makespan * scale + hw.calibration.get("step_overhead_s", 0.0)
+  else:
+    scale = step / tl.makespan if tl.makespan else 1.0  # breakdown shares scaled to the composed step
+  t2 = time.perf_counter()
   tokens = cfg.data.global_batch * cfg.data.seq_len
   model_flops = flops_lib.train_flops_per_token(cfg.model, cfg.data.seq_len) * tokens
   dtype = {"bfloat16": "bf16", "float16": "f16"}.get(cfg.model.dtype, "f32")
@@ -66,6 +88,7 @@ def predict_train(cfg: Config, hw: HardwareProfile, backend: str = "auto", captu
       "flops_per_device": tot["flops"], "xla_cost_analysis_flops": cap.cost_analysis.get("flops"),
       "model_flops_per_step": model_flops, "collective_bytes_per_device": tot["collective_bytes"],
       "node_counts": tot["node_counts"], "breakdown": _breakdown(tl, scale), "host_device_factor": scale,
+      "composition": "calibrated (one pinned core, N devices in series)" if composition else "timeline",
       "compile_s": cap.lower_s + cap.compile_s, "predict_s": t2 - t1, "total_s": t2 - t0,
   }
 
@@ -85,6 +108,10 @@ def predict_infer(cfg: Config, hw: HardwareProfile, batch: int, prompt_len: int,
   overhead = hw.calibration.get("step_overhead_s", 0.0)
   ttft = full.makespan - (tpot * gen_len) + overhead
   total = full.makespan + overhead
+  c_total = composed(g, chain, hw, 1)
+  if c_total is not None:
+    c_tpot = composed(g, chain, hw, 1, region=decode.body, per_step=False) if decode else 0.0
+    tpot, total, ttft = c_tpot, c_total, c_total - c_tpot * gen_len
   return {
       "mode": "infer", "config": cfg.name, "hardware": hw.name, "calibrated": hw.calibrated, "backends": chain.names,
       "batch": batch, "prompt_len": prompt_len, "gen_len": gen_len,

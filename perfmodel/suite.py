@@ -34,3 +34,45 @@ INFER = [
     dict(name="decode_b8_wide", batch=8, prompt_len=64, gen_lens=(8, 24), model=dict(d_model=256, d_ff=768,
                                                                                      n_heads=8, n_kv_heads=4)),
 ]
+
+# Calibration programs for the learned backend (`python -m perfmodel calibrate`): real training steps whose
+# shapes differ from every SUITE entry (other widths, sequence lengths, batches), spanning the same range, so
+# validation stays a held-out test. Their per-node in-program times train the learned backend; their step
+# times fit how node times compose into a step (per-node gap, per-device and collective terms).
+CALIBRATION = [
+    dict(name="c_d48_l1", model=dict(d_model=48, n_layers=1, n_heads=2, n_kv_heads=2, d_ff=96),
+         data=dict(seq_len=24, global_batch=3)),
+    dict(name="c_d96_l3", model=dict(d_model=96, n_layers=3, n_heads=4, n_kv_heads=2, d_ff=256),
+         data=dict(seq_len=48, global_batch=6)),
+    dict(name="c_d160", model=dict(d_model=160, n_heads=4, n_kv_heads=2, d_ff=448), data=dict(seq_len=96)),
+    dict(name="c_d192_b12", model=dict(d_model=192, n_heads=6, n_kv_heads=3, d_ff=512),
+         data=dict(seq_len=48, global_batch=12)),
+    dict(name="c_d320_b3", model=dict(d_model=320, n_heads=8, n_kv_heads=4, d_ff=896),
+         data=dict(seq_len=96, global_batch=3)),
+    dict(name="c_d448_s40", model=dict(d_model=448, n_heads=8, n_kv_heads=4, d_ff=1280),
+         data=dict(seq_len=40, global_batch=4)),
+    dict(name="c_d96_s192", model=dict(d_model=96, n_heads=4, n_kv_heads=2, d_ff=256),
+         data=dict(seq_len=192, global_batch=4)),
+    dict(name="c_d80_l6", model=dict(d_model=80, n_layers=6, n_heads=4, n_kv_heads=2, d_ff=224),
+         data=dict(seq_len=40, global_batch=6)),
+    dict(name="c_remat_full_d96", model=dict(d_model=96, n_heads=4, n_kv_heads=2, d_ff=256, remat="full"),
+         data=dict(seq_len=48, global_batch=12)),
+    dict(name="c_remat_dots_d160", model=dict(d_model=160, n_layers=3, n_heads=4, n_kv_heads=2, d_ff=448,
+                                              remat="dots"), data=dict(seq_len=48)),
+    dict(name="c_dp2_d96", model=dict(d_model=96, n_heads=4, n_kv_heads=2, d_ff=256), data=dict(seq_len=48),
+         mesh=dict(data=2)),
+    dict(name="c_tp2_d192", model=dict(d_model=192, n_heads=6, n_kv_heads=2, d_ff=512), data=dict(seq_len=48),
+         mesh=dict(tensor=2)),
+    dict(name="c_dp2_tp2_d160", model=dict(d_model=160, n_heads=4, n_kv_heads=2, d_ff=448),
+         data=dict(seq_len=40, global_batch=12), mesh=dict(data=2, tensor=2)),
+    dict(name="c_dp4_d64", model=dict(d_model=64, n_heads=4, n_kv_heads=2, d_ff=160), data=dict(seq_len=24, global_batch=8),
+         mesh=dict(data=4)),
+]
+
+# Calibration decode programs (KV-cached sampler), shapes disjoint from INFER.
+CALIBRATION_INFER = [
+    dict(name="c_decode_b2", batch=2, prompt_len=24, gen_lens=(6, 18), model=dict(d_model=96, n_heads=4, n_kv_heads=2,
+                                                                                 d_ff=256)),
+    dict(name="c_decode_b6", batch=6, prompt_len=48, gen_lens=(6, 18), model=dict(d_model=192, n_heads=6, n_kv_heads=3,
+                                                                                 d_ff=512)),
+]

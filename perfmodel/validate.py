@@ -51,7 +51,8 @@ def _load_suite(path):
   return mod
 
 
-def measure_train(cap, cfg, reps: int) -> dict:
+def train_runner(cap, cfg):
+  """run() -> blocks on one real training step of the captured program (state carried across calls)."""
   import jax
   compiled, step = cap.compiled
   state = step.init_state(jax.random.key(0))
@@ -63,8 +64,12 @@ def measure_train(cap, cfg, reps: int) -> dict:
 
   def run():
     holder[0], metrics = compiled(holder[0], batch)
-    return metrics
-  return bench.time_fn(run, reps=reps, warmup=2)
+    return jax.block_until_ready(metrics)
+  return run
+
+
+def measure_train(cap, cfg, reps: int) -> dict:
+  return bench.time_fn(train_runner(cap, cfg), reps=reps, warmup=2)
 
 
 def measure_infer(cfg, batch, prompt_len, gen_len, reps) -> dict:

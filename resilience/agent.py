@@ -6,8 +6,9 @@ It holds no jax runtime. It
 * replicates each snapshot its worker stores to the r buddy agents (pyzmq DEALER -> ROUTER, zero
   copy out of shared memory) and the buddies acknowledge to the controller;
 * serves replicas to a spare that takes over a failed rank;
-* keeps a warm standby worker process (jax imported, corpus loaded) and hands it each new
-  generation, starts it, reports its exit, and SIGKILLs it when the controller fences a generation.
+* keeps a warm standby worker (forked in milliseconds from its zygote, a fork server that imported
+  jax and loaded the corpus once), hands it each new generation, reports its exit, and SIGKILLs it
+  when the controller fences a generation.
 
   python -m resilience.agent --name node0 --controller tcp://127.0.0.1:PORT --run-id ID --workdir DIR
 """
@@ -17,6 +18,7 @@ import argparse
 import ctypes
 import json
 import os
+import select
 import signal
 import subprocess
 import sys
@@ -62,9 +64,11 @@ class Agent:
     self.own: Optional[slots_lib.SlotFile] = None
     self.reps: Dict[int, slots_lib.SlotFile] = {}
     self.peers: Dict[str, zmq.Socket] = {}
-    self.standby: Optional[dict] = None  # {'proc', 'ident'}
-    self.active: Optional[dict] = None  # {'proc', 'ident', 'gen', 'rank'}
-    self.spawning: Optional[subprocess.Popen] = None
+    self.standby: Optional[dict] = None  # {'pid', 'ident'}
+    self.active: Optional[dict] = None  # {'pid', 'ident', 'gen', 'rank'}
+    self.zygote = None
+    self.spawning, self.spawning_pid, self.want_standby = False, None, False
+    self.exited: Dict[int, int] = {}
     self.assignment: Optional[dict] = None
     self.fault: Optional[dict] = None
     self.pending_assign: Optional[dict] = None
@@ -74,37 +78,83 @@ class Agent:
     self.chunk = 4 << 20
 
   # -- processes -------------------------------------------------------------------------------
-  def spawn_standby(self):
-    if self.spawning is not None or self.standby is not None:
-      return
-    self.n_spawned += 1
-    log = open(os.path.join(self.log_dir, f"{self.name}-worker{self.n_spawned}.log"), "w")
-    self.spawning = subprocess.Popen(
-        [sys.executable, "-m", "resilience.worker", "--agent", self.local_addr, "--name", self.name,
+  def start_zygote(self):
+    log = open(os.path.join(self.log_dir, f"{self.name}-zygote.log"), "a")
+    self.zygote = subprocess.Popen(
+        [sys.executable, "-m", "resilience.worker", "--zygote", "--agent", self.local_addr, "--name", self.name,
          "--workdir", self.workdir],
-        env=worker_env(), stdout=log, stderr=subprocess.STDOUT, preexec_fn=_die_with_parent,
+        env=worker_env(), stdin=subprocess.PIPE, stdout=subprocess.PIPE, stderr=log, preexec_fn=_die_with_parent,
         cwd=os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
     log.close()
+    os.set_blocking(self.zygote.stdout.fileno(), False)
+    self.zygote_buf, self.zygote_ready, self.spawning = b"", False, False
+
+  def zygote_lines(self):
+    try:
+      chunk = os.read(self.zygote.stdout.fileno(), 65536)
+    except BlockingIOError:
+      return []
+    self.zygote_buf += chunk
+    *lines, self.zygote_buf = self.zygote_buf.split(b"\n")
+    return [l.decode().split() for l in lines if l.strip()]
+
+  def on_zygote(self, words):
+    if words[0] == "ready":
+      self.zygote_ready = True
+      if self.want_standby:
+        self.spawn_standby()
+    elif words[0] == "forked":
+      self.spawning_pid = int(words[1])
+    elif words[0] == "exit":
+      pid, rc = int(words[1]), int(words[2])
+      self.exited[pid] = rc
+      if self.active is not None and self.active["pid"] == pid:
+        wire.send(self.ctl, {"type": "worker_exit", "gen": self.active["gen"], "rank": self.active["rank"],
+                             "rc": rc, "t": wire.now()})
+        self.active = None
+      elif (self.standby or {}).get("pid") == pid or self.spawning_pid == pid:
+        wire.send(self.ctl, {"type": "standby_exit", "rc": rc})
+        self.standby, self.spawning, self.spawning_pid = None, False, None
+
+  def spawn_standby(self):
+    """A warm standby: forked from the zygote (milliseconds), jax imported, corpus loaded."""
+    if self.spawning or self.standby is not None:
+      return
+    if not self.zygote_ready:
+      self.want_standby = True
+      return
+    self.want_standby = False
+    self.n_spawned += 1
+    self.zygote.stdin.write(f"fork {self.n_spawned}\n".encode())
+    self.zygote.stdin.flush()
+    self.spawning, self.spawning_pid = True, None
 
   def kill_active(self):
-    if self.active is not None:
-      proc = self.active["proc"]
-      try:
-        proc.send_signal(signal.SIGKILL)  # also ends a SIGSTOPped or gloo-hung worker
-      except ProcessLookupError:
-        pass
-      proc.wait()
-      self.active = None
+    if self.active is None:
+      return
+    pid, self.active = self.active["pid"], None
+    try:
+      os.kill(pid, signal.SIGKILL)  # also ends a SIGSTOPped or gloo-hung worker
+    except ProcessLookupError:
+      return
+    end = time.time() + 10
+    while pid not in self.exited and time.time() < end:  # fenced only once the kernel says it is gone
+      if not select.select([self.zygote.stdout], [], [], 0.01)[0]:
+        continue
+      for words in self.zygote_lines():
+        self.on_zygote(words)
 
   def shutdown(self, unlink=True):
     self.kill_active()
-    for p in [self.spawning, (self.standby or {}).get("proc")]:
-      if p is not None:
+    for pid in [(self.standby or {}).get("pid"), self.spawning_pid]:
+      if pid:
         try:
-          p.kill()
-          p.wait(timeout=5)
-        except (ProcessLookupError, subprocess.TimeoutExpired):
+          os.kill(pid, signal.SIGKILL)
+        except ProcessLookupError:
           pass
+    if getattr(self, "zygote", None) is not None:
+      self.zygote.kill()
+      self.zygote.wait()
     for f in [self.own, *self.reps.values()]:
       if f is not None:
         f.close(unlink=unlink)
@@ -179,7 +229,7 @@ class Agent:
     self.active = dict(self.standby, gen=msg["gen"], rank=msg["rank"])
     self.standby = None
     wire.send(self.ctl, {"type": "started", "gen": msg["gen"], "rank": msg["rank"],
-                         "pid": self.active["proc"].pid, "t": wire.now()})
+                         "pid": self.active["pid"], "t": wire.now()})
 
   def fetch(self, msg: dict):
     """Spare taking over ``rank``: pull its committed replica from a buddy into our own slot 0."""
@@ -216,11 +266,10 @@ class Agent:
   def on_local(self, ident: bytes, msg: dict):
     kind = msg["type"]
     if kind == "standby_ready":
-      proc = self.spawning
-      self.spawning = None
-      if proc is None or proc.pid != msg["pid"]:
+      if not self.spawning or msg["pid"] in self.exited:
         return
-      self.standby = {"proc": proc, "ident": ident}
+      self.spawning, self.spawning_pid = False, None
+      self.standby = {"pid": msg["pid"], "ident": ident}
       wire.send(self.ctl, {"type": "standby_ready", "pid": msg["pid"], "import_s": msg["import_s"]})
       if self.pending_assign is not None:
         msg, self.pending_assign = self.pending_assign, None
@@ -249,7 +298,7 @@ class Agent:
     if die:  # injected: the node dies while its snapshot is on the wire
       time.sleep(0.002)
       if self.active is not None:
-        os.kill(self.active["proc"].pid, signal.SIGKILL)
+        os.kill(self.active["pid"], signal.SIGKILL)
       os.kill(os.getpid(), signal.SIGKILL)
 
   def on_data(self, ident: bytes, msg: dict, frames):
@@ -281,10 +330,12 @@ class Agent:
   def run(self, hb_s: float = 0.25):
     wire.send(self.ctl, {"type": "hello", "pid": os.getpid(), "data_addr": self.data_addr,
                          "local_addr": self.local_addr})
+    self.start_zygote()
     self.spawn_standby()
     poller = zmq.Poller()
     for s in (self.ctl, self.data, self.local):
       poller.register(s, zmq.POLLIN)
+    poller.register(self.zygote.stdout.fileno(), zmq.POLLIN)
     last_hb = 0.0
     while True:
       events = dict(poller.poll(10))
@@ -298,16 +349,17 @@ class Agent:
       if self.data in events:
         ident, msg, frames = wire.recv(self.data, router=True)
         self.on_data(ident, msg, frames)
-      if self.active is not None:
-        rc = self.active["proc"].poll()
-        if rc is not None:
-          wire.send(self.ctl, {"type": "worker_exit", "gen": self.active["gen"], "rank": self.active["rank"],
-                               "rc": rc, "t": wire.now()})
-          self.active = None
-      for p in (self.spawning, (self.standby or {}).get("proc")):
-        if p is not None and p.poll() is not None:
-          wire.send(self.ctl, {"type": "standby_exit", "rc": p.returncode})
-          self.spawning, self.standby = None, None
+      if self.zygote.stdout.fileno() in events:
+        for words in self.zygote_lines():
+          self.on_zygote(words)
+      if self.zygote.poll() is not None:  # the fork server died: everything it forked died with it
+        poller.unregister(self.zygote.stdout.fileno())
+        for pid in [(self.active or {}).get("pid"), (self.standby or {}).get("pid"), self.spawning_pid]:
+          if pid:
+            self.on_zygote(["exit", str(pid), "-9"])
+        self.start_zygote()
+        poller.register(self.zygote.stdout.fileno(), zmq.POLLIN)
+        self.spawn_standby()
       now = time.time()
       if now - last_hb >= hb_s:
         last_hb = now

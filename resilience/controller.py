@@ -148,8 +148,11 @@ class Controller:
   def start_generation(self, plan: dict):
     self.gen += 1
     coordinator = f"127.0.0.1:{wire.free_port()}"
-    self.stored = {v: r for v, r in self.stored.items() if v <= self.committed}
-    self.acks = {v: a for v, a in self.acks.items() if v <= self.committed}
+    if plan["tier"] != "memory":  # restored from disk / step 0: versions restart there, memory copies are void
+      self.committed = plan["version"] if plan["tier"] == "persistent" else -1
+      self.committed_holders, self.committed_owner = {}, {}
+    # acks and stores of uncommitted versions belong to the dead generation
+    self.stored, self.acks = {}, {}
     self.worker_hb = {}
     self.gen_started_at = self.last_progress = time.time()
     self.gen_max_step = plan["version"]
@@ -328,6 +331,11 @@ class Controller:
         pe = self.pending_error
         raise RunFailed(f"worker rank {pe['rank']} ({pe['node']}) raised and no node failed: this is a bug, "
                         f"not a fault: {pe['error']}\n{pe.get('trace', '')}")
+    if self.state == "running" and now - getattr(self, "last_commit_pub", 0.0) > self.s.heartbeat_s and \
+       self.committed >= 0:
+      # re-publish: a subscriber that joined after the commit went out (zmq slow joiner) must not wait forever
+      self.last_commit_pub = now
+      wire.send(self.pub, {"type": "commit", "gen": self.gen, "version": self.committed})
     if self.state == "fencing":
       self.advance_recovery()
 

@@ -6,7 +6,8 @@ plan), then joins ``jax.distributed`` on that generation's coordinator, builds t
 compiled step (persistent compilation cache: a swap recompiles from disk, not from scratch),
 restores the state (own shared memory, a replica fetched by the agent, or orbax), and trains.
 
-A worker never survives a generation change: on any failure the controller fences every worker of
+Standbys are forked from the agent's zygote (a fork server that imported everything once), so a
+fresh warm standby costs milliseconds, not a jax import. A worker never survives a generation change: on any failure the controller fences every worker of
 the old generation with SIGKILL (gloo collectives cannot be cancelled on CPU, notes 4b) and the
 agents hand the next generation to their standbys. Exceptions (e.g. a gloo "connection closed" after
 a peer died) are reported and the worker waits to be killed, so only real crashes show as exits.
@@ -18,6 +19,7 @@ from __future__ import annotations
 import argparse
 import json
 import os
+import sys
 import threading
 import time
 import traceback
@@ -41,40 +43,96 @@ def _heartbeat(ctx, addr, info, period, stop):
     push.close()
 
 
-def main(argv=None):
-  ap = argparse.ArgumentParser()
-  ap.add_argument("--agent", required=True)
-  ap.add_argument("--name", required=True)
-  ap.add_argument("--workdir", required=True)
-  args = ap.parse_args(argv)
-
-  # Warm-up: everything that does not need the assignment happens before it arrives.
-  t_import0 = time.time()
+def _warm(workdir: str) -> dict:
+  """Everything that does not need the assignment: imports, config, corpus (seconds on a busy host)."""
+  t0 = time.time()
   import jax  # noqa: F401
   import numpy as np  # noqa: F401
   from framework import checkpoint, config, data, model, train_step  # noqa: F401
   from parallelism import mesh, step  # noqa: F401
-  # The corpus listing/reading costs seconds on a busy host: do it now, from the job's config.json.
-  with open(os.path.join(args.workdir, "config.json")) as f:
+  with open(os.path.join(workdir, "config.json")) as f:
     cfg0 = config.from_dict(json.load(f)["config"])
-  warm = {"data_cfg": cfg0.data, "corpus": data.split(data.load_corpus(cfg0.data), cfg0.data)}
-  import_s = time.time() - t_import0
+  return {"data_cfg": cfg0.data, "corpus": data.split(data.load_corpus(cfg0.data), cfg0.data),
+          "warm_s": time.time() - t0}
 
+
+def zygote(args):
+  """Fork server: warms up once, then forks a ready standby worker per request in milliseconds.
+
+  Protocol on stdin/stdout with the agent: it writes 'fork N'; we answer 'forked PID', and report
+  'exit PID RC' for every child that ends (we are their parent, so only we can reap them). No zmq
+  context and no jax backend exist here before a fork (neither is fork-safe); children create both.
+  """
+  import select
+  import signal
+  warm = _warm(args.workdir)
+  out = sys.stdout
+  out.write(f"ready {warm['warm_s']:.3f}\n")
+  out.flush()
+  while True:
+    r, _, _ = select.select([sys.stdin], [], [], 0.02)
+    while True:
+      try:
+        pid, status = os.waitpid(-1, os.WNOHANG)
+      except ChildProcessError:
+        break
+      if pid == 0:
+        break
+      out.write(f"exit {pid} {os.waitstatus_to_exitcode(status)}\n")
+      out.flush()
+    if not r:
+      continue
+    line = sys.stdin.readline()
+    if not line:  # the agent is gone
+      os._exit(0)
+    cmd = line.split()
+    if cmd and cmd[0] == "fork":
+      pid = os.fork()
+      if pid == 0:
+        try:
+          _die_with_parent()
+          fd = os.open(os.path.join(args.workdir, "logs", f"{args.name}-worker{cmd[1]}.log"),
+                       os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o644)
+          os.dup2(fd, 1)
+          os.dup2(fd, 2)
+          os.close(fd)
+          null = os.open(os.devnull, os.O_RDONLY)
+          os.dup2(null, 0)
+          signal.signal(signal.SIGCHLD, signal.SIG_DFL)
+          sys.stdout = os.fdopen(1, "w", buffering=1)
+          sys.stderr = os.fdopen(2, "w", buffering=1)
+          standby(args.agent, args.name, warm)
+        finally:
+          os._exit(4)
+      out.write(f"forked {pid}\n")
+      out.flush()
+
+
+def _die_with_parent():
+  import ctypes
+  import signal
+  try:
+    ctypes.CDLL("libc.so.6", use_errno=True).prctl(1, signal.SIGKILL)  # PR_SET_PDEATHSIG
+  except OSError:
+    pass
+
+
+def standby(agent_addr: str, name: str, warm: dict):
   ctx = zmq.Context()
   agent = wire.new_socket(ctx, zmq.DEALER)
-  agent.connect(args.agent)
-  wire.send(agent, {"type": "standby_ready", "pid": os.getpid(), "import_s": import_s})
+  agent.connect(agent_addr)
+  wire.send(agent, {"type": "standby_ready", "pid": os.getpid(), "import_s": warm["warm_s"]})
   _, start, _ = wire.recv(agent)
   assert start["type"] == "start", start
   t_start = wire.now()
   push = wire.new_socket(ctx, zmq.PUSH)
   push.connect(start["controller_pull"])
   stop = threading.Event()
-  info = {"rank": start["rank"], "gen": start["gen"], "pid": os.getpid(), "node": args.name}
+  info = {"rank": start["rank"], "gen": start["gen"], "pid": os.getpid(), "node": name}
   threading.Thread(target=_heartbeat, args=(ctx, start["controller_pull"], info, start["settings"]["heartbeat_s"],
                                             stop), daemon=True).start()
   try:
-    _train(start, agent, push, ctx, t_start, args.name, warm)
+    _train(start, agent, push, ctx, t_start, name, warm)
   except BaseException as e:  # noqa: BLE001 - report, then wait to be fenced (see module docstring)
     wire.send(push, {"type": "error", **info, "error": f"{type(e).__name__}: {e}",
                      "trace": traceback.format_exc()[-4000:]})
@@ -82,6 +140,19 @@ def main(argv=None):
     os._exit(3)
   stop.set()
   os._exit(0)  # skip interpreter teardown: gloo/zmq threads can hang on exit
+
+
+def main(argv=None):
+  ap = argparse.ArgumentParser()
+  ap.add_argument("--agent", required=True)
+  ap.add_argument("--name", required=True)
+  ap.add_argument("--workdir", required=True)
+  ap.add_argument("--zygote", action="store_true", help="run as the agent's fork server")
+  args = ap.parse_args(argv)
+  if args.zygote:
+    zygote(args)
+  else:
+    standby(args.agent, args.name, _warm(args.workdir))
 
 
 def _cache_on_every_rank():
@@ -192,7 +263,7 @@ def _train(start, agent, push, ctx, t_start, name, warm):
   if s["snapshot"]:
     committed_slot = plan.get("slot") if plan["tier"] == "memory" else None
     snap = Snapshotter(ctx, start["agent_local"], start["controller_pub"], slot_file, lay, gen, rank,
-                       committed=start_step if plan["tier"] == "memory" else -1, committed_slot=committed_slot)
+                       committed=start_step if plan["tier"] != "init" else -1, committed_slot=committed_slot)
   total = cfg.train.steps
   block = s["overhead_probe_block"]
   prev_on = None

@@ -41,23 +41,34 @@ def target_compile_memory(config_spec: str, overrides: Sequence[str], n: int, ti
 
 def emulate(cfg: Config, ranks: Optional[Sequence[int]] = None, hardware: str = "cpu", local_hardware: str = "cpu",
             out_dir: Optional[str] = None, repeats: int = 5, warmup: int = 1, execute: bool = True,
-            exact_memory: Optional[tuple] = None, notes: Sequence[str] = (), algorithm: str = "auto") -> dict:
+            exact_memory: Optional[tuple] = None, notes: Sequence[str] = (), algorithm: str = "auto",
+            host_data: bool = True, combine: bool = True, gloo_calibration: Optional[str] = "auto") -> dict:
   """Emulates one training step of ``cfg`` (validated at its target mesh). ``ranks``: None = one per
   class of distinct programs; else these ranks run for real (plus one per class they leave uncovered).
   ``exact_memory``: (config_spec, overrides) to also compile the real N-device program for its
-  byte-exact per-device memory (N <= EXACT_MEMORY_MAX_DEVICES)."""
+  byte-exact per-device memory (N <= EXACT_MEMORY_MAX_DEVICES). ``gloo_calibration``: for the ``cpu``
+  target, price collectives by the measured 2-process gloo curves (perfmodel/emulate/gloo_calibration.py;
+  'auto' = the stored file when present, None = the profile's own curves)."""
   t0 = time.perf_counter()
   target_hw, local_hw = hw_lib.load(hardware), hw_lib.load(local_hardware)
+  notes = list(notes)
+  coll_source = "profile %s" % target_hw.name
+  if gloo_calibration and target_hw.device_kind == "cpu":
+    from perfmodel.emulate import gloo_calibration as gc  # noqa: PLC0415
+    target_hw, cal = gc.with_gloo_curves(target_hw, gc.DEFAULT_PATH if gloo_calibration == "auto" else gloo_calibration)
+    if cal is not None:
+      coll_source = cal["source"]
   prog = rank_program.build(cfg)
   space = prog.space
   sl = slicing.slice_ranks(prog.body, space, ranks)
   to_run = list(dict.fromkeys(list(ranks or []) + [c.representative for c in sl.classes]))
   runs, tls = {}, {}
   for r in to_run:
-    runs[r] = measure.run_rank(prog, r, repeats=repeats, warmup=warmup, execute=execute)
+    runs[r] = measure.run_rank(prog, r, repeats=repeats, warmup=warmup, execute=execute, host_data=host_data)
     measured = runs[r].compute_s if execute else 0.0
     tls[r] = tl_lib.rank_timeline(r, runs[r].hlo_text, runs[r].records, measured if measured == measured else 0.0,
-                                  space, target_hw, local_hw, algorithm)
+                                  space, target_hw, local_hw, algorithm, branch_trace=runs[r].branch_trace,
+                                  combine=combine, compute_hw=None if execute else target_hw)
   reps = {c.label: c.representative for c in sl.classes}
   composed = tl_lib.compose({lab: tls[r] for lab, r in reps.items()}, sl.structural)
   for lab, r in reps.items():
@@ -72,7 +83,10 @@ def emulate(cfg: Config, ranks: Optional[Sequence[int]] = None, hardware: str = 
     mem = exact["peak_bytes"] if exact else run.memory["peak_bytes"]
     per_rank.append({
         "rank": r, "coords": space.coords(r), "class": cls.label, "class_size": cls.count,
-        "iteration_time_s": tl.iteration_s if execute else None,
+        "iteration_time_s": tl.iteration_s,
+        "compute_source": tl.compute_source, "collective_calls_per_step": tl.collective_calls,
+        "branches_taken": tl.branches, "untraced_branch_executions": tl.untraced_branches,
+        "cond_sites": run.n_cond_sites, "host_data": run.host_data,
         "compute_s": tl.compute_s, "comm_s": tl.comm_s, "wait_s": tl.wait_s,
         "measured_standin_program_s": run.compute_s if execute else None,
         "standin_local_s": tl.standin_local_s, "noise_p10_p90": run.noise, "step_times_s": run.step_times_s,
@@ -92,7 +106,11 @@ def emulate(cfg: Config, ranks: Optional[Sequence[int]] = None, hardware: str = 
                   "classes": [{"class": c.label, "representative": c.representative, "ranks": c.count,
                                "chosen_by": c.chosen_by} for c in sl.classes]},
       "per_rank_params": prog.n_params_local, "trace_s": prog.trace_s, "executed": execute,
-      "exact_memory": exact, "notes": list(notes), "wall_time_s": None, "trace_files": []}
+      "exact_memory": exact, "collective_model": coll_source, "combine_collectives": combine,
+      "notes": notes + ([] if execute else [
+          "compile only: compute time is modelled (roofline of the target profile on the per-rank graph), not "
+          "measured; runtime-decided branches are priced by their costliest branch (upper bound)"]),
+      "wall_time_s": None, "trace_files": []}
   if out_dir:
     labels = [(f"rank {r} ({sl.class_of(r).label})", tls[r]) for r in to_run]
     result["trace_files"] = trace.write(out_dir, labels, {"mesh": space.describe(), "config": cfg.name,

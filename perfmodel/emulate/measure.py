@@ -5,6 +5,16 @@ The rank's step is compiled exactly like training compiles it (one ``jax.jit`` w
 so XLA fuses, schedules and allocates the real per-rank computation; only the collectives are local
 stand-ins (perfmodel/emulate/standins.py). Timing is the median of ``repeats`` steps after
 ``warmup`` steps, each step fed the state the previous one returned (as in training).
+
+What one timed step contains is what ``framework/train.py`` pays per logged step (log_every=1):
+this rank's rows of the global batch drawn by the framework's own ``BatchIterator`` (its
+data-parallel position as the process index), put on the device, the step dispatched, and the loss
+read back to the host (the loop's one sync). ``host_data=False`` feeds one fixed random batch instead.
+
+Branch counting: a pipelined program decides its ``cond`` branches at run time (idle ticks skip the
+forward/backward slot). A second build of the same program whose branches report themselves
+(``Interpreter.count_branches``) runs once; the per-site sequence of taken branches tells the
+timeline which branch each execution really ran (perfmodel/emulate/timeline.py).
 """
 from __future__ import annotations
 
@@ -29,6 +39,9 @@ class RankRun:
   records: list  # CollectiveRecord
   loss: float
   device: str
+  branch_trace: Optional[dict] = None  # cond site -> taken branch per execution (None: not counted)
+  n_cond_sites: int = 0
+  host_data: bool = False
 
   @property
   def noise(self) -> float:
@@ -61,22 +74,79 @@ def compile_rank(prog: rp.RankProgram, rank: int):
   return compiled, interp, time.perf_counter() - t0
 
 
+def count_branches(prog: rp.RankProgram, rank: int, state, inputs, targets) -> tuple:
+  """(branch_trace, n_cond_sites): runs the counting build of the rank's step once (not timed)."""
+  step, interp = rp.rank_step(prog, rank)
+  interp.count_branches = True
+  if not _has_cond(prog.body.jaxpr):
+    return {}, 0
+  fn = jax.jit(step)
+  out = fn(state, inputs, targets)
+  jax.block_until_ready(out)
+  jax.effects_barrier()
+  return {k: list(v) for k, v in interp.branch_trace.items()}, interp.n_conds
+
+
+def _has_cond(jaxpr) -> bool:
+  from perfmodel.emulate.standins import _sub_jaxprs  # noqa: PLC0415
+  return any(e.primitive.name == "cond" or any(_has_cond(j) for j in _sub_jaxprs(e.params)) for e in jaxpr.eqns)
+
+
+def _data_iterator(prog: rp.RankProgram, rank: int):
+  """The framework's batch iterator for this rank's rows: process index = its position over the batch axes."""
+  from framework import data as data_lib  # noqa: PLC0415
+  cfg = prog.cfg
+  axes = [a for a in ("data", "fsdp") if prog.space.axis_sizes.get(a, 1) > 1]
+  pc = 1
+  for a in axes:
+    pc *= prog.space.axis_sizes[a]
+  pi = prog.space.position(rank, axes) if axes else 0
+  corpus = data_lib.split(data_lib.load_corpus(cfg.data), cfg.data)
+  it = data_lib.BatchIterator(corpus.train, cfg.data, process_index=pi, process_count=pc)
+  seq = prog.space.axis_sizes.get("sequence", 1)
+  t_local = prog.local_batch[0].shape[1]
+  s_pos = prog.space.coords(rank).get("sequence", 0)
+
+  def nxt():
+    b = next(it)
+    if seq > 1:
+      b = {k: v[:, s_pos * t_local:(s_pos + 1) * t_local] for k, v in b.items()}
+    return b["inputs"], b["targets"]
+  return nxt
+
+
 def run_rank(prog: rp.RankProgram, rank: int, repeats: int = 5, warmup: int = 1, execute: bool = True,
-             seed: int = 0, batch: Optional[tuple] = None, state=None) -> RankRun:
+             seed: int = 0, batch: Optional[tuple] = None, state=None, host_data: bool = True,
+             count: bool = True) -> RankRun:
   compiled, interp, compile_s = compile_rank(prog, rank)
   times, loss = [], float("nan")
+  trace, n_conds = None, interp.n_conds
   if execute:
     state = state if state is not None else rp.random_state(prog, seed)
     inputs, targets = batch if batch is not None else rp.random_batch(prog, seed + 1)
+    if count:
+      trace, n_conds = count_branches(prog, rank, jax.tree.map(lambda x: x.copy(), state), inputs, targets)
+    nxt = None
+    if host_data and batch is None:
+      try:
+        nxt = _data_iterator(prog, rank)
+        nxt()
+      except Exception:  # noqa: BLE001 - e.g. a corpus this host lacks: fixed batch instead (reported)
+        nxt = None
+    dev = jax.devices()[0]
     for i in range(warmup + repeats):
       t0 = time.perf_counter()
+      if nxt is not None:
+        inputs, targets = (jax.device_put(x, dev) for x in nxt())
       state, l = compiled(state, inputs, targets)
-      jax.block_until_ready((state, l))
+      l = float(l)  # the train loop's host sync (it reads the loss at every logged step)
       if i >= warmup:
         times.append(time.perf_counter() - t0)
     loss = float(l)
+    host_data = nxt is not None
     del state
   return RankRun(rank=rank, compile_s=compile_s, step_times_s=times,
                  compute_s=statistics.median(times) if times else float("nan"), memory=memory_of(compiled),
                  hlo_text=compiled.as_text(), records=list(interp.records), loss=loss,
-                 device=str(jax.devices()[0].device_kind))
+                 device=str(jax.devices()[0].device_kind), branch_trace=trace, n_cond_sites=n_conds,
+                 host_data=bool(execute and host_data))

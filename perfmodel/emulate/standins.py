@@ -47,6 +47,7 @@ COLLECTIVE_KIND = {
 }
 IDENTITY_PRIMS = ("pvary", "pcast", "pbroadcast")
 MARKER = "emu_c"
+BRANCH_MARKER = "emu_b"
 
 
 @dataclasses.dataclass(frozen=True)
@@ -123,6 +124,10 @@ class Interpreter:
     self._sites: dict = {}
     self._scope: list = []  # [(label, trips)]
     self._path: list = []  # ids of the enclosing higher-order equations (a call site's identity)
+    self.n_conds = 0  # runtime-decided cond sites, marked BRANCH_MARKER<i> in the compiled HLO
+    self._cond_sites: dict = {}
+    self.count_branches = False  # counting build: every branch reports (site, branch) when it runs
+    self.branch_trace: dict = {}  # cond site -> [branch index per execution, in execution order]
 
   # -------------------------------------------------------------- public
   def __call__(self, closed: jcore.ClosedJaxpr, *args):
@@ -290,12 +295,31 @@ class Interpreter:
   def _hop_cond(self, eqn, invals):
     branches = eqn.params["branches"]
     index, ops = invals[0], invals[1:]
-    fns = [lambda *a, b=b: self.eval(b.jaxpr, b.consts, *a) for b in branches]
+    key = (tuple(self._path), id(eqn))
+    if key not in self._cond_sites:
+      self._cond_sites[key] = self.n_conds
+      self.n_conds += 1
+    cid = self._cond_sites[key]
+
+    def make(i, b):
+      def fn(*a):
+        if self.count_branches:
+          # Which branch really runs, per execution: the timeline walks only that branch (pipeline
+          # ticks where a stage idles must not be charged the slot's compute or collectives).
+          jax.debug.callback(self._hit, cid, i)
+        return self.eval(b.jaxpr, b.consts, *a)
+      return fn
+
+    fns = [make(i, b) for i, b in enumerate(branches)]
     self._scope.append(("cond", 1))
     try:
-      return list(jax.lax.switch(index, fns, *ops))
+      with jax.named_scope(f"{BRANCH_MARKER}{cid}"):
+        return list(jax.lax.switch(index, fns, *ops))
     finally:
       self._scope.pop()
+
+  def _hit(self, cid, i):
+    self.branch_trace.setdefault(int(cid), []).append(int(i))
 
   def _hop_checkpoint(self, eqn, invals):
     p = eqn.params
@@ -328,3 +352,9 @@ def standin_program(closed: jcore.ClosedJaxpr, space: RankSpace, rank: int):
 def marker_index(op_name: str) -> Optional[int]:
   m = re.search(MARKER + r"(\d+)", op_name or "")
   return int(m.group(1)) if m else None
+
+
+def branch_marker(op_name: str) -> Optional[int]:
+  """The cond site of a compiled ``conditional`` (innermost marker: nested conds carry their parents')."""
+  m = re.findall(BRANCH_MARKER + r"(\d+)", op_name or "")
+  return int(m[-1]) if m else None

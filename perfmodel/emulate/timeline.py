@@ -55,24 +55,99 @@ class RankTimeline:
   wait_s: float = 0.0  # time waiting for other classes (pipeline bubbles), filled by compose()
   unplaced: int = 0  # collective records with no node in the compiled program (appended at the end)
   by_kind: dict = dataclasses.field(default_factory=dict)
+  collective_calls: int = 0  # collective calls per step after combining
+  branches: dict = dataclasses.field(default_factory=dict)  # cond site -> {branch: executions walked}
+  untraced_branches: int = 0  # conditional executions priced by their costliest branch (no trace)
+  compute_source: str = "measured"
 
   @property
   def iteration_s(self) -> float:
     return max((e.start + e.dur for e in self.events), default=0.0)
 
 
-def _walk(graph, region: str, path: tuple, out: list, budget: list):
-  """Flattens the graph into (node, instance_path) in execution order, expanding loops."""
-  for n in graph.regions[region].nodes:
-    if n.kind == "loop":
-      for i in range(n.trip_count):
-        if budget[0] <= 0:
-          out.append((n, path + (("loop-rest", n.trip_count - i),)))
-          break
-        _walk(graph, n.body, path + ((n.name, i),), out, budget)
-      continue
-    budget[0] -= 1
-    out.append((n, path))
+def build_graph(module):
+  """``perfmodel.graph``'s execution graph of the module, plus a region for *every* branch of every
+  ``conditional`` (the shared builder keeps only the first branch, as a bound for prediction;
+  emulation walks the branch that really ran)."""
+  b = graph_lib._Builder(module, 1)  # noqa: SLF001 - same builder, more regions (see README: hooks)
+  b.region(module.entry)
+  todo = True
+  while todo:
+    todo = False
+    for reg in list(b.regions.values()):
+      for n in reg.nodes:
+        if n.opcode != "conditional":
+          continue
+        for c in _branches(module, reg.name, n.name):
+          if c not in b.regions:
+            b.region(c)
+            todo = True
+  return graph_lib.ExecGraph(regions=b.regions, entry=module.entry, n_devices=1, module_name=module.name)
+
+
+def _branches(module, region: str, name: str) -> list:
+  """Branch computations of a conditional, indexed like ``lax.switch`` (pred form: [false, true])."""
+  ins = module.computations[region].by_name[name]
+  a = ins.attrs
+  if "true_computation" in a:
+    strip = lambda v: v.strip().lstrip("%")  # noqa: E731
+    return [strip(a["false_computation"]), strip(a["true_computation"])]
+  return [c for c in ins.called() if c in module.computations]
+
+
+class _Walker:
+  """Flattens the graph into (node, instance path) in execution order: loops expanded trip by trip,
+  each ``conditional`` into the branch that ran (from the branch trace), else its costliest branch."""
+
+  def __init__(self, graph, module, trace: Optional[dict], price):
+    from perfmodel.emulate.standins import branch_marker  # noqa: PLC0415
+    self.graph, self.module, self.price = graph, module, price
+    self.trace = {k: list(v) for k, v in (trace or {}).items()}
+    self.cursor = defaultdict(int)
+    self.marker = branch_marker
+    self.taken = defaultdict(lambda: defaultdict(int))  # cond site -> branch -> executions walked
+    self.unknown = 0  # conditional executions with no trace entry (priced by their costliest branch)
+    self._cost = {}
+
+  def region_cost(self, region: str) -> float:
+    if region not in self._cost:
+      self._cost[region] = 0.0
+      tot = 0.0
+      for n in self.graph.regions[region].nodes:
+        if n.kind == "loop" and n.opcode != "conditional":
+          tot += self.region_cost(n.body) * n.trip_count
+        elif n.opcode == "conditional":
+          tot += max((self.region_cost(c) for c in _branches(self.module, region, n.name)), default=0.0)
+        else:
+          tot += self.price(n)
+      self._cost[region] = tot
+    return self._cost[region]
+
+  def walk(self, region: str, path: tuple, out: list, budget: list):
+    for n in self.graph.regions[region].nodes:
+      if n.opcode == "conditional":
+        comps = _branches(self.module, region, n.name)
+        site = self.marker(n.attribution.op_name)
+        seq = self.trace.get(site) if site is not None else None
+        if seq is not None and self.cursor[site] < len(seq) and seq[self.cursor[site]] < len(comps):
+          k = seq[self.cursor[site]]
+          self.cursor[site] += 1
+        else:
+          self.unknown += 1
+          k = max(range(len(comps)), key=lambda i: self.region_cost(comps[i])) if comps else 0
+        if comps:
+          self.taken[site][k] += 1
+          self.walk(comps[k], path + ((n.name, k),), out, budget)
+        continue
+      if n.kind == "loop":
+        for i in range(n.trip_count):
+          if budget[0] <= 0:
+            out.append((n, path + (("loop-rest", n.trip_count - i),)))
+            break
+          self.walk(n.body, path + ((n.name, i),), out, budget)
+        continue
+      budget[0] -= 1
+      out.append((n, path))
 
 
 def _marker_map(module) -> dict:
@@ -126,38 +201,67 @@ def collective_seconds(rec, space: RankSpace, rank: int, hw: HardwareProfile, al
 
 
 def rank_timeline(rank: int, hlo_text: str, records: list, measured_s: float, space: RankSpace,
-                  target_hw: HardwareProfile, local_hw: HardwareProfile, algorithm: str = "auto") -> RankTimeline:
+                  target_hw: HardwareProfile, local_hw: HardwareProfile, algorithm: str = "auto",
+                  branch_trace: Optional[dict] = None, combine: bool = True,
+                  compute_hw: Optional[HardwareProfile] = None) -> RankTimeline:
+  """``measured_s``: the measured step of the stand-in program (spread over the executed nodes).
+  ``compute_hw``: when nothing was measured (compile only), compute nodes are priced by the roofline
+  of this profile instead (then the compute time is modelled, and the result says so).
+  ``combine``: consecutive collectives of one kind over the same axes with no compute between them
+  run as one (what XLA's collective combiners do to the real program: measured on the validation
+  configs, the 13 gradient psums of the data-parallel step compile to 1 all-reduce)."""
   from perfmodel import hlo_parse as hp  # noqa: PLC0415
   module = hp.parse_module(hlo_text)
-  graph = graph_lib.build_graph(module, n_devices=1)
+  graph = build_graph(module)
   node_region = {n.id: r for r, reg in graph.regions.items() for n in reg.nodes}
   markers = _marker_map(module)
+  chain = costs_lib.make_chain(compute_hw or local_hw, "roofline")
+  price = lambda n: 0.0 if n.kind == "wait" else chain.price(n).seconds  # noqa: E731
+  walker = _Walker(graph, module, branch_trace, price)
   flat = []
-  _walk(graph, graph.entry, (), flat, [MAX_EVENTS])
-  chain = costs_lib.make_chain(local_hw, "roofline")
+  walker.walk(graph.entry, (), flat, [MAX_EVENTS])
   model = []
   for n, path in flat:
-    if n.kind in ("wait",):
-      model.append(0.0)
+    if n.kind == "loop":  # collapsed remainder of a huge loop
+      model.append(walker.region_cost(n.body) * dict(path).get("loop-rest", 1))
       continue
-    if n.kind == "loop":  # collapsed remainder of a huge loop: priced by the perfmodel timeline
-      from perfmodel import timeline as tl  # noqa: PLC0415
-      model.append(tl.schedule(graph, chain, n.body).makespan * dict(path).get("loop-rest", 1))
-      continue
-    model.append(chain.price(n).seconds)
+    model.append(price(n))
   total_model = sum(model) or 1.0
-  scale = measured_s / total_model
+  scale = measured_s / total_model if measured_s > 0 else (1.0 if compute_hw is not None else 0.0)
   rec_by_index = {r.index: r for r in records}
   events, t, seen = [], 0.0, set()
   standin_local, compute, comm = 0.0, 0.0, 0.0
   by_kind = defaultdict(float)
+  calls = 0
   seg = None  # open compute segment
+  pending = []  # collectives issued since the last compute: one combined call per (kind, axes)
 
   def close():
     nonlocal seg
     if seg is not None:
       events.append(seg)
       seg = None
+
+  def flush():
+    nonlocal t, comm, calls
+    groups = {}
+    for rec in pending:
+      groups.setdefault((rec.kind, rec.axes, rec.perm) if combine else (rec.index, len(groups)), []).append(rec)
+    for recs in groups.values():
+      head = recs[0]
+      merged = dataclasses.replace(head, bytes=sum(r.bytes for r in recs))
+      secs, alg = collective_seconds(merged, space, rank, target_hw, algorithm)
+      if secs <= 0:
+        continue
+      events.append(Event(f"{head.kind} {'x'.join(head.axes)}" + (f" (x{len(recs)} combined)" if len(recs) > 1 else ""),
+                          "comm", t, secs,
+                          {"bytes": merged.bytes, "group_size": head.group_size, "axes": list(head.axes),
+                           "algorithm": alg, "sites": [r.index for r in recs], "scope": head.scope}))
+      t += secs
+      comm += secs
+      calls += 1
+      by_kind[head.kind] += secs
+    pending.clear()
 
   for (n, path), m in zip(flat, model):
     dur = m * scale
@@ -168,22 +272,16 @@ def rank_timeline(rank: int, hlo_text: str, records: list, measured_s: float, sp
       if idx not in rec_by_index or key in seen:
         continue
       seen.add(key)
-      rec = rec_by_index[idx]
-      secs, alg = collective_seconds(rec, space, rank, target_hw, algorithm)
-      if secs <= 0:
-        continue
-      close()
-      events.append(Event(f"{rec.kind} {'x'.join(rec.axes)}", "comm", t, secs,
-                          {"bytes": rec.bytes, "group_size": rec.group_size, "axes": list(rec.axes),
-                           "algorithm": alg, "site": idx, "scope": rec.scope}))
-      t += secs
-      comm += secs
-      by_kind[rec.kind] += secs
+      if not pending:
+        close()
+      pending.append(rec_by_index[idx])
     if idxs and pure:
       standin_local += dur  # pure stand-in work: replaced by the collective above
       continue
     if dur <= 0:
       continue
+    if pending:
+      flush()
     phase = n.attribution.phase
     if seg is None or seg.args.get("phase") != phase:
       close()
@@ -192,12 +290,13 @@ def rank_timeline(rank: int, hlo_text: str, records: list, measured_s: float, sp
     seg.args["nodes"] += 1
     t += dur
     compute += dur
+  flush()
   close()
-  placed = {i for i, _ in seen}
+  in_program = {i for v, _ in markers.values() for i in v}
   unplaced = 0
   for rec in records:  # collectives XLA left without a node of their own (e.g. a fused stand-in)
-    if rec.index in placed:
-      continue
+    if rec.index in in_program:
+      continue  # walked where it ran (or never ran: its branch was not taken)
     secs, alg = collective_seconds(rec, space, rank, target_hw, algorithm)
     if secs <= 0:
       continue
@@ -207,9 +306,13 @@ def rank_timeline(rank: int, hlo_text: str, records: list, measured_s: float, sp
                         {"bytes": rec.bytes, "group_size": rec.group_size, "site": rec.index, "algorithm": alg}))
     t += total
     comm += total
+    calls += rec.trips
     by_kind[rec.kind] += total
   return RankTimeline(rank=rank, events=events, compute_s=compute, standin_local_s=standin_local, comm_s=comm,
-                      unplaced=unplaced, by_kind=dict(by_kind))
+                      unplaced=unplaced, by_kind=dict(by_kind), collective_calls=calls,
+                      branches={str(k): dict(v) for k, v in walker.taken.items()},
+                      untraced_branches=walker.unknown, compute_source="measured" if measured_s > 0 else
+                      ("modelled (roofline of %s)" % (compute_hw.name if compute_hw else "?")))
 
 
 def compose(timelines: dict, sync_axes: tuple) -> dict:

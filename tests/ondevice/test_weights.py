@@ -34,6 +34,9 @@ def test_prefetch_and_release_change_residency(files, tmp_path):
     os.makedirs(base, exist_ok=True)
   path = os.path.join(base, "w.gguf")
   shutil.copy(files["f32"], path)
+  fd = os.open(path, os.O_RDONLY)
+  os.fsync(fd)  # fadvise(DONTNEED) cannot drop dirty pages of a file just written
+  os.close(fd)
   try:
     m = MappedGGUF(path)
     a, b = m.layers_range([1, 2])

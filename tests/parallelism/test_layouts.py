@@ -1,4 +1,6 @@
 """Every layout, in both forms, gives the single-device loss and gradients (float32, tight)."""
+import jax
+import numpy as np
 import pytest
 
 from tests.parallelism import harness
@@ -6,33 +8,55 @@ from tests.parallelism import harness
 LOSS_TOL = {"rtol": 1e-5, "atol": 1e-6}
 GRAD_TOL = {"rtol": 1e-5, "atol": 1e-6}
 
+S = pytest.mark.slow
+# Default-run set: each axis at least once in each form, the 2-D/3-D mixes, both schedules; the rest
+# (same code paths, more combinations) is marked slow to keep the default suite within its budget.
 NON_PIPELINE = [
-    {"data": 8},
-    {"fsdp": 8},
-    {"tensor": 4},
-    {"sequence": 8},
+    pytest.param({"data": 8}, marks=S),
+    pytest.param({"fsdp": 8}, marks=S),
+    pytest.param({"tensor": 4}, marks=S),
+    pytest.param({"sequence": 8}, marks=S),
     {"data": 2, "tensor": 4},
     {"fsdp": 4, "tensor": 2},
     {"data": 4, "sequence": 2},
-    {"data": 2, "fsdp": 2, "tensor": 2},
-    {"fsdp": 2, "sequence": 2, "tensor": 2},
-    {"data": 4, "fsdp": 2, "rules": "zero3"},
+    pytest.param({"data": 2, "fsdp": 2, "tensor": 2}, marks=S),
+    pytest.param({"fsdp": 2, "sequence": 2, "tensor": 2}, marks=S),
+    pytest.param({"data": 4, "fsdp": 2, "rules": "zero3"}, marks=S),
 ]
-PIPELINE = [
-    {"pipeline": 2, "microbatches": 4},
-    {"pipeline": 2, "data": 4, "microbatches": 2},
-    {"pipeline": 2, "tensor": 4, "microbatches": 2},
-    {"pipeline": 4, "tensor": 2, "microbatches": 4},
-    {"pipeline": 2, "data": 2, "tensor": 2, "microbatches": 2},
-    {"pipeline": 2, "fsdp": 2, "sequence": 2, "microbatches": 2},
+# Explicit-collective form only, on top of the list above.
+NON_PIPELINE_SHARD_MAP_EXTRA = [
+    {"fsdp": 2, "sequence": 2, "tensor": 2},
+    pytest.param({"data": 8}, marks=S),
+    pytest.param({"data": 4, "fsdp": 2, "rules": "zero3"}, marks=S),
+]
+PIPELINE = [  # (mesh, schedule)
+    ({"pipeline": 2, "data": 4, "microbatches": 2}, "gpipe"),
+    ({"pipeline": 2, "tensor": 4, "microbatches": 2}, "1f1b"),
+    ({"pipeline": 4, "tensor": 2, "microbatches": 4}, "1f1b"),
+    pytest.param({"pipeline": 2, "microbatches": 4}, "gpipe", marks=S),
+    pytest.param({"pipeline": 2, "microbatches": 4}, "1f1b", marks=S),
+    pytest.param({"pipeline": 2, "data": 4, "microbatches": 2}, "1f1b", marks=S),
+    pytest.param({"pipeline": 2, "tensor": 4, "microbatches": 2}, "gpipe", marks=S),
+    pytest.param({"pipeline": 4, "tensor": 2, "microbatches": 4}, "gpipe", marks=S),
+    pytest.param({"pipeline": 2, "data": 2, "tensor": 2, "microbatches": 2}, "gpipe", marks=S),
+    pytest.param({"pipeline": 2, "data": 2, "tensor": 2, "microbatches": 2}, "1f1b", marks=S),
+    pytest.param({"pipeline": 2, "fsdp": 2, "sequence": 2, "microbatches": 2}, "gpipe", marks=S),
+    pytest.param({"pipeline": 2, "fsdp": 2, "sequence": 2, "microbatches": 2}, "1f1b", marks=S),
 ]
 # The jit form runs the pipeline as a shard_map manual over 'pipeline' only, which XLA supports
 # with at most one other axis of size > 1 (see parallelism/shard_map_step.check).
-JIT_PIPELINE = [m for m in PIPELINE if sum(1 for k, v in m.items() if k not in harness.SCHEDULE_KEYS) <= 2]
+JIT_PIPELINE = [
+    ({"pipeline": 2, "data": 4, "microbatches": 2}, "1f1b"),
+    pytest.param({"pipeline": 2, "data": 4, "microbatches": 2}, "gpipe", marks=S),
+    pytest.param({"pipeline": 2, "tensor": 4, "microbatches": 2}, "gpipe", marks=S),
+    pytest.param({"pipeline": 2, "tensor": 4, "microbatches": 2}, "1f1b", marks=S),
+    pytest.param({"pipeline": 4, "tensor": 2, "microbatches": 4}, "gpipe", marks=S),
+    pytest.param({"pipeline": 2, "microbatches": 4}, "1f1b", marks=S),
+]
 
 
-def _ids(layouts):
-  return ["x".join(f"{k}{v}" for k, v in m.items()) for m in layouts]
+def _id(mesh):
+  return "x".join(f"{k}{v}" for k, v in mesh.items())
 
 
 def _check(reference, mesh, form, model=None):
@@ -42,19 +66,36 @@ def _check(reference, mesh, form, model=None):
   harness.assert_trees_close(grads, reference["grads"], **GRAD_TOL)
 
 
-@pytest.mark.parametrize("mesh", NON_PIPELINE, ids=_ids(NON_PIPELINE))
+@pytest.mark.parametrize("mesh", NON_PIPELINE, ids=_id)
 @pytest.mark.parametrize("form", ["jit", "shard_map"])
 def test_layout_matches_single_device(reference, mesh, form):
   _check(reference, mesh, form)
 
 
-@pytest.mark.parametrize("schedule", ["gpipe", "1f1b"])
-@pytest.mark.parametrize("mesh", PIPELINE, ids=_ids(PIPELINE))
+@pytest.mark.parametrize("mesh", NON_PIPELINE_SHARD_MAP_EXTRA, ids=_id)
+def test_shard_map_extra_layouts_match_single_device(reference, mesh):
+  _check(reference, mesh, "shard_map")
+
+
+@pytest.mark.parametrize("mesh,schedule", PIPELINE, ids=lambda v: _id(v) if isinstance(v, dict) else v)
 def test_pipeline_shard_map_matches_single_device(reference, mesh, schedule):
   _check(reference, dict(mesh, schedule=schedule), "shard_map")
 
 
-@pytest.mark.parametrize("schedule", ["gpipe", "1f1b"])
-@pytest.mark.parametrize("mesh", JIT_PIPELINE, ids=_ids(JIT_PIPELINE))
+@pytest.mark.parametrize("mesh,schedule", JIT_PIPELINE, ids=lambda v: _id(v) if isinstance(v, dict) else v)
 def test_pipeline_jit_matches_single_device(reference, mesh, schedule):
   _check(reference, dict(mesh, schedule=schedule), "jit")
+
+
+@pytest.mark.slow
+def test_tied_embeddings_tensor_parallel(reference):
+  # Tied head: full-vocab logits from the (replicated) embedding, plain cross-entropy path.
+  del reference
+  tied = {"tie_embeddings": True}
+  ref = harness.build({}, "jit", tied)
+  state = jax.tree.map(np.asarray, ref.init_state(jax.random.key(1)))
+  batch = harness.make_batch(ref.cfg, seed=1)
+  want_loss, want_grads = harness.loss_and_grads(ref, state, batch)
+  got_loss, got_grads = harness.loss_and_grads(harness.build({"data": 2, "tensor": 4}, "shard_map", tied), state, batch)
+  assert abs(got_loss - want_loss) <= LOSS_TOL["atol"] + LOSS_TOL["rtol"] * abs(want_loss)
+  harness.assert_trees_close(got_grads, want_grads, **GRAD_TOL)

@@ -8,12 +8,12 @@ from tests.resilience.harness import assert_identical, run_job
 pytestmark = pytest.mark.multiprocess
 
 
-def _check(ref_pair, wd, out, kinds_tier=("memory",), recoveries=1):
+def _check(ref_pair, wd, out, kinds_tier=("memory",), recoveries=1, max_recomputed=1):
   ref_wd, ref = ref_pair
   assert len(out["recoveries"]) == recoveries, out["recoveries"]
   for rec in out["recoveries"]:
     assert rec["tier"] in kinds_tier, rec
-    assert rec["steps_recomputed"] <= 1, rec
+    assert rec["steps_recomputed"] <= max_recomputed, rec
     assert rec["recovery_time_s"] > 0
   assert_identical(ref, out, ref_wd, wd)
 
@@ -38,7 +38,8 @@ def test_node_kill_swaps_spare_bit_identical(reference, cache_dir, tmp_path):
 ])
 def test_injection_kind(reference, cache_dir, tmp_path, kind, extra, tiers, recs):
   out = run_job(tmp_path, cache_dir, fail_at=4, fail_kind=kind, fail_rank=0, **extra)
-  _check(reference, tmp_path, out, tiers, recs)
+  # the persistent tier loses up to persist_every steps (plus the one in flight)
+  _check(reference, tmp_path, out, tiers, recs, max_recomputed=extra.get("persist_every", 0) + 1)
   rec = out["recoveries"][0]
   if kind == "hang":
     assert "heartbeat" in rec["causes"][0]

@@ -1,0 +1,188 @@
+"""python -m ondevice.bench --model m.gguf --suite single [--tokens 32]
+   python -m ondevice.bench --model m.gguf --suite ring --devices devices.yaml [--draft d.gguf]
+
+Prints one JSON object and appends a row to benchmarks/RESULTS.md.
+single: TPOT / prefill of our packed-weight engine vs a jitted JAX f32 decode step (framework.model on the
+        file's dequantised weights) vs llama.cpp on the same file and thread count (if installed).
+ring:   emulated devices (labelled "clock": "emulated"): single mmap device, exo-like memory split (k=1),
+        dllama-like equal split, Halda + pipelined ring + prefetch, Halda at k=1, and speculative decoding.
+"""
+from __future__ import annotations
+
+import argparse
+import datetime
+import json
+import os
+import platform
+import statistics
+import sys
+import time
+
+import numpy as np
+
+
+def _median_ms(ts):
+  return 1e3 * statistics.median(ts) if ts else None
+
+
+def bench_ours(path: str, prompt: list, n: int) -> dict:
+  from ondevice.forward import GGUFLlama
+  from ondevice.weights import MappedGGUF, io_counters
+  io0 = io_counters()
+  m = GGUFLlama(MappedGGUF(path), max_len=len(prompt) + n + 8)
+  c = m.new_cache()
+  m.forward(prompt[:4], 0, m.new_cache())  # compile kernels outside the timing
+  t0 = time.perf_counter()
+  logits = m.forward(prompt, 0, c)
+  prefill = time.perf_counter() - t0
+  ts, pos = [], len(prompt)
+  for _ in range(n):
+    tok = int(np.argmax(logits[-1]))
+    t0 = time.perf_counter()
+    logits = m.forward([tok], pos, c)
+    ts.append(time.perf_counter() - t0)
+    pos += 1
+  io1 = io_counters()
+  return {"tpot_ms": _median_ms(ts), "tpot_iqr_ms": [1e3 * float(np.percentile(ts, 25)), 1e3 * float(np.percentile(ts, 75))],
+          "prefill_tok_s": len(prompt) / prefill, "major_faults": io1["major_faults"] - io0["major_faults"],
+          "disk_read_mb": (io1.get("read_bytes", 0) - io0.get("read_bytes", 0)) / 2**20}
+
+
+def bench_jax(path: str, prompt: list, n: int) -> dict:
+  import jax
+  import jax.numpy as jnp
+  from framework import model as fm
+  from ondevice.gguf_io import load_params
+  params, cfg = load_params(path)
+  model = fm.build(cfg)
+  L = len(prompt) + n + 8
+  with jax.numpy_rank_promotion("allow"):
+    step = jax.jit(lambda p, t, pos, kv, i: model.apply({"params": p}, t, pos, kv, i))
+    kv = fm.init_kv_cache(cfg, 1, L)
+    toks = jnp.asarray([prompt])
+    logits, kv = step(params, toks, jnp.arange(len(prompt))[None], kv, 0)
+    ts, pos = [], len(prompt)
+    tok = int(jnp.argmax(logits[0, -1]))
+    for i in range(n + 1):
+      t0 = time.perf_counter()
+      logits, kv = step(params, jnp.asarray([[tok]]), jnp.asarray([[pos]]), kv, pos)
+      tok = int(jnp.argmax(logits[0, -1]))
+      if i:  # first call compiles
+        ts.append(time.perf_counter() - t0)
+      pos += 1
+  return {"tpot_ms": _median_ms(ts)}
+
+
+def bench_llama_cpp(path: str, prompt: list, n: int, threads: int) -> dict:
+  try:
+    import llama_cpp
+  except ImportError:
+    return {"skipped": "llama-cpp-python not installed (source build did not finish within 10 min here)"}
+  llm = llama_cpp.Llama(path, n_ctx=len(prompt) + n + 8, n_threads=threads, verbose=False)
+  llm.eval(prompt)
+  ts = []
+  for _ in range(n):
+    tok = int(np.argmax(llm.scores[llm.n_tokens - 1]))
+    t0 = time.perf_counter()
+    llm.eval([tok])
+    ts.append(time.perf_counter() - t0)
+  return {"tpot_ms": _median_ms(ts)}
+
+
+def bench_ring(path: str, devices: str, n: int, prompt: list, draft: str = None, gamma: int = 4) -> dict:
+  from ondevice import generate, planner, profiler
+  from ondevice.device import DeviceOptions
+  from ondevice.emulation import load_devices
+  from ondevice.forward import GGUFLlama
+  from ondevice.gguf_io import read_info
+  from ondevice.ring import RingEngine
+  from ondevice.weights import MappedGGUF
+  info = read_info(path)
+  d = load_devices(devices)
+  specs = d["devices"]
+  layer_s, head_s = profiler.layer_time(path), profiler.head_time(path)
+  ctx = len(prompt) + n + 8
+  chunk = max(4096, min(1 << 20, info.layer_bytes(0) // 16))
+  scen = {
+      "single_mmap": ("single", 1, "os", False),
+      "exo_like_memory_split": ("memory", 1, "os", False),
+      "dllama_like_equal_split": ("equal", 1, "os", False),
+      "halda_k1_prefetch": ("halda", 1, "pin_stream", True),
+      "halda_prp_prefetch": ("halda", "auto", "pin_stream", True),
+  }
+  out = {"clock": "emulated", "measured_layer_ms": 1e3 * layer_s, "chunk_bytes": chunk}
+  tokens_ref = None
+  for name, (method, k, policy, pf) in scen.items():
+    p, kept = planner.plan(info, specs, method, k, layer_s, head_s, ctx)
+    opts = DeviceOptions(prefetch=pf, policy=policy, chunk_bytes=chunk, max_len=ctx)
+    with RingEngine(path, p.windows, kept, opts, n_gpu=p.n_gpu) as eng:
+      st = generate.greedy(eng, prompt, n)
+      stats = eng.stats()
+      row = dict(p.as_dict(), **st.as_dict(),
+                 disk_read_mb_per_token=sum(s.get("emulated_disk_read_mb", 0) for s in stats) / max(1, n),
+                 pressure=[round(s.get("emulated_resident_mb", 0) / s["budget_mb"], 3) if s.get("budget_mb") else None
+                           for s in stats])
+      if draft and name == "halda_prp_prefetch":
+        dr = generate.Draft(GGUFLlama(MappedGGUF(draft), max_len=ctx), eng)
+        sp = generate.speculative(eng, dr, prompt, n, gamma)
+        row["speculative"] = dict(sp.as_dict(), gamma=gamma, identical_to_greedy=sp.tokens == st.tokens)
+    tokens_ref = tokens_ref or st.tokens
+    row["same_tokens_as_single"] = st.tokens == tokens_ref
+    out[name] = row
+  a, b, dd = out["single_mmap"]["tpot_ms"], out["exo_like_memory_split"]["tpot_ms"], out["halda_prp_prefetch"]["tpot_ms"]
+  out["speedup_vs_single"] = a / dd
+  out["speedup_vs_exo_like"] = b / dd
+  if draft:
+    spd = out["halda_prp_prefetch"]["speculative"]
+    out["speculative_speedup"] = spd["tokens_per_s"] / out["halda_prp_prefetch"]["tokens_per_s"]
+  return out
+
+
+def append_results(cmd: str, result: dict) -> None:
+  path = os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))), "benchmarks", "RESULTS.md")
+  os.makedirs(os.path.dirname(path), exist_ok=True)
+  if not os.path.exists(path):
+    with open(path, "w") as f:
+      f.write("# Benchmark results\n\n| date | command | machine | numbers |\n|---|---|---|---|\n")
+  machine = f"{platform.machine()} {os.cpu_count()} cores, load {os.getloadavg()[0]:.1f}"
+  with open(path, "a") as f:
+    f.write(f"| {datetime.datetime.now().isoformat(timespec='minutes')} | `{cmd}` | {machine} | "
+            f"{json.dumps(result, separators=(',', ':'))} |\n")
+
+
+def main(argv=None) -> int:
+  ap = argparse.ArgumentParser(prog="python -m ondevice.bench", description=__doc__,
+                               formatter_class=argparse.RawDescriptionHelpFormatter)
+  ap.add_argument("--model", required=True)
+  ap.add_argument("--suite", default="single", choices=["single", "ring"])
+  ap.add_argument("--devices", default=None)
+  ap.add_argument("--draft", default=None)
+  ap.add_argument("--gamma", type=int, default=4)
+  ap.add_argument("--tokens", type=int, default=32)
+  ap.add_argument("--prompt", default="def fibonacci(n):\n    ")
+  ap.add_argument("--threads", type=int, default=1)
+  ap.add_argument("--no-jax", action="store_true")
+  ap.add_argument("--no-append", action="store_true")
+  args = ap.parse_args(argv)
+  from ondevice import kernels
+  from ondevice.gguf_io import describe, read_info
+  kernels.set_threads(args.threads)
+  prompt = list(args.prompt.encode())
+  res = {"model": describe(read_info(args.model)), "threads": args.threads, "tokens": args.tokens,
+         "load_avg": os.getloadavg()[0]}
+  if args.suite == "single":
+    res["ours"] = bench_ours(args.model, prompt, args.tokens)
+    res["jax_f32"] = {"skipped": "--no-jax"} if args.no_jax else bench_jax(args.model, prompt, args.tokens)
+    res["llama_cpp"] = bench_llama_cpp(args.model, prompt, args.tokens, args.threads)
+  else:
+    if not args.devices:
+      ap.error("--suite ring needs --devices")
+    res["ring"] = bench_ring(args.model, args.devices, args.tokens, prompt, args.draft, args.gamma)
+  print(json.dumps(res))
+  if not args.no_append:
+    append_results("python -m ondevice.bench " + " ".join(argv if argv is not None else sys.argv[1:]), res)
+  return 0
+
+
+if __name__ == "__main__":
+  sys.exit(main())

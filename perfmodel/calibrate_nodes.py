@@ -1,0 +1,116 @@
+"""Calibration of the learned backend and of step composition from real calibration programs.
+
+For every entry of ``perfmodel.suite.CALIBRATION`` (training steps whose shapes differ from the validation
+suite): compile the real step, measure its step time in the regime's clock (pinned: process CPU time), and
+time every instruction inside the program with XLA's TraceMe (perfmodel/trace_nodes.py). Outputs:
+
+* ``profiles/db/<profile>-nodes-jax<ver>.json``: one sample per (program, node): class, log features,
+  in-program time, and the calibrated-curve ("physical") estimate the learned backend scales by;
+* ``composition`` coefficients in the profile: how per-node times compose into a step on this host,
+    step = a * sum(node times) * N + b * node executions * N + c * N + e * collective bytes * N
+           + f * collective executions * N
+  (N virtual devices run their copy of the per-device program on the one pinned core; b is the executor's
+  per-thunk gap, c the per-device fixed cost of a step, e and f the in-process collectives), fitted by
+  non-negative least squares on node times *predicted leave-one-program-out*, so interpolation error of the
+  learned backend is part of what the fit sees;
+* a leave-one-program-out cross-validated error of the whole chain over the calibration programs.
+"""
+from __future__ import annotations
+
+import statistics
+import sys
+
+import numpy as np
+
+from framework.config import from_dict, validate as validate_cfg
+from perfmodel import bench, capture, costs, graph as graph_lib, learned, suite, trace_nodes
+
+
+def _cfg(entry: dict, base: dict = None):
+  from perfmodel.validate import _merge
+  cfg = from_dict(_merge(base or suite.BASE, entry))
+  cfg = validate_cfg(cfg, cfg.mesh.data * cfg.mesh.fsdp * cfg.mesh.tensor)
+  return cfg.__class__(**{**cfg.__dict__, "name": entry["name"]})
+
+
+def composition_features(g: graph_lib.ExecGraph, price, n_devices: int, region: str = None) -> list:
+  """[sum node s, node execs, 1, collective bytes, collective execs], each x N devices."""
+  t, execs, cb, ce = 0.0, 0, 0.0, 0
+  for n, k in g.walk(region):
+    if n.collective is not None:
+      cb += n.collective.bytes * k
+      ce += k
+    elif n.kind in ("dot", "fusion", "other"):
+      t += price(n) * k
+      execs += k
+  return [t * n_devices, execs * n_devices, n_devices, cb * n_devices, ce * n_devices]
+
+
+def compose(coef: dict, feats: list) -> float:
+  a, b, c, e, f = (coef.get(k, 0.0) for k in ("a", "b", "c", "e", "f"))
+  return a * feats[0] + b * feats[1] + c * feats[2] + e * feats[3] + f * feats[4]
+
+
+def _nnls(rows, y):
+  from scipy.optimize import nnls
+  A = np.array(rows, dtype=float)
+  y = np.array(y, dtype=float)
+  # relative error matters (steps span 1 ms .. 1 s): weight rows by 1/y
+  w = 1.0 / y
+  scale = np.maximum(np.abs(A * w[:, None]).max(axis=0), 1e-30)
+  x, _ = nnls(A * w[:, None] / scale, np.ones_like(y))
+  return x / scale
+
+
+def _coef(x) -> dict:
+  return dict(zip(("a", "b", "c", "e", "f"), (float(v) for v in x)))
+
+
+def run(hw, reps: int = 7, trace_reps: int = 3, entries: list = None, log=print) -> dict:
+  from perfmodel.validate import train_runner
+  entries = entries if entries is not None else suite.CALIBRATION
+  samples, programs = [], []
+  phys = costs.Calibrated(hw)
+  for entry in entries:
+    cfg = _cfg(entry)
+    cap = capture.train_step(cfg, keep_compiled=True)
+    g = graph_lib.from_hlo_text(cap.hlo_text, cap.n_devices)
+    run_fn = train_runner(cap, cfg)
+    r = bench.time_fn(run_fn, reps=reps, warmup=2)
+    names = {n.name for n, _ in g.walk()}
+    traced = trace_nodes.traced_times(run_fn, reps=trace_reps, names=names)
+    seen = set()
+    for n, _ in g.walk():
+      if n.kind not in ("dot", "fusion", "other") or n.name not in traced or n.name in seen:
+        continue
+      seen.add(n.name)
+      p = phys.price(n)
+      samples.append({"prog": entry["name"], "cls": learned.node_class(n), "f": learned.features(n),
+                      "t": trace_nodes.quantile(traced[n.name], 0.25), "phys": p.seconds if p else 0.0,
+                      "name": n.name, "fp": n.fingerprint})
+    programs.append({"name": entry["name"], "graph": g, "n": cap.n_devices, "measured": bench.seconds(r),
+                     "noise": bench.spread_pct(bench.view(r))})
+    log(f"calibrate {entry['name']:>18}: {len(seen)} nodes traced, step {bench.seconds(r) * 1e3:.2f} ms "
+        f"(±{programs[-1]['noise']:.1f}%, {cap.n_devices} dev)")
+  # Leave-one-program-out node pricing -> composition features.
+  rows, y = [], []
+  for p in programs:
+    model = learned.Learned(hw, samples=[s for s in samples if s["prog"] != p["name"]])
+    rows.append(composition_features(p["graph"], lambda n: model.price(n).seconds, p["n"]))
+    y.append(p["measured"])
+  coef = _coef(_nnls(rows, y))
+  cv = []
+  for i, p in enumerate(programs):
+    ci = _coef(_nnls(rows[:i] + rows[i + 1:], y[:i] + y[i + 1:]))
+    cv.append({"name": p["name"], "measured_s": y[i], "predicted_s": compose(ci, rows[i]),
+               "err_pct": 100 * (compose(ci, rows[i]) - y[i]) / y[i], "noise_pct": p["noise"]})
+  for c in cv:
+    log(f"  LOO {c['name']:>18}: measured {c['measured_s'] * 1e3:8.2f} ms predicted {c['predicted_s'] * 1e3:8.2f} ms "
+        f"err {c['err_pct']:+6.1f}%")
+  return {"samples": samples, "composition": coef, "loo": cv,
+          "loo_mape": float(np.mean([abs(c["err_pct"]) for c in cv])),
+          "noise_pct_median": float(statistics.median(p["noise"] for p in programs))}
+
+
+if __name__ == "__main__":
+  sys.exit("run via `python -m perfmodel calibrate`")

@@ -1,0 +1,85 @@
+"""Pinned local processes for validation: N copies of a command, process i on its own core.
+
+``parallelism.distributed.launch_local`` starts ``experiments.run`` children but cannot pin them; a
+fair real-vs-emulated comparison on a shared CPU needs every rank on its own core (and the emulated
+rank on the same core as the real rank 0), so this launcher sets ``os.sched_setaffinity`` in the
+child before Python imports jax (threads jax starts later inherit the mask). Every child is killed
+(SIGKILL on its process group: gloo peers can hang after a failure) on return, error or timeout.
+"""
+from __future__ import annotations
+
+import dataclasses
+import os
+import signal
+import subprocess
+import sys
+import time
+from typing import Optional, Sequence
+
+# XLA:CPU on one pinned core: one compute thread, so the process does not time-slice with itself.
+SINGLE_CORE_XLA_FLAGS = "--xla_cpu_multi_thread_eigen=false intra_op_parallelism_threads=1"
+
+
+def cores() -> list:
+  return sorted(os.sched_getaffinity(0))
+
+
+@dataclasses.dataclass
+class Done:
+  rc: list
+  stdout: list
+  stderr: list
+  wall_s: float
+
+
+def _pin(core: Optional[int]):
+  if core is None:
+    return None
+  return lambda: os.sched_setaffinity(0, {core})
+
+
+def base_env(devices_per_process: int = 1) -> dict:
+  env = dict(os.environ)
+  env["XLA_FLAGS"] = f"--xla_force_host_platform_device_count={devices_per_process} {SINGLE_CORE_XLA_FLAGS}"
+  env["JAX_PLATFORMS"] = "cpu"
+  env["PYTHONPATH"] = _root() + os.pathsep + env.get("PYTHONPATH", "")
+  env.setdefault("OMP_NUM_THREADS", "1")
+  return env
+
+
+def _root() -> str:
+  return os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+
+
+def run_pinned(cmds: Sequence[Sequence[str]], pin: Sequence[Optional[int]], env: Optional[dict] = None,
+               timeout_s: float = 900.0) -> Done:
+  """Runs ``cmds[i]`` on core ``pin[i]`` concurrently; waits for all (a failure kills the rest)."""
+  env = env or base_env()
+  t0 = time.perf_counter()
+  procs = []
+  try:
+    for cmd, core in zip(cmds, pin):
+      procs.append(subprocess.Popen(list(cmd), env=env, cwd=_root(), stdout=subprocess.PIPE, stderr=subprocess.PIPE,
+                                    preexec_fn=_pin(core), start_new_session=True, text=True))
+    deadline = time.time() + timeout_s
+    while True:
+      codes = [p.poll() for p in procs]
+      if any(c not in (None, 0) for c in codes) or all(c is not None for c in codes):
+        break
+      if time.time() > deadline:
+        break
+      time.sleep(0.1)
+  finally:
+    for p in procs:
+      if p.poll() is None:
+        try:
+          os.killpg(p.pid, signal.SIGKILL)
+        except ProcessLookupError:
+          pass
+    outs = [p.communicate() for p in procs]
+  rc = [124 if p.returncode in (None, -signal.SIGKILL) and time.time() > deadline else p.returncode for p in procs]
+  return Done(rc=rc, stdout=[o[0] for o in outs], stderr=[o[1] for o in outs], wall_s=time.perf_counter() - t0)
+
+
+def python(*args) -> list:
+  return [sys.executable, *args]

@@ -1,0 +1,95 @@
+"""Learned cost backend: node times measured inside calibration programs, generalised by nearest neighbours.
+
+Samples come from ``python -m perfmodel calibrate`` (perfmodel/calibrate_nodes.py): every dot / fusion /
+copy of a calibration suite of real training steps (disjoint from the validation suite), timed in-program
+by XLA's TraceMe (perfmodel/trace_nodes.py). A query node is priced from the k nearest samples of its class
+in log feature space (bytes, flops, transcendentals; m, n, k, batch for dots), each neighbour's time scaled
+by the ratio of the physical (calibrated-curve) estimates of query and neighbour: data where there is data,
+physics for the gap. A query farther than ``ood_distance`` from every sample (or of a class never seen) is
+priced the same way but labelled ``learned(out-of-range)`` so the output shows it (the issue's "flags inputs
+outside its range").
+"""
+from __future__ import annotations
+
+import json
+import math
+import os
+from typing import Optional
+
+import numpy as np
+
+from perfmodel.costs import Calibrated, Priced
+from perfmodel.graph import Node
+from perfmodel.hardware import HardwareProfile
+
+DB_DIR = os.path.join(os.path.dirname(__file__), "profiles", "db")
+
+
+def samples_path(profile: str) -> str:
+  import jax
+  return os.path.join(DB_DIR, f"{profile}-nodes-jax{jax.__version__}.json")
+
+
+def node_class(n: Node) -> str:
+  if n.kind == "dot":
+    return "dot"
+  op = n.opcode.split(":")
+  base = op[0]
+  if base == "fusion":
+    return "fusion:" + (op[1] if len(op) > 1 else "")
+  return {"copy": "copy", "transpose": "copy"}.get(base, "op")
+
+
+def features(n: Node) -> list:
+  f = [math.log1p(n.bytes), math.log1p(n.flops), math.log1p(n.transcendentals)]
+  if n.kind == "dot" and n.dot is not None:
+    d = n.dot
+    f += [math.log(max(1, d.m)), math.log(max(1, d.n)), math.log(max(1, d.k)), math.log(max(1, d.batch))]
+  return f
+
+
+class Learned:
+  name = "learned"
+
+  def __init__(self, hw: HardwareProfile, path: Optional[str] = None, k: int = 4, ood_distance: float = 1.0,
+               samples: Optional[list] = None):
+    self.hw, self.k, self.ood = hw, k, ood_distance
+    self.phys = Calibrated(hw)
+    if samples is None:
+      path = path or samples_path(hw.name)
+      with open(path) as f:
+        samples = json.load(f)["samples"]
+    self.by_class = {}
+    for s in samples:
+      self.by_class.setdefault(s["cls"], []).append(s)
+    self.arrays = {c: (np.array([s["f"] for s in ss]), np.array([s["t"] for s in ss]), np.array([s["phys"] for s in ss]))
+                   for c, ss in self.by_class.items()}
+
+  @staticmethod
+  def available(hw: HardwareProfile) -> bool:
+    return hw.calibrated and os.path.exists(samples_path(hw.name))
+
+  def price(self, node: Node) -> Optional[Priced]:
+    if node.kind not in ("dot", "fusion", "other"):
+      return None
+    cls = node_class(node)
+    phys = self.phys.price(node)
+    if phys is None:
+      return None
+    arr = self.arrays.get(cls)
+    if arr is None:
+      return Priced(phys.seconds * self._class_scale(), "learned(out-of-range)")
+    X, T, PH = arr
+    q = np.array(features(node))
+    d = np.sqrt(((X - q) ** 2).sum(axis=1))
+    idx = np.argsort(d)[:self.k]
+    w = 1.0 / (d[idx] + 0.05)
+    est = T[idx] * (phys.seconds / PH[idx])
+    # geometric weighted mean: times span decades, errors are multiplicative
+    t = float(np.exp((w * np.log(np.maximum(est, 1e-9))).sum() / w.sum()))
+    return Priced(t, "learned" if d[idx[0]] <= self.ood else "learned(out-of-range)")
+
+  def _class_scale(self) -> float:
+    """For an unseen class: the median measured/physical ratio over all samples."""
+    r = [T / PH for _, T, PH in self.arrays.values()]
+    return float(np.median(np.concatenate(r))) if r else 1.0
