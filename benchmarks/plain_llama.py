@@ -68,7 +68,11 @@ def init_params(hp: Hyper, key, std: float = 0.02) -> dict:
 
 def from_framework(params) -> dict:
   """Maps the framework's param tree (framework/model.py docstring) onto this file's flat dict."""
-  lay = params["layers"]
+  if "layers" in params:
+    lay = params["layers"]
+  else:  # model.scan_layers=False: layers_0, layers_1, ... -> stacked along a leading L axis
+    n = sum(1 for k in params if k.startswith("layers_"))
+    lay = jax.tree.map(lambda *xs: jnp.stack(xs), *[params[f"layers_{i}"] for i in range(n)])
   p = {
       "embed_VxD": params["embed"]["embedding"],
       "attn_norm_LxD": lay["attn_norm"]["scale"], "mlp_norm_LxD": lay["mlp_norm"]["scale"],

@@ -359,19 +359,13 @@ def machine() -> str:
 
 
 def append_rows(rows, command, mach):
+  """Appends one row per result to the shared table (date | command | machine | numbers)."""
   if not RESULTS.exists():
-    RESULTS.write_text(
-        "# Benchmark results\n\n"
-        "Appended by the scripts in `benchmarks/` (never rewritten). One row per result.\n"
-        "`date` is UTC; `command` is what was run; `machine` is the CPU/GPU and core count; `result` names the\n"
-        "quantity, `value` its measured value; `notes` carries the noise band (min-max over repetitions), the\n"
-        "load average at the time (a shared machine makes timings noisy) and anything needed to read the value.\n\n"
-        "| date | command | machine | result | value | notes |\n"
-        "|---|---|---|---|---|---|\n")
-  date = datetime.datetime.now(datetime.timezone.utc).strftime("%Y-%m-%d %H:%M")
+    RESULTS.write_text("# Benchmark results\n\n| date | command | machine | numbers |\n|---|---|---|---|\n")
+  date = datetime.datetime.now(datetime.timezone.utc).strftime("%Y-%m-%dT%H:%M")
   with open(RESULTS, "a") as f:
     for result, value, notes in rows:
-      f.write(f"| {date} | `{command}` | {mach} | {result} | {value} | {notes} |\n")
+      f.write(f"| {date} | `{command}` | {mach} | **{result}: {value}**; {notes} |\n")
 
 
 def rows_for(res) -> list:
@@ -404,6 +398,8 @@ def rows_for(res) -> list:
       rows.append((f"layout {name} (8 CPU devices) tokens/s", f"{rec['tokens_per_s']:.0f}",
                    f"step time x{o['median']:.2f} [{o['min']:.2f}-{o['max']:.2f}] vs 1 device, paired "
                    f"(CPU time x{oc['median']:.2f}); {load}"))
+  if res.get("quick"):  # a smoke-run model, not the 20-50M one the goals are about
+    rows = [(f"[quick] {a}", b, c) for a, b, c in rows]
   return rows
 
 
@@ -420,7 +416,7 @@ def main(argv=None) -> int:
   cfg = build_config(args)
   res = {"benchmark": "train_step", "command": "python benchmarks/train_step.py " + " ".join(argv),
          "machine": machine(), "jax": jax.__version__, "xla_flags": os.environ.get("XLA_FLAGS", ""),
-         "devices": jax.device_count(), "platform": jax.devices()[0].platform, "pinned": args.pin,
+         "devices": jax.device_count(), "platform": jax.devices()[0].platform, "pinned": args.pin, "quick": args.quick,
          "cores": len(os.sched_getaffinity(0)),
          "load_avg_start": os.getloadavg()[0], "model": cfg.model.__dict__,
          "seq_len": cfg.data.seq_len, "global_batch": cfg.data.global_batch, "reps": args.reps, "steps": args.steps}

@@ -22,6 +22,7 @@ from __future__ import annotations
 import argparse
 import dataclasses
 import json
+import math
 import os
 import pathlib
 import sys
@@ -135,16 +136,21 @@ def _tensor_files(hf_dir: pathlib.Path) -> dict:
   return out
 
 
+def read_config(hf_dir: str, dtype: str = "float32") -> ModelConfig:
+  """The :class:`ModelConfig` of a HF checkpoint directory (reads config.json only)."""
+  f = pathlib.Path(hf_dir) / CONFIG_FILE
+  if not f.exists():
+    raise HFError(f"{hf_dir} has no {CONFIG_FILE}: pass the directory written by save_pretrained")
+  return model_config_from_hf(json.loads(f.read_text()), dtype)
+
+
 def load(hf_dir: str, dtype: str = "float32", scan_layers: bool = True) -> tuple:
   """Reads a HF Llama checkpoint directory -> (ModelConfig, params tree of numpy arrays).
 
   ``dtype`` is the parameter (and compute) dtype of the returned model; ``scan_layers`` picks the
   stacked ('layers', leading L axis) or unrolled ('layers_{i}') parameter layout."""
   d = pathlib.Path(hf_dir)
-  if not (d / CONFIG_FILE).exists():
-    raise HFError(f"{d} has no {CONFIG_FILE}: pass the directory written by save_pretrained")
-  cfg = dataclasses.replace(model_config_from_hf(json.loads((d / CONFIG_FILE).read_text()), dtype),
-                            scan_layers=scan_layers)
+  cfg = dataclasses.replace(read_config(hf_dir, dtype), scan_layers=scan_layers)
   arrays = _LazyTensors(_tensor_files(d), np.dtype(_np_dtype(dtype)))
   used = {p.hf.format(i=i) for p in names.entries(cfg) for i in (range(cfg.n_layers) if p.per_layer else [0])}
   extra = sorted(k for k in arrays if k not in used and not k.endswith(_IGNORABLE_SUFFIXES)
@@ -189,7 +195,8 @@ def save(params: Any, cfg: ModelConfig, out_dir: str, dtype: Optional[str] = Non
     save_file(shard, str(out / fname), metadata=meta)
     weight_map.update({k: fname for k in shard})
   total = sum(v.nbytes for v in arrays.values())
-  (out / INDEX_FILE).write_text(json.dumps({"metadata": {"total_size": total}, "weight_map": weight_map}, indent=2))
+  index = {"metadata": {"total_size": total}, "weight_map": weight_map}
+  (out / INDEX_FILE).write_text(json.dumps(index, indent=2))
   (out / SINGLE_FILE).unlink(missing_ok=True)
   return out
 
@@ -222,16 +229,23 @@ def _state_for(cfg: Config, params=None, rng_seed: int = 0):
   return state, abstract
 
 
-def import_to_workdir(hf_dir: str, workdir: str, cfg: Config = Config()) -> Config:
+def import_to_workdir(hf_dir: str, workdir: str, cfg: Config = Config(),
+                      n_devices: Optional[int] = None) -> Config:
   """Writes ``hf_dir``'s weights as the step-0 checkpoint of ``workdir`` (fresh optimizer state of
-  ``cfg.optim``); ``cfg.model`` is replaced by the checkpoint's. Returns the config to train with."""
+  ``cfg.optim``); ``cfg.model`` is replaced by the checkpoint's. With ``n_devices``, the result is
+  validated for that many devices first (e.g. heads vs. mesh.tensor), so nothing is written for a
+  layout that cannot train it. Returns the config to train with."""
   from framework import checkpoint as ckpt_lib  # noqa: PLC0415
   from framework import config as config_lib  # noqa: PLC0415
   m = cfg.model
-  mcfg, params = load(hf_dir, dtype=m.param_dtype, scan_layers=m.scan_layers)
-  mcfg = dataclasses.replace(mcfg, dtype=m.dtype, remat=m.remat, init_std=m.init_std,
+  mcfg = read_config(hf_dir)
+  mcfg = dataclasses.replace(mcfg, dtype=m.dtype, param_dtype=m.param_dtype, scan_layers=m.scan_layers,
+                             remat=m.remat, init_std=m.init_std,
                              max_seq_len=max(mcfg.max_seq_len, cfg.data.seq_len))
   cfg = dataclasses.replace(cfg, model=mcfg)
+  if n_devices is not None:
+    config_lib.validate(cfg, n_devices)
+  _, params = load(hf_dir, dtype=m.param_dtype, scan_layers=m.scan_layers)
   state, _ = _state_for(cfg, params)
   os.makedirs(workdir, exist_ok=True)
   ck = ckpt_lib.Checkpointer(workdir, dataclasses.replace(cfg.checkpoint, async_save=False))
@@ -288,11 +302,14 @@ def main(argv=None) -> int:
       if rest and not args.config:
         p.error("--config.* overrides need --config")
       cfg = config_file.load(args.config, rest) if args.config else Config()
-      cfg = import_to_workdir(args.hf_dir, args.workdir, cfg)
+      sizes = cfg.mesh.sizes().values()
+      # Check the layout the training command will use (a -1 axis fills whatever devices it finds).
+      n_dev = None if -1 in sizes else math.prod(sizes)
+      cfg = import_to_workdir(args.hf_dir, args.workdir, cfg, n_devices=n_dev)
       m = cfg.model
-      ov = " ".join(f"--config.model.{k}={getattr(m, k)!r}" for k in
-                    ("vocab_size", "d_model", "n_layers", "n_heads", "n_kv_heads", "head_dim", "d_ff", "rope_theta",
-                     "norm_eps", "tie_embeddings", "max_seq_len"))
+      ov = " ".join(rest + [f"--config.model.{k}={getattr(m, k)!r}" for k in
+                            ("vocab_size", "d_model", "n_layers", "n_heads", "n_kv_heads", "head_dim", "d_ff",
+                             "rope_theta", "norm_eps", "tie_embeddings", "max_seq_len")])
       print(f"imported {m.n_params() / 1e6:.2f}M params into {os.path.abspath(args.workdir)}; train on with:\n"
             f"  python -m experiments.run --config {args.config or 'CONFIG'} --workdir {args.workdir} {ov}")
     else:

@@ -89,7 +89,8 @@ def bench_llama_cpp(path: str, prompt: list, n: int, threads: int) -> dict:
   return {"tpot_ms": _median_ms(ts)}
 
 
-def bench_ring(path: str, devices: str, n: int, prompt: list, draft: str = None, gamma: int = 4) -> dict:
+def bench_ring(path: str, devices: str, n: int, prompt: list, draft: str = None, gamma: int = 4,
+               only: tuple = ()) -> dict:
   from ondevice import generate, planner, profiler
   from ondevice.device import DeviceOptions
   from ondevice.emulation import load_devices
@@ -102,26 +103,35 @@ def bench_ring(path: str, devices: str, n: int, prompt: list, draft: str = None,
   specs = d["devices"]
   layer_s, head_s = profiler.layer_time(path), profiler.head_time(path)
   ctx = len(prompt) + n + 8
-  chunk = max(4096, min(1 << 20, info.layer_bytes(0) // 16))
+  chunk = 4096  # one page: the emulated page cache is exact at page granularity
+  # (plan method, k, residency policy, prefetch). "os" = LRU page cache decides (llama.cpp / exo mmap);
+  # "os" + prefetch = prima.cpp's runtime (read ahead the whole next window after sending, no release);
+  # "plan" = Halda's pin / prefetch-buffer / fault split (device.py).
   scen = {
       "single_mmap": ("single", 1, "os", False),
       "exo_like_memory_split": ("memory", 1, "os", False),
       "dllama_like_equal_split": ("equal", 1, "os", False),
-      "halda_k1_prefetch": ("halda", 1, "pin_stream", True),
-      "halda_prp_prefetch": ("halda", "auto", "pin_stream", True),
+      "prima_runtime_k1": ("halda", 1, "os", True),
+      "prima_runtime_kauto": ("halda", "auto", "os", True),
+      "halda_k1": ("halda", 1, "plan", True),
+      "halda_prp_prefetch": ("halda", "auto", "plan", True),
   }
+  if only:
+    scen = {k: v for k, v in scen.items() if k in only or k in ("single_mmap", "exo_like_memory_split",
+                                                                 "halda_prp_prefetch")}
   out = {"clock": "emulated", "measured_layer_ms": 1e3 * layer_s, "chunk_bytes": chunk}
   tokens_ref = None
   for name, (method, k, policy, pf) in scen.items():
     p, kept = planner.plan(info, specs, method, k, layer_s, head_s, ctx)
     opts = DeviceOptions(prefetch=pf, policy=policy, chunk_bytes=chunk, max_len=ctx)
-    with RingEngine(path, p.windows, kept, opts, n_gpu=p.n_gpu) as eng:
+    res = p.residency if policy == "plan" else None
+    with RingEngine(path, p.windows, kept, opts, n_gpu=p.n_gpu, residency=res) as eng:
       st = generate.greedy(eng, prompt, n)
       stats = eng.stats()
-      row = dict(p.as_dict(), **st.as_dict(),
+      row = dict(p.as_dict(), policy=policy, prefetch=pf, **st.as_dict(),
                  disk_read_mb_per_token=sum(s.get("emulated_disk_read_mb", 0) for s in stats) / max(1, n),
-                 pressure=[round(s.get("emulated_resident_mb", 0) / s["budget_mb"], 3) if s.get("budget_mb") else None
-                           for s in stats])
+                 pressure=[round((s.get("emulated_resident_mb", 0) + s.get("kv_mb", 0)) / s["budget_mb"], 3)
+                           if s.get("budget_mb") else None for s in stats])
       if draft and name == "halda_prp_prefetch":
         dr = generate.Draft(GGUFLlama(MappedGGUF(draft), max_len=ctx), eng)
         sp = generate.speculative(eng, dr, prompt, n, gamma)
@@ -132,6 +142,9 @@ def bench_ring(path: str, devices: str, n: int, prompt: list, draft: str = None,
   a, b, dd = out["single_mmap"]["tpot_ms"], out["exo_like_memory_split"]["tpot_ms"], out["halda_prp_prefetch"]["tpot_ms"]
   out["speedup_vs_single"] = a / dd
   out["speedup_vs_exo_like"] = b / dd
+  if "prima_runtime_k1" in out:
+    out["disk_mb_per_token_prima_runtime_k1_vs_kauto"] = [out["prima_runtime_k1"]["disk_read_mb_per_token"],
+                                                          out["prima_runtime_kauto"]["disk_read_mb_per_token"]]
   if draft:
     spd = out["halda_prp_prefetch"]["speculative"]
     out["speculative_speedup"] = spd["tokens_per_s"] / out["halda_prp_prefetch"]["tokens_per_s"]
@@ -163,6 +176,7 @@ def main(argv=None) -> int:
   ap.add_argument("--threads", type=int, default=1)
   ap.add_argument("--no-jax", action="store_true")
   ap.add_argument("--no-append", action="store_true")
+  ap.add_argument("--scenarios", default="", help="ring: comma-separated subset (single, exo-like and Halda always run)")
   args = ap.parse_args(argv)
   from ondevice import kernels
   from ondevice.gguf_io import describe, read_info
@@ -177,7 +191,8 @@ def main(argv=None) -> int:
   else:
     if not args.devices:
       ap.error("--suite ring needs --devices")
-    res["ring"] = bench_ring(args.model, args.devices, args.tokens, prompt, args.draft, args.gamma)
+    res["ring"] = bench_ring(args.model, args.devices, args.tokens, prompt, args.draft, args.gamma,
+                            tuple(x for x in args.scenarios.split(",") if x))
   print(json.dumps(res))
   if not args.no_append:
     append_results("python -m ondevice.bench " + " ".join(argv if argv is not None else sys.argv[1:]), res)

@@ -1,14 +1,22 @@
 """One device of the ring: its layer windows, KV cache, residency policy and (optional) emulation.
 
-Residency policy ("pin + stream", used when the device's share exceeds its memory budget):
-windows that fit alongside two streaming windows are pinned (never released); the others are
-prefetched right after this device hands its activations on (prima.cpp: recv -> compute -> send ->
-prefetch next window) and released right after use, so a streamed window never evicts a pinned one.
-Policy "os" does nothing explicit (the page cache / emulated LRU decides), like plain llama.cpp mmap.
+Residency policies
+* ``plan`` (Halda): every window's CPU bytes are split as Halda planned (halda.py): the first ``pin``
+  bytes stay resident, the next ``prefetch`` bytes are read into a buffer while the rest of the ring
+  works (prima.cpp: recv -> compute -> send -> prefetch next window; here the used buffer is released
+  first, so the next window's read-ahead never evicts anything still needed), and the remaining bytes
+  are faulted in when the window runs and not kept. Halda's memory constraint guarantees that pinned
+  bytes + one buffer + KV fit the budget, which is what removes the prefetch-release conflict.
+  Without a Halda residency (manual windows) the device derives one by the same rule (halda.residency).
+* ``os``: nothing explicit, the (emulated) LRU page cache decides, like plain llama.cpp / exo mmap;
+  with ``prefetch`` the whole next window is read ahead after sending, as prima.cpp does, which for a
+  window larger than RAM evicts its own first pages before use (the prefetch-release conflict).
+GPU layers (the last n of each window, as in prima.cpp) are VRAM-resident and read no disk.
 """
 from __future__ import annotations
 
 import dataclasses
+import math
 import time
 from typing import Optional
 
@@ -22,7 +30,7 @@ from ondevice.weights import MappedGGUF
 @dataclasses.dataclass(frozen=True)
 class DeviceOptions:
   prefetch: bool = True
-  policy: str = "pin_stream"  # or "os"
+  policy: str = "plan"  # or "os"
   real_io: bool = False  # also issue real madvise/fadvise (off under emulation: keeps the real cache warm)
   chunk_bytes: int = 64 << 10  # emulated page-cache granularity
   max_len: Optional[int] = None
@@ -30,43 +38,60 @@ class DeviceOptions:
 
 class Device:
   def __init__(self, model_path: str, windows: list, spec: Optional[DeviceSpec], opts: DeviceOptions,
-               head: bool = False):
+               head: bool = False, n_gpu: int = 0, residency: Optional[tuple] = None):
+    if opts.policy not in ("plan", "os"):
+      raise ValueError(f"residency policy {opts.policy!r} unknown; use 'plan' or 'os'")
     self.mapped = MappedGGUF(model_path)
     self.windows = [list(w) for w in windows]  # [cycle] -> layer ids
     layers = [i for w in self.windows for i in w]
     self.model = GGUFLlama(self.mapped, layers=layers, head=head, max_len=opts.max_len)
     self.cache = self.model.new_cache()
     self.spec, self.opts, self.head = spec, opts, head
+    self.n_gpu = n_gpu  # layers per window on the emulated GPU (VRAM-resident)
     self.clock = Clock()
     self.emulated = spec is not None and spec.emulated
-    self.ecache = EmulatedCache(spec.ram_bytes, spec.disk_Bps, opts.chunk_bytes) if self.emulated else None
-    self.ranges = [self.mapped.layers_range(w) if w else (0, 0) for w in self.windows]
+    cfg = self.mapped.info.cfg
+    cpu_layers = [i for w in self.windows for i in w[:max(0, len(w) - n_gpu)]]
+    self.kv_bytes = 2 * (opts.max_len or cfg.max_seq_len) * cfg.n_kv_heads * cfg.hd * 4 * len(cpu_layers)
     self.head_ranges = self.mapped.head_ranges() if head else []
-    self.pinned = self._choose_pinned()
-    self.n_gpu = 0  # layers per window on the emulated GPU (set by the planner)
+    budget = spec.ram_bytes - self.kv_bytes if spec is not None else math.inf
+    self.ecache = EmulatedCache(budget, spec.disk_Bps, opts.chunk_bytes) if self.emulated else None
+    self.cpu_ranges = [self.mapped.layers_range(w[:len(w) - n_gpu]) if len(w) > n_gpu else (0, 0)
+                       for w in self.windows]
+    self.residency = residency if residency is not None else self._default_residency(budget)
+    self.parts = [self._split(a, b) for a, b in self.cpu_ranges]
 
   # ------------------------------------------------------------------ residency
-  def _choose_pinned(self) -> set:
-    sizes = [b - a for a, b in self.ranges]
-    budget = self.spec.ram_bytes if self.spec is not None else float("inf")
-    budget -= sum(b - a for a, b in self.head_ranges)
-    if self.opts.policy == "os" or sum(sizes) <= budget:
-      return set(range(len(self.windows)))
-    room = budget - 2 * max(sizes)
-    pinned, used = set(), 0
-    for c, s in enumerate(sizes):
-      if used + s <= room:
-        pinned.add(c)
-        used += s
-    return pinned
+  def _default_residency(self, budget: float) -> tuple:
+    """(pin, prefetch) bytes per window when no Halda plan is given: Halda's rule with an unlimited disk
+    budget (pin what is left after one buffer; for k = 1 pin what fits, no buffer)."""
+    s = max(b - a for a, b in self.cpu_ranges)
+    ram = budget - sum(b - a for a, b in self.head_ranges)
+    k = len(self.windows)
+    if not math.isfinite(ram) or k * s <= ram:
+      return float(s), 0.0
+    if k == 1:
+      return max(0.0, ram), 0.0
+    x = min(s, max(0.0, ram))
+    return max(0.0, (ram - x) / k), x
 
-  def streamed(self) -> list:
-    return [c for c in range(len(self.windows)) if c not in self.pinned and self.windows[c]]
+  def _split(self, a: int, b: int) -> tuple:
+    """[a, b) -> (pinned, prefetched, synchronous) sub-ranges."""
+    p, x = self.residency
+    ch = self.opts.chunk_bytes
+    # Round the pinned and buffered parts DOWN to whole chunks (pages): a single chunk over the budget
+    # makes an LRU buffer evict its own first chunks, and then every chunk after them (measured: the
+    # whole buffer re-read per window when rounding up by one page per window).
+    if p >= b - a:  # the whole window is pinned
+      return (a, b), (b, b), (b, b)
+    p_end = max(a, (a + int(p)) // ch * ch)
+    x_end = min(b, max(p_end, (p_end + int(x)) // ch * ch))
+    return (a, p_end), (p_end, x_end), (x_end, b)
 
-  def _access(self, start: int, end: int) -> None:
+  def _access(self, start: int, end: int, mode: str = "lru") -> None:
     if self.ecache is not None and end > start:
       t0 = self.clock.now
-      self.clock.now = self.ecache.access(start, end, t0)
+      self.clock.now = self.ecache.access(start, end, t0, mode)
       self.clock.disk_wait_s += self.clock.now - t0
 
   def _timed(self, fn, *args, gpu_fraction: float = 0.0):
@@ -86,7 +111,7 @@ class Device:
   # ------------------------------------------------------------------ compute
   def embed(self, tokens) -> np.ndarray:
     for a, b in self.head_ranges:
-      self._access(a, b)
+      self._access(a, b, "pin" if self.opts.policy == "plan" else "lru")
     return self._timed(self.model.embed, tokens)
 
   def logits(self, x_TxD) -> np.ndarray:
@@ -100,18 +125,31 @@ class Device:
     layers = self.windows[cycle]
     if not layers:
       return x_TxD
-    self._access(*self.ranges[cycle])
+    if self.opts.policy == "plan":
+      pin, buf, sync = self.parts[cycle]
+      self._access(*pin, mode="pin")
+      self._access(*buf, mode="lru")
+      self._access(*sync, mode="stream")
+    else:
+      self._access(*self.cpu_ranges[cycle])
     g = min(self.n_gpu, len(layers)) / len(layers)
     return self._timed(self.model.run_layers, x_TxD, pos0, layers, self.cache, gpu_fraction=g)
 
   def after_send(self, cycle: int) -> None:
-    """Release the window just used (if streamed) and prefetch the next one (if streamed)."""
-    k = len(self.windows)
-    if cycle not in self.pinned and self.windows[cycle]:
-      self._release(*self.ranges[cycle])
-    nxt = (cycle + 1) % k
-    if self.opts.prefetch and self.windows[nxt] and (nxt not in self.pinned or self.opts.policy == "os"):
-      self._prefetch(*self.ranges[nxt])
+    """Release the buffer just used and read ahead the next window (policy ``plan``); or, with policy ``os``,
+    read ahead the whole next window and leave eviction to the LRU (prima.cpp's runtime)."""
+    if not self.opts.prefetch:
+      return
+    nxt = (cycle + 1) % len(self.windows)
+    if self.opts.policy == "plan":
+      buf = self.parts[cycle][1]
+      if buf[1] > buf[0]:
+        self._release(*buf)
+      nbuf = self.parts[nxt][1]
+      if nbuf[1] > nbuf[0]:
+        self._prefetch(*nbuf)
+    elif self.windows[nxt]:
+      self._prefetch(*self.cpu_ranges[nxt])
 
   def _release(self, a: int, b: int) -> None:
     if self.ecache is not None:
@@ -127,10 +165,12 @@ class Device:
 
   def stats(self) -> dict:
     d = {"name": self.spec.name if self.spec else "local", "layers": sum(len(w) for w in self.windows),
-         "windows": [len(w) for w in self.windows], "pinned_windows": sorted(self.pinned),
-         "share_mb": sum(b - a for a, b in self.ranges) / 2**20}
+         "windows": [len(w) for w in self.windows], "policy": self.opts.policy,
+         "pin_prefetch_mb_per_window": [round(v / 2**20, 3) for v in self.residency],
+         "share_mb": sum(b - a for a, b in self.cpu_ranges) / 2**20}
     d.update(self.clock.as_dict() if self.emulated else {"clock": "wall", "compute_s": self.clock.compute_s})
     if self.ecache is not None:
-      d.update(emulated_disk_read_mb=self.ecache.bytes_read / 2**20, emulated_resident_mb=self.ecache.resident_bytes() / 2**20,
-               budget_mb=self.spec.ram_bytes / 2**20)
+      d.update(emulated_disk_read_mb=self.ecache.bytes_read / 2**20,
+               emulated_resident_mb=self.ecache.resident_bytes() / 2**20,
+               budget_mb=self.spec.ram_bytes / 2**20, kv_mb=self.kv_bytes / 2**20)
     return d

@@ -65,14 +65,17 @@ def load_devices(path: str) -> dict:
 
 
 class EmulatedCache:
-  """Chunk-granular LRU page cache of one device over byte ranges of the model file, with an emulated
-  disk. Times are emulated seconds. ``pinned`` ranges are never evicted (resident layers)."""
+  """Chunk-granular page cache of one device over byte ranges of the model file, with an emulated disk.
+  Times are emulated seconds. Chunks are LRU (evictable) or pinned (never evicted, count against the
+  budget); a ``stream`` access reads what is missing without keeping it (pages faulted in, used once
+  and dropped, as a layer that is computed while the next one loads)."""
 
   def __init__(self, budget_bytes: float, disk_Bps: float, chunk: int = MiB):
     self.budget = budget_bytes
     self.disk_Bps = disk_Bps
     self.chunk = chunk
     self.ready_at: "collections.OrderedDict[int, float]" = collections.OrderedDict()  # chunk -> time, LRU order
+    self.pinned: dict = {}  # chunk -> time
     self.disk_free_at = 0.0
     self.bytes_read = 0
     self.evictions = 0
@@ -83,16 +86,18 @@ class EmulatedCache:
   def _capacity(self) -> float:
     return self.budget / self.chunk if math.isfinite(self.budget) else math.inf
 
-  def _read(self, c: int, t: float) -> float:
-    if not math.isfinite(self.disk_Bps):
-      done = t
-    else:
-      done = max(t, self.disk_free_at) + self.chunk / self.disk_Bps
-      self.disk_free_at = done
+  def _disk(self, t: float) -> float:
     self.bytes_read += self.chunk
+    if not math.isfinite(self.disk_Bps):
+      return t
+    self.disk_free_at = max(t, self.disk_free_at) + self.chunk / self.disk_Bps
+    return self.disk_free_at
+
+  def _read(self, c: int, t: float) -> float:
+    done = self._disk(t)
     self.ready_at[c] = done
     self.ready_at.move_to_end(c)
-    while len(self.ready_at) > self._capacity():
+    while self.ready_at and len(self.ready_at) + len(self.pinned) > self._capacity():
       self.ready_at.popitem(last=False)
       self.evictions += 1
     return done
@@ -100,20 +105,28 @@ class EmulatedCache:
   def prefetch(self, start: int, end: int, t: float) -> None:
     """Asynchronous read-ahead issued at time t (the caller does not wait)."""
     for c in self._chunks(start, end):
+      if c in self.pinned:
+        continue
       if c in self.ready_at:
         self.ready_at.move_to_end(c)
       else:
         self._read(c, t)
 
-  def access(self, start: int, end: int, t: float) -> float:
-    """Touches [start, end) at time t; returns when all of it is in memory (misses read synchronously)."""
+  def access(self, start: int, end: int, t: float, mode: str = "lru") -> float:
+    """Touches [start, end) at time t; returns when all of it is in memory (misses read synchronously).
+    mode: 'lru' (kept, evictable), 'pin' (kept for good), 'stream' (read through, not kept)."""
     done = t
     for c in self._chunks(start, end):
-      r = self.ready_at.get(c)
+      r = self.pinned.get(c)
       if r is None:
-        r = self._read(c, max(t, done))
-      else:
-        self.ready_at.move_to_end(c)
+        r = self.ready_at.get(c)
+        if r is None:
+          r = self._disk(max(t, done)) if mode == "stream" else self._read(c, max(t, done))
+        else:
+          self.ready_at.move_to_end(c)
+        if mode == "pin":
+          self.ready_at.pop(c, None)
+          self.pinned[c] = r
       done = max(done, r)
     return done
 
@@ -123,7 +136,7 @@ class EmulatedCache:
       self.ready_at.pop(c, None)
 
   def resident_bytes(self) -> int:
-    return len(self.ready_at) * self.chunk
+    return (len(self.ready_at) + len(self.pinned)) * self.chunk
 
 
 @dataclasses.dataclass

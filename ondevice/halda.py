@@ -1,25 +1,37 @@
-"""Halda: layer windows, GPU offload and device selection as a mixed-integer program (after prima.cpp).
+"""Halda: layer windows, GPU offload, residency and device selection as a mixed-integer program (after
+prima.cpp), with a cost that models the pipelined ring's disk/compute overlap.
 
 For a number of cycles k (L % k == 0, W = L / k layers per ring round) choose per device m
-  w_m  integer  layers of each of its k windows        (sum_m w_m = W)
-  n_m  integer  of those, layers on the GPU            (n_m <= w_m, n_m <= GPU capacity)
-  u_m  binary   device used (head always)              (w_m <= W u_m)
-  e_m  >= 0     bytes read from disk per token          (e_m >= k b' (w_m - n_m) - R_m)
-minimising the per-token latency (seconds)
+  w_m  integer  layers of each of its k windows             (sum_m w_m = W)
+  n_m  integer  of those, layers on the GPU (VRAM-resident)  (n_m <= w_m, n_m <= GPU capacity)
+  u_m  binary   device used (head always)                   (u_m <= w_m <= W u_m for non-head devices)
+and how each window's CPU bytes s_m = b (w_m - n_m) are kept, per window:
+  p_m  pinned (resident all the time)       x_m  prefetched into a buffer during the rest of the ring
+  y_m  faulted in synchronously when the window runs (streamed through, not kept)
+  s_m = p_m + x_m + y_m,   k p_m + x_m + k kv (w_m - n_m) <= R_m   (pinned for all k windows + one buffer + KV)
+with a cycle time T (one trip of the token round the ring):
+  T >= sum_m [ c_m (w_m - n_m) + g_m n_m + xi_m u_m + y_m / disk_m ]     the stages run one after another
+  T >= c_m (w_m - n_m) + g_m n_m + (x_m + y_m) / disk_m   for every m   device m's disk reads its next
+                                                                        window while the others work
+minimising the per-token latency  k T + kappa.
 
-  sum_m [ k t_cpu,m (w_m - n_m) + k t_gpu,m n_m + e_m / s_disk,m + k xi_m u_m ] + kappa
+Why not prima.cpp's cost. prima.cpp charges a RAM-short device the disk time of its whole excess
+(k b' (w - n) - R) / disk as if every read were synchronous, credits nothing for prefetch, and does not
+model where the prefetched bytes live. Two consequences, both measured here (README): (1) its cost never
+prefers k > 1 for disk reasons (the excess is the same for every k), although overlapping reads with the
+other devices' work is the point of the pipelined ring; (2) a k = 1 window larger than RAM that is
+prefetched whole evicts its own first pages before they are used (the prefetch-release conflict), so the
+device reads it about twice per token while the cost charges the excess once (148 ms predicted vs 373 ms
+measured). Here the memory constraint forbids a buffer larger than what RAM leaves, so every plan is
+runnable without that conflict, and the two T rows charge what the ring really does: synchronous faults
+add to the chain of stages, prefetched reads only have to fit in one cycle. The runtime (device.py)
+executes p/x/y exactly as planned. ``prima_cost`` keeps prima.cpp's objective for comparison.
 
-where R_m is RAM left for weights, b' = weight + KV bytes per layer, xi_m = activation bytes / link
-bandwidth + link latency (prima.cpp sets it to 0; we keep it, which is what lets device selection
-drop a slow-linked device), and kappa = head-only work (embedding, output layer).
-
-Relation to prima.cpp: prima.cpp assigns each device to a set (M1-M4: "RAM short" or "fits") and
-charges disk time on the whole window for short devices, crediting back the RAM-resident part in
-kappa, with constraints that keep each device consistent with its set; it then iterates the set
-assignment. Taking the minimum over set assignments of that cost is exactly the convex max(0, .)
-excess term above, so this single MILP solves what prima's loop searches for. Device selection, which
-prima does by dropping devices with w <= 1 and re-solving, is the binary u_m. k is enumerated outside.
-Solver: scipy.optimize.milp (HiGHS).
+xi_m = activation bytes / link bandwidth + link latency (prima.cpp sets it to 0; we keep it, and it is
+what lets device selection drop a badly linked device). kappa = head-only work (embedding, output).
+Solver: scipy.optimize.milp (HiGHS), in ms and MiB (with seconds and bytes HiGHS returned plans a few %
+off the optimum). ``evaluate`` computes the same objective for fixed (w, n) by bisection on T, an
+independent implementation that the tests compare against the MILP by brute force over (w, n).
 """
 from __future__ import annotations
 
@@ -29,6 +41,8 @@ import math
 from typing import Optional, Sequence
 
 import numpy as np
+
+MiB = float(2**20)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -46,8 +60,8 @@ class DeviceCost:
 @dataclasses.dataclass(frozen=True)
 class ModelCost:
   n_layers: int
-  layer_bytes: int  # weights of one layer
-  kv_bytes_per_layer: int = 0  # KV cache of one layer at the planned context
+  layer_bytes: int  # weights of one layer (file bytes, what is paged in)
+  kv_bytes_per_layer: int = 0  # KV cache of one layer at the planned context (anonymous memory)
   head_s: float = 0.0  # embedding + output layer time on the head (kappa)
 
 
@@ -59,6 +73,9 @@ class Plan:
   latency_s: float  # objective value (model of seconds per token)
   used: tuple  # device indices with w > 0
   solver: str = "highs"
+  pin: tuple = ()  # bytes per window pinned, per device
+  prefetch: tuple = ()  # bytes per window prefetched into the buffer, per device
+  sync: tuple = ()  # bytes per window faulted in synchronously, per device
 
   def windows(self) -> list:
     """[device][cycle] -> list of layer ids; ring order is device 0..M-1 within each cycle."""
@@ -70,17 +87,72 @@ class Plan:
         start += wm
     return out
 
+  def disk_bytes_per_token(self) -> float:
+    return float(sum(self.k * (x + y) for x, y in zip(self.prefetch, self.sync)))
 
-def latency(devs: Sequence[DeviceCost], model: ModelCost, k: int, w: Sequence[int], n: Sequence[int]) -> float:
-  """The objective for a given assignment (used by brute force and to score baselines)."""
+
+def _ram_left(d: DeviceCost, model: ModelCost, k: int, cpu_layers: int) -> float:
+  return d.ram_bytes - k * model.kv_bytes_per_layer * cpu_layers
+
+
+def residency(d: DeviceCost, model: ModelCost, k: int, w: int, n: int, budget_s: float) -> Optional[tuple]:
+  """Fewest synchronous bytes for one device whose disk may spend ``budget_s`` per cycle on its reads:
+  (pin, prefetch, sync) bytes per window, or None if impossible. Used by ``evaluate`` (not by the MILP)."""
+  s = model.layer_bytes * (w - n)
+  r = _ram_left(d, model, k, w - n)
+  if r < 0 or budget_s < 0:
+    return None
+  if s == 0:
+    return 0.0, 0.0, 0.0
+  readable = d.disk_Bps * budget_s if math.isfinite(d.disk_Bps) else math.inf
+  p = max(0.0, s - readable)  # whatever the disk cannot read within the cycle must be pinned
+  if k * p > r + 1e-9:
+    return None
+  x = min(r - k * p, s - p)  # buffer what RAM leaves (pinning more would only cost more sync reads for k > 1)
+  if k == 1:  # for k = 1 pinning and buffering cost the same RAM: pin it all (fewest bytes read)
+    p, x = min(s, r), 0.0
+    if s - p > readable + 1e-9:
+      return None
+  return p, x, s - p - x
+
+
+def evaluate(devs: Sequence[DeviceCost], model: ModelCost, k: int, w: Sequence[int], n: Sequence[int]) -> float:
+  """Halda's objective for a fixed assignment (seconds per token; inf if infeasible), by bisection on T."""
+  used = [m for m, wm in enumerate(w) if wm > 0 or m == 0]
+  comp = {m: devs[m].t_cpu_layer_s * (w[m] - n[m]) + devs[m].t_gpu_layer_s * n[m] for m in used}
+  chain = sum(comp[m] + devs[m].link_s for m in used)
+
+  def sync_time(T):
+    tot = 0.0
+    for m in used:
+      r = residency(devs[m], model, k, w[m], n[m], T - comp[m])
+      if r is None:
+        return math.inf
+      tot += r[2] / devs[m].disk_Bps if r[2] else 0.0
+    return tot
+
+  lo, hi = chain, chain + sum(model.layer_bytes * (w[m] - n[m]) / devs[m].disk_Bps for m in used
+                             if math.isfinite(devs[m].disk_Bps)) + 1.0
+  if not math.isfinite(sync_time(hi)) or chain + sync_time(hi) > hi:
+    return math.inf
+  for _ in range(200):  # f(T) = chain + sync(T) - T is decreasing: find its root (or chain if none)
+    mid = 0.5 * (lo + hi)
+    if chain + sync_time(mid) <= mid:
+      hi = mid
+    else:
+      lo = mid
+  return k * hi + model.head_s
+
+
+def prima_cost(devs: Sequence[DeviceCost], model: ModelCost, k: int, w: Sequence[int], n: Sequence[int]) -> float:
+  """prima.cpp's objective (every excess byte read synchronously, no overlap), for comparison."""
   bp = model.layer_bytes + model.kv_bytes_per_layer
   t = model.head_s
-  for d, wm, nm in zip(devs, w, n):
-    if wm == 0 and d is not devs[0]:
+  for m, (d, wm, nm) in enumerate(zip(devs, w, n)):
+    if wm == 0 and m:
       continue
     t += k * d.t_cpu_layer_s * (wm - nm) + k * d.t_gpu_layer_s * nm + k * d.link_s
-    excess = max(0.0, k * bp * (wm - nm) - d.ram_bytes)
-    t += excess / d.disk_Bps
+    t += max(0.0, k * bp * (wm - nm) - d.ram_bytes) / d.disk_Bps
   return t
 
 
@@ -97,37 +169,45 @@ def solve_k(devs: Sequence[DeviceCost], model: ModelCost, k: int) -> Optional[Pl
   if L % k:
     raise ValueError(f"k={k} must divide n_layers={L}")
   W = L // k
-  # Scaled to milliseconds and MiB: with seconds and bytes the coefficients span 1e-8..1e6 and HiGHS
-  # returned plans a few % off the optimum (caught by the brute-force test).
-  MiB = float(2**20)
-  bp = (model.layer_bytes + model.kv_bytes_per_layer) / MiB
-  # variable order: w (M), n (M), u (M), e (M, MiB read from disk per token)
-  iw, i_n, iu, ie = 0, M, 2 * M, 3 * M
-  nv = 4 * M
+  b, kv = model.layer_bytes / MiB, model.kv_bytes_per_layer / MiB
+  big = 1e9  # "infinite" RAM / disk in MiB, MiB/ms
+  # variable order: w, n, u, p, x, y (M each), then T (ms)
+  iw, i_n, iu, ip, ix, iy, iT = 0, M, 2 * M, 3 * M, 4 * M, 5 * M, 6 * M
+  nv = 6 * M + 1
+  cpu = [1e3 * d.t_cpu_layer_s for d in devs]
+  gpu = [1e3 * d.t_gpu_layer_s for d in devs]
+  inv_disk = [1e3 * MiB / d.disk_Bps if math.isfinite(d.disk_Bps) else 0.0 for d in devs]  # ms per MiB
   c = np.zeros(nv)
-  for m, d in enumerate(devs):
-    c[iw + m] = 1e3 * k * d.t_cpu_layer_s
-    c[i_n + m] = 1e3 * k * (d.t_gpu_layer_s - d.t_cpu_layer_s)
-    c[iu + m] = 1e3 * k * d.link_s
-    c[ie + m] = 1e3 * MiB / d.disk_Bps
+  c[iT] = k
+  for m in range(M):  # tie-break: among equal latencies, read less from disk
+    c[ix + m] = c[iy + m] = 1e-7 * k
   rows, lo, hi = [], [], []
 
   def add(coefs: dict, lb: float, ub: float):
     r = np.zeros(nv)
     for j, v in coefs.items():
-      r[j] = v
+      r[j] = r[j] + v
     rows.append(r)
     lo.append(lb)
     hi.append(ub)
 
   add({iw + m: 1.0 for m in range(M)}, W, W)
+  chain = {iT: -1.0}
   for m, d in enumerate(devs):
     add({i_n + m: 1.0, iw + m: -1.0}, -np.inf, 0.0)  # n <= w
     add({iw + m: 1.0, iu + m: -float(W)}, -np.inf, 0.0)  # w <= W u
     if m:  # a used non-head device computes something; the head may hold only embedding/output
       add({iw + m: 1.0, iu + m: -1.0}, 0.0, np.inf)
-    # e >= k b' (w - n) - R   <=>   k b' w - k b' n - e <= R
-    add({iw + m: k * bp, i_n + m: -k * bp, ie + m: -1.0}, -np.inf, d.ram_bytes / MiB)
+    add({iw + m: b, i_n + m: -b, ip + m: -1.0, ix + m: -1.0, iy + m: -1.0}, 0.0, 0.0)  # s = p + x + y
+    ram = d.ram_bytes / MiB if math.isfinite(d.ram_bytes) else big
+    add({ip + m: float(k), ix + m: 1.0, iw + m: k * kv, i_n + m: -k * kv}, -np.inf, ram)
+    own = {iw + m: cpu[m], i_n + m: gpu[m] - cpu[m]}
+    for j, v in own.items():
+      chain[j] = chain.get(j, 0.0) + v
+    chain[iu + m] = chain.get(iu + m, 0.0) + 1e3 * d.link_s
+    chain[iy + m] = chain.get(iy + m, 0.0) + inv_disk[m]
+    add({**own, ix + m: inv_disk[m], iy + m: inv_disk[m], iT: -1.0}, -np.inf, 0.0)
+  add(chain, -np.inf, 0.0)
   lb = np.zeros(nv)
   ub = np.full(nv, np.inf)
   for m, d in enumerate(devs):
@@ -135,15 +215,18 @@ def solve_k(devs: Sequence[DeviceCost], model: ModelCost, k: int) -> Optional[Pl
     ub[i_n + m] = min(W, _gpu_cap(d, model, k))
     ub[iu + m] = 1
   lb[iu + 0] = 1  # the head holds embedding/output and drives the ring
-  integrality = np.ones(nv)
-  integrality[ie:ie + M] = 0
+  integrality = np.zeros(nv)
+  integrality[iw:ip] = 1
   res = milp(c, constraints=LinearConstraint(np.array(rows), lo, hi), integrality=integrality,
              bounds=Bounds(lb, ub), options={"mip_rel_gap": 1e-9})
   if res.status != 0 or res.x is None:
     return None
-  x = np.round(res.x).astype(int)
-  w, n = tuple(int(v) for v in x[iw:iw + M]), tuple(int(v) for v in x[i_n:i_n + M])
-  return Plan(k, w, n, latency(devs, model, k, w, n), tuple(m for m in range(M) if w[m] > 0))
+  x = res.x
+  w = tuple(int(round(v)) for v in x[iw:iw + M])
+  n = tuple(int(round(v)) for v in x[i_n:i_n + M])
+  get = lambda i: tuple(float(max(0.0, v)) * MiB for v in x[i:i + M])  # noqa: E731
+  lat = k * float(x[iT]) / 1e3 + model.head_s
+  return Plan(k, w, n, lat, tuple(m for m in range(M) if w[m] > 0), pin=get(ip), prefetch=get(ix), sync=get(iy))
 
 
 def solve(devs: Sequence[DeviceCost], model: ModelCost, ks: Optional[Sequence[int]] = None) -> Plan:
@@ -153,11 +236,11 @@ def solve(devs: Sequence[DeviceCost], model: ModelCost, ks: Optional[Sequence[in
   plans = [p for p in (solve_k(devs, model, k) for k in ks) if p is not None]
   if not plans:
     raise ValueError("Halda found no feasible plan: add devices or memory, or lower the context")
-  return min(plans, key=lambda p: (round(p.latency_s, 12), p.k))
+  return min(plans, key=lambda p: (round(p.latency_s, 9), p.disk_bytes_per_token(), p.k))
 
 
 def brute_force(devs: Sequence[DeviceCost], model: ModelCost, k: int) -> tuple:
-  """Exhaustive minimum for tiny instances (tests): returns (latency, w, n)."""
+  """Exhaustive minimum of ``evaluate`` for tiny instances (tests): returns (latency, w, n)."""
   L, M = model.n_layers, len(devs)
   W = L // k
   best = (math.inf, None, None)
@@ -166,8 +249,8 @@ def brute_force(devs: Sequence[DeviceCost], model: ModelCost, k: int) -> tuple:
       continue
     ranges = [range(min(wm, _gpu_cap(d, model, k)) + 1) for d, wm in zip(devs, w)]
     for n in itertools.product(*ranges):
-      t = latency(devs, model, k, w, n)
-      if t < best[0] - 1e-15:
+      t = evaluate(devs, model, k, w, n)
+      if t < best[0] - 1e-12:
         best = (t, w, n)
   return best
 

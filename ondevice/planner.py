@@ -22,16 +22,27 @@ class RingPlan:
   k: int
   method: str
   model_latency_s: Optional[float] = None  # Halda's objective (a model, not a measurement)
+  residency: Optional[tuple] = None  # per device (pin, prefetch) bytes per window (Halda), else None
+  prima_cost_s: Optional[float] = None  # prima.cpp's objective for the same windows (for comparison)
+  model_disk_mb_per_token: Optional[float] = None
 
   def as_dict(self) -> dict:
+    ms = lambda v: None if v is None else 1e3 * v  # noqa: E731
     return {"method": self.method, "k": self.k, "w": [len(w[0]) if w else 0 for w in self.windows],
-            "n_gpu": list(self.n_gpu), "halda_model_latency_ms": None if self.model_latency_s is None
-            else 1e3 * self.model_latency_s}
+            "n_gpu": list(self.n_gpu), "halda_model_latency_ms": ms(self.model_latency_s),
+            "prima_cost_ms": ms(self.prima_cost_s), "halda_model_disk_mb_per_token": self.model_disk_mb_per_token}
+
+
+def paged_layer_bytes(info: GGUFInfo) -> int:
+  """What one layer costs in page cache: the stride between consecutive layers' byte ranges, which
+  includes the padding of page-aligned tensors (a tiny model's tensors are padded to pages)."""
+  r = [info.layer_range(i) for i in range(info.cfg.n_layers)]
+  return max([b[0] - a[0] for a, b in zip(r, r[1:])] + [r[-1][1] - r[-1][0]])
 
 
 def costs(info: GGUFInfo, specs: Sequence[DeviceSpec], layer_s: float, head_s: float, ctx: int) -> tuple:
   c = info.cfg
-  layer_bytes = max(info.layer_bytes(i) for i in range(c.n_layers))
+  layer_bytes = paged_layer_bytes(info)
   kv = 2 * ctx * c.n_kv_heads * c.hd * 4
   head_bytes = sum(t.nbytes for n, t in info.tensors.items() if not n.startswith("blk."))
   act = c.d_model * 4
@@ -72,11 +83,14 @@ def plan(info: GGUFInfo, specs: Sequence[DeviceSpec], method: str = "halda", k="
     devs, model = costs(info, specs, layer_s, head_s, ctx)
     ks = None if k == "auto" else [int(k)]
     hp = halda.solve(devs, model, ks)
-    p = RingPlan(hp.windows(), hp.n, hp.k, method, hp.latency_s)
+    p = RingPlan(hp.windows(), hp.n, hp.k, method, hp.latency_s,
+                 residency=tuple(zip(hp.pin, hp.prefetch)), prima_cost_s=halda.prima_cost(devs, model, hp.k, hp.w, hp.n),
+                 model_disk_mb_per_token=hp.disk_bytes_per_token() / 2**20)
   else:
     raise ValueError(f"unknown plan method {method!r}; use halda, memory, equal, single or manual")
   if drop_unused:
     keep = [m for m in range(M) if m == 0 or any(p.windows[m])]
-    p = dataclasses.replace(p, windows=[p.windows[m] for m in keep], n_gpu=tuple(p.n_gpu[m] for m in keep))
+    p = dataclasses.replace(p, windows=[p.windows[m] for m in keep], n_gpu=tuple(p.n_gpu[m] for m in keep),
+                            residency=None if p.residency is None else tuple(p.residency[m] for m in keep))
     specs = [specs[m] for m in keep]
   return p, list(specs)

@@ -86,10 +86,9 @@ def _recv(pull, procs: Sequence = ()):
 
 
 def _worker(rank: int, world: int, base: int, model_path: str, windows: list, spec: Optional[DeviceSpec],
-            opts: DeviceOptions, n_gpu: int, env: dict):
+            opts: DeviceOptions, n_gpu: int, residency: Optional[tuple], env: dict):
   os.environ.update(env)
-  dev = Device(model_path, windows, spec, opts, head=False)
-  dev.n_gpu = n_gpu
+  dev = Device(model_path, windows, spec, opts, head=False, n_gpu=n_gpu, residency=residency)
   ctx, pull, push = _sockets(rank, world, base)
   if rank == 1:  # readiness token: each rank forwards it only once its own model is loaded
     _send(push, {"op": "ready"}, None)
@@ -120,12 +119,15 @@ class RingEngine:
   """Head of the ring; ``forward(tokens, pos0) -> logits`` like a local model. world=1 runs in-process."""
 
   def __init__(self, model_path: str, windows: Sequence[list], specs: Sequence[Optional[DeviceSpec]],
-               opts: DeviceOptions = DeviceOptions(), n_gpu: Sequence[int] = (), threads_per_worker: int = 1):
+               opts: DeviceOptions = DeviceOptions(), n_gpu: Sequence[int] = (), threads_per_worker: int = 1,
+               residency: Optional[Sequence[Optional[tuple]]] = None):
+    """``residency``: per device (pin, prefetch) bytes per window from Halda (None: the device's own rule)."""
     self.world = len(windows)
     self.k = len(windows[0])
     self.specs = list(specs)
-    self.head = Device(model_path, windows[0], specs[0], opts, head=True)
-    self.head.n_gpu = n_gpu[0] if n_gpu else 0
+    res = list(residency) if residency else [None] * self.world
+    self.head = Device(model_path, windows[0], specs[0], opts, head=True, n_gpu=n_gpu[0] if n_gpu else 0,
+                       residency=res[0])
     self.procs: list = []
     self.ctx = None
     if self.world > 1:
@@ -136,7 +138,7 @@ class RingEngine:
       for r in range(1, self.world):
         p = spawn.Process(target=_worker, daemon=True, name=f"ring-rank{r}",
                           args=(r, self.world, base, model_path, windows[r], specs[r], opts,
-                                n_gpu[r] if n_gpu else 0, env))
+                                n_gpu[r] if n_gpu else 0, res[r], env))
         p.start()
         self.procs.append(p)
       self.ctx, self.pull, self.push = _sockets(0, self.world, base)

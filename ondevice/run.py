@@ -12,7 +12,7 @@ import sys
 
 
 def build_engine(model: str, devices: str = None, plan_method: str = "halda", k="auto", prefetch=None,
-                 policy: str = "pin_stream", ctx: int = 256, real_io: bool = False):
+                 policy: str = "plan", ctx: int = 256, real_io: bool = False):
   """(engine, plan dict) for a model file and an optional devices file."""
   from ondevice import planner, profiler
   from ondevice.device import DeviceOptions
@@ -32,7 +32,7 @@ def build_engine(model: str, devices: str = None, plan_method: str = "halda", k=
   head_s = profiler.head_time(model) if method == "halda" else 0.0
   p, specs = planner.plan(info, specs, method, k, layer_s, head_s, ctx, windows=d["windows"])
   opts = DeviceOptions(prefetch=pf, policy=policy, real_io=real_io, max_len=ctx)
-  eng = RingEngine(model, p.windows, specs, opts, n_gpu=p.n_gpu)
+  eng = RingEngine(model, p.windows, specs, opts, n_gpu=p.n_gpu, residency=p.residency)
   return eng, dict(p.as_dict(), devices=[s.name for s in specs], measured_layer_ms=1e3 * layer_s)
 
 
@@ -51,7 +51,7 @@ def main(argv=None) -> int:
   ap.add_argument("--k", default="auto")
   ap.add_argument("--ctx", type=int, default=256)
   ap.add_argument("--no-prefetch", action="store_true")
-  ap.add_argument("--policy", default="pin_stream", choices=["pin_stream", "os"])
+  ap.add_argument("--policy", default="plan", choices=["plan", "os"])
   ap.add_argument("--real-io", action="store_true", help="issue real madvise/fadvise prefetch/release")
   ap.add_argument("--no-stop", action="store_true", help="do not stop at the file's EOS token")
   args = ap.parse_args(argv)

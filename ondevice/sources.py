@@ -3,6 +3,8 @@ from __future__ import annotations
 
 import json
 import os
+
+import numpy as np
 from typing import Optional, Sequence
 
 from framework.config import Config
@@ -35,9 +37,37 @@ def workdir_params(workdir: str, step: Optional[int] = None):
   if not steps:
     raise FileNotFoundError(f"no checkpoint under {ck}; train with checkpoint.every > 0 or pass --random")
   step = steps[-1] if step is None else step
+  if step not in steps:
+    raise FileNotFoundError(f"no checkpoint step {step} under {ck}; steps present: {steps}")
+  return _restore_params(os.path.join(ck, str(step), "state")), cfg, step
+
+
+def _restore_params(path: str):
+  """Only ``params`` from an orbax train-state checkpoint, onto one host device.
+
+  A target-less restore fails on any checkpoint written from a multi-device mesh ("Topology mismatch"),
+  which is every real training run, so the target is built from the checkpoint's own metadata with a
+  single-device sharding. ``partial_restore`` skips the optimizer state (2x the params in memory).
+  """
+  import jax
   import orbax.checkpoint as ocp
-  path = os.path.join(ck, str(step), "state")
-  # Restore without a target: plain (host, unsharded) arrays, so any mesh the run used is fine here.
-  state = ocp.StandardCheckpointer().restore(path)
-  params = state["params"] if isinstance(state, dict) else state.params
-  return params, cfg, step
+  meta = ocp.StandardCheckpointer().metadata(path).item_metadata.tree
+  if "params" not in meta:
+    raise FileNotFoundError(f"{path} has no 'params' entry (keys {sorted(meta)}); not a PrismLLM train state")
+  host = jax.sharding.SingleDeviceSharding(jax.devices("cpu")[0])
+  target = {"params": jax.tree_util.tree_map(lambda m: jax.ShapeDtypeStruct(m.shape, m.dtype, sharding=host),
+                                             meta["params"])}
+  restore_args = jax.tree_util.tree_map(lambda _: ocp.ArrayRestoreArgs(sharding=host), target)
+  with ocp.PyTreeCheckpointer() as ckptr:
+    out = ckptr.restore(path, args=ocp.args.PyTreeRestore(item=target, restore_args=restore_args,
+                                                           partial_restore=True))
+  return _unbox_saved(jax.tree_util.tree_map(np.asarray, out["params"]))
+
+
+def _unbox_saved(tree):
+  """Flax ``Partitioned`` boxes are saved as ``{'value': array}``; the exporter wants the bare arrays."""
+  if isinstance(tree, dict):
+    if set(tree) == {"value"} and isinstance(tree["value"], np.ndarray):
+      return tree["value"]
+    return {k: _unbox_saved(v) for k, v in tree.items()}
+  return tree

@@ -30,14 +30,24 @@ stage inputs, ``n_slots`` of them, reused round-robin (slot = m mod n_slots).
   the first ``P-1`` ticks cost a forward only and the last ``P-1`` a backward only, so the time is
   ``(M+P-1)(F+B)`` ticks' worth, the same bubble fraction ``(P-1)/(M+P-1)`` as GPipe.
 
-Honest accounting (see README): (a) both schedules recompute the stage forward in the backward
+Honest accounting: (a) both schedules recompute the stage forward in the backward
 slot (GPipe's paper does the same rematerialisation), so compute is ``2F+B`` per micro-batch and
 stage; (b) in-flight memory is stash slots x one micro-batch input (B/M x T x D) plus one
 micro-batch's full activations during a backward slot; (c) in lock-step SPMD every tick sends an
-activation and a cotangent buffer, zeros when idle; (d) the bubble formulas assume F and B cost
-the same on every stage (embedding / head make the first / last stage a little heavier);
+activation and a cotangent buffer, zeros when idle; (d) the bubble formulas assume every stage costs
+the same (embedding / head make the first / last stage a little heavier);
 (e) 1F1B here is Megatron's non-interleaved schedule squeezed into lock-step ticks, so stage 0
 stashes up to ``2P-1`` inputs where asynchronous 1F1B needs ``P``.
+
+**Two forms.** ``form='shard_map'``: a shard_map manual over every axis, the manual-mode model,
+idle slots skipped with ``lax.cond`` (the costs above). ``form='jit'``: a shard_map manual over
+'pipeline' only (``axis_names``) around an auto-mode model of ``L/P`` layers, GSPMD partitioning the
+other axes inside. There, XLA 0.10 places GSPMD's own collectives inside ``cond`` branches with
+groups that span stages (deadlock), so the jit form replaces every ``cond`` by compute-both-and-
+select: every tick costs ``F + B`` on every stage, bubble ``2(P-1)/(M+2(P-1))`` for 1F1B and
+``1 - M/(2(M+P-1))`` for GPipe (``Schedule.bubble_fraction(masked=True)``); and XLA's partitioner
+aborts when two or more non-pipeline axes have size > 1, so that is refused up front. The jit form
+is a correct, compatible path; the shard_map form is the efficient one.
 
 Composes with data / fsdp / tensor / sequence: every collective of those axes happens inside a
 ``cond`` branch, which is safe because their groups never span two stages (all members of a
@@ -76,9 +86,13 @@ class Schedule:
   def n_ticks(self) -> int:
     return int(self.fwd_TxP.shape[0])
 
-  def bubble_fraction(self, fwd_cost: float = 1.0, bwd_cost: float = 2.0) -> float:
-    """Idle share of stage-time in lock-step ticks, when every tick lasts as long as its busiest stage."""
-    tick = np.max((self.fwd_TxP >= 0) * fwd_cost + (self.bwd_TxP >= 0) * bwd_cost, axis=1)
+  def bubble_fraction(self, fwd_cost: float = 1.0, bwd_cost: float = 2.0, masked: bool = False) -> float:
+    """Idle share of stage-time in lock-step ticks, when every tick lasts as long as its busiest stage.
+    ``masked``: the jit form, where every tick runs both slots on every stage (no skipping)."""
+    if masked:
+      tick = np.full(self.n_ticks, fwd_cost + bwd_cost)
+    else:
+      tick = np.max((self.fwd_TxP >= 0) * fwd_cost + (self.bwd_TxP >= 0) * bwd_cost, axis=1)
     return float(1.0 - self.n_micro * (fwd_cost + bwd_cost) / tick.sum())
 
   def peak_in_flight(self) -> list:
@@ -209,7 +223,8 @@ def _body(params, inputs_BxT, targets_BxT, *, model, specs, sched: Schedule, n_t
   def stage_loss(prm, y_BxTxD, tgt_BxT):
     def head():
       logits = model.apply({"params": prm}, y_BxTxD, method="head")
-      return sms.vary(sms.token_loss_sum(model, logits, tgt_BxT) / n_tokens, tuple(sms.varying_axes(loss_proto)))
+      loss = sms.token_loss_sum(model, logits, tgt_BxT) / n_tokens
+      return sms.vary(loss, tuple(sms.varying_axes(loss_proto)))
     return branch(is_last, head, lambda: loss_proto)
 
   def tick(carry, row):
@@ -219,8 +234,7 @@ def _body(params, inputs_BxT, targets_BxT, *, model, specs, sched: Schedule, n_t
     # Forward slot. The last stage only stashes: its backward slot recomputes everything anyway.
     def fwd(stash):
       stash = jax.lax.dynamic_update_index_in_dim(stash, recv_x, fm % k, 0)
-      y = branch(is_last, lambda: x_proto,
-                       lambda: stage_forward(local, recv_x, tok_MxBxT[fm]))
+      y = branch(is_last, lambda: x_proto, lambda: stage_forward(local, recv_x, tok_MxBxT[fm]))
       return y, stash
     y, stash = branch(fm >= 0, fwd, lambda st: (x_proto, st), stash)
     recv_x = jax.lax.ppermute(y, sms.PIPELINE_AXIS, [(i, i + 1) for i in range(p - 1)])

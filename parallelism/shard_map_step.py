@@ -17,7 +17,12 @@ communication: here every collective is in our code, visible in the jaxpr:
   the LM head is vocab-sharded, so full-vocab logits never exist on one device.
 * **SP** (``sequence``): each device holds a slice of the sequence; attention ``all_gather``-s K/V
   (and their positions) along ``sequence``.
-* **PP** (``pipeline`` > 1): parallelism/pipeline.py (GPipe / 1F1B over ``ppermute``).
+* **PP** (``pipeline`` > 1): parallelism/pipeline.py (GPipe / 1F1B over ``ppermute``). The jit form
+  with ``pipeline > 1`` is built here too: a shard_map manual over 'pipeline' only.
+
+``mesh.microbatches`` only matters with ``pipeline > 1`` (there is no gradient accumulation in the
+non-pipelined step). Mesh axes of size 1 are dropped from the shard_map specs (:func:`strip_trivial`),
+so the jaxpr holds only collectives that move data.
 
 Structure: the ``shard_map`` computes (loss, grads) with grads sharded like the params; the optax
 update runs outside it under the same ``jax.jit`` (element-wise AdamW plus one global-norm

@@ -25,7 +25,9 @@ def _median_rate(work, r):
   return work / bench.seconds(r)
 
 
-def run(quick: bool = False, out_path: str = None, nodes: bool = True) -> dict:
+def run(quick: bool = False, out_path: str = None, nodes: bool = True, nodes_only: bool = False) -> dict:
+  if nodes_only:
+    return _node_stage(quick, out_path)
   import jax
   import jax.numpy as jnp
   import numpy as np
@@ -151,29 +153,39 @@ def run(quick: bool = False, out_path: str = None, nodes: bool = True) -> dict:
   with open(prof_path, "w") as f:
     json.dump(base, f, indent=1)
   hw = hardware.load(prof_path)
-  node_cal = None
-  if nodes:
-    # Second stage: real calibration programs, traced per node (learned backend + step composition).
-    import sys
-    from perfmodel import calibrate_nodes, learned
-    res = calibrate_nodes.run(hw, reps=3 if quick else 7, entries=None,
-                              log=lambda m: print(m, file=sys.stderr, flush=True))
-    spath = learned.samples_path(hw.name)
-    os.makedirs(os.path.dirname(spath), exist_ok=True)
-    with open(spath, "w") as f:
-      json.dump({"meta": {"source": src, "regime": bench.regime(), "method": "XLA TraceMe per thunk, p25 of "
-                          "occurrences, calibration suite perfmodel/suite.py:CALIBRATION"},
-                 "samples": res["samples"]}, f)
-    base["calibration"]["value"]["composition"] = res["composition"]
-    base["calibration"]["value"]["calibration_loo_mape"] = res["loo_mape"]
-    base["calibration"]["value"]["calibration_loo"] = [{k: (round(v, 6) if isinstance(v, float) else v)
-                                                        for k, v in c.items()} for c in res["loo"]]
-    with open(prof_path, "w") as f:
-      json.dump(base, f, indent=1)
-    hw = hardware.load(prof_path)
-    node_cal = {"samples": len(res["samples"]), "composition": res["composition"], "loo_mape": res["loo_mape"],
-                "node_noise_pct": res["noise_pct_median"]}
+  node_cal = _node_stage(quick, prof_path)["nodes"] if nodes else None
   return {"profile": prof_path, "peak_f32_flops": peak, "dram_bw": stream_curve[-1][1], "launch_s": launch,
           "step_overhead_s": step_overhead, "vector_flops_per_s": vector_rate, "trans_per_s": trans_rate,
           "skinny_dim": skinny_dim, "host_parallelism": host_par, "noise_pct": statistics.median(noise),
           "calibrated": hw.calibrated, "regime": bench.regime(), "nodes": node_cal}
+
+
+def _node_stage(quick: bool, prof_path: str = None) -> dict:
+  """Second stage: real calibration programs traced per node (learned backend + step composition); uses the
+  curves already in the profile for the learned backend's physical estimates."""
+  import sys
+  import jax
+  from perfmodel import calibrate_nodes, learned
+  prof_path = prof_path or os.path.join(hardware.PROFILE_DIR, "cpu.json")
+  with open(prof_path) as f:
+    base = json.load(f)
+  hw = hardware.load(prof_path)
+  src = (f"python -m perfmodel calibrate on {platform.node()} {datetime.date.today().isoformat()}, "
+         f"jax {jax.__version__}, load avg {os.getloadavg()[0]:.2f}, regime {bench.regime()}")
+  res = calibrate_nodes.run(hw, reps=3 if quick else 5, trace_reps=2, entries=None,
+                            log=lambda m: print(m, file=sys.stderr, flush=True))
+  spath = learned.samples_path(hw.name)
+  os.makedirs(os.path.dirname(spath), exist_ok=True)
+  with open(spath, "w") as f:
+    json.dump({"meta": {"source": src, "method": "XLA TraceMe per thunk, p25 of occurrences, calibration suite "
+                        "perfmodel/suite.py:CALIBRATION(+_INFER)"}, "samples": res["samples"]}, f)
+  cal = base["calibration"]["value"]
+  cal["composition"] = res["composition"]
+  cal["calibration_loo_mape"] = res["loo_mape"]
+  cal["calibration_loo"] = [{k: (round(v, 6) if isinstance(v, float) else v) for k, v in c.items()}
+                            for c in res["loo"]]
+  cal["nodes_source"] = src
+  with open(prof_path, "w") as f:
+    json.dump(base, f, indent=1)
+  return {"profile": prof_path, "nodes": {"samples": len(res["samples"]), "composition": res["composition"],
+                                          "loo_mape": res["loo_mape"], "node_noise_pct": res["noise_pct_median"]}}

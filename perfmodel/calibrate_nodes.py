@@ -66,7 +66,42 @@ def _coef(x) -> dict:
   return dict(zip(("a", "b", "c", "e", "f"), (float(v) for v in x)))
 
 
-def run(hw, reps: int = 7, trace_reps: int = 3, entries: list = None, log=print) -> dict:
+def _infer_program(entry, hw, phys, samples, reps, trace_reps, log) -> dict:
+  """A calibration decode program: TPOT = slope of two generation lengths; nodes traced at the longer one."""
+  from perfmodel.validate import decode_loop, infer_runner
+  cfg = validate_cfg(_cfg_infer(entry), 1)
+  g1, g2 = entry["gen_lens"]
+  run1, _ = infer_runner(cfg, entry["batch"], entry["prompt_len"], g1)
+  r1 = bench.time_fn(run1, reps=reps)
+  run2, cap = infer_runner(cfg, entry["batch"], entry["prompt_len"], g2)
+  r2 = bench.time_fn(run2, reps=reps)
+  g = graph_lib.from_hlo_text(cap.hlo_text, 1)
+  loop = decode_loop(g, g2)
+  traced = trace_nodes.traced_times(run2, reps=trace_reps, names={n.name for n, _ in g.walk()})
+  seen = set()
+  for n, _ in g.walk():
+    if n.kind not in ("dot", "fusion", "other") or n.name not in traced or n.name in seen:
+      continue
+    seen.add(n.name)
+    p = phys.price(n)
+    samples.append({"prog": entry["name"], "cls": learned.node_class(n), "f": learned.features(n),
+                    "t": trace_nodes.quantile(traced[n.name], 0.25), "phys": p.seconds if p else 0.0,
+                    "name": n.name, "fp": n.fingerprint})
+  tpot = (bench.seconds(r2) - bench.seconds(r1)) / (g2 - g1)
+  noise = max(bench.spread_pct(bench.view(r1)), bench.spread_pct(bench.view(r2))) * bench.seconds(r2) / max(
+      1e-12, bench.seconds(r2) - bench.seconds(r1))
+  log(f"calibrate {entry['name']:>18}: {len(seen)} nodes traced, TPOT {tpot * 1e3:.3f} ms (±{noise:.1f}%)")
+  return {"name": entry["name"], "graph": g, "n": 1, "measured": tpot, "noise": noise,
+          "region": loop.body if loop else None}
+
+
+def _cfg_infer(entry):
+  from perfmodel.validate import _merge
+  cfg = from_dict(_merge(suite.BASE, entry))
+  return cfg.__class__(**{**cfg.__dict__, "name": entry["name"]})
+
+
+def run(hw, reps: int = 7, trace_reps: int = 3, entries: list = None, log=print, infer: bool = True) -> dict:
   from perfmodel.validate import train_runner
   entries = entries if entries is not None else suite.CALIBRATION
   samples, programs = [], []
@@ -77,8 +112,10 @@ def run(hw, reps: int = 7, trace_reps: int = 3, entries: list = None, log=print)
     g = graph_lib.from_hlo_text(cap.hlo_text, cap.n_devices)
     run_fn = train_runner(cap, cfg)
     r = bench.time_fn(run_fn, reps=reps, warmup=2)
+    # Node samples come from single-device programs only: with N virtual devices on one core, a sibling
+    # device's thread preempts a thunk mid-flight and its TraceMe wall time overstates the work.
     names = {n.name for n, _ in g.walk()}
-    traced = trace_nodes.traced_times(run_fn, reps=trace_reps, names=names)
+    traced = trace_nodes.traced_times(run_fn, reps=trace_reps, names=names) if cap.n_devices == 1 else {}
     seen = set()
     for n, _ in g.walk():
       if n.kind not in ("dot", "fusion", "other") or n.name not in traced or n.name in seen:
@@ -92,11 +129,17 @@ def run(hw, reps: int = 7, trace_reps: int = 3, entries: list = None, log=print)
                      "noise": bench.spread_pct(bench.view(r))})
     log(f"calibrate {entry['name']:>18}: {len(seen)} nodes traced, step {bench.seconds(r) * 1e3:.2f} ms "
         f"(±{programs[-1]['noise']:.1f}%, {cap.n_devices} dev)")
-  # Leave-one-program-out node pricing -> composition features.
+  for entry in (suite.CALIBRATION_INFER if infer else []):
+    programs.append(_infer_program(entry, hw, phys, samples, reps, trace_reps, log))
+  # Leave-one-program-out node pricing -> composition features. A decode program's row is one decode step:
+  # the loop body's nodes, no per-step constant (the loop does not re-enter the runtime per token).
   rows, y = [], []
   for p in programs:
     model = learned.Learned(hw, samples=[s for s in samples if s["prog"] != p["name"]])
-    rows.append(composition_features(p["graph"], lambda n: model.price(n).seconds, p["n"]))
+    f = composition_features(p["graph"], lambda n: model.price(n).seconds, p["n"], p.get("region"))
+    if p.get("region"):
+      f[2] = 0.0
+    rows.append(f)
     y.append(p["measured"])
   coef = _coef(_nnls(rows, y))
   cv = []

@@ -34,7 +34,7 @@ def cmd_predict(a, overrides):
   cfg, n = _load_cfg(a.config, overrides, a.mesh, a.devices)
   method = a.method
   if a.mode == "train" and method == "auto":
-    method = "compile" if n <= COMPILE_MAX_DEVICES else "analytic"
+    method = "compile" if n <= COMPILE_MAX_DEVICES else "auto_large"
   if method == "compile" or a.mode == "infer":
     capture.ensure_devices(n if a.mode == "train" else 1)
   from perfmodel import hardware, predict
@@ -44,14 +44,24 @@ def cmd_predict(a, overrides):
     if a.profile_dots:
       _profile(cap.hlo_text, hw.name)
     out = predict.predict_infer(cfg, hw, a.batch, a.prompt_len, a.gen_len, a.backend, captured=cap)
+  elif method == "rank_program" or (method == "auto_large"):
+    try:
+      out = predict.predict_train_rank_program(cfg, hw, a.backend)
+    except Exception as e:  # noqa: BLE001 (any failure of the traced route falls back, and says why)
+      if method == "rank_program":
+        raise
+      out = predict.predict_train_analytic(cfg, hw, a.backend)
+      out["route"] = "analytic"
+      out["route_fallback_reason"] = f"rank_program route failed: {type(e).__name__}: {str(e)[:300]}"
   elif method == "analytic":
     out = predict.predict_train_analytic(cfg, hw, a.backend)
+    out["route"] = "analytic"
   else:
     cap = capture.train_step(cfg)
     if a.profile_dots:
       _profile(cap.hlo_text, hw.name)
     out = predict.predict_train(cfg, hw, a.backend, captured=cap)
-    out["method"] = "compile"
+    out["method"] = out["route"] = "compile"
   _print(out)
 
 
@@ -77,7 +87,7 @@ def cmd_calibrate(a, overrides):
   _regime(a)
   capture.ensure_devices(4)
   from perfmodel import calibrate
-  _print(calibrate.run(quick=a.quick, nodes=not a.no_nodes))
+  _print(calibrate.run(quick=a.quick, nodes=not a.no_nodes, nodes_only=a.nodes_only))
 
 
 def cmd_validate(a, overrides):
@@ -86,7 +96,7 @@ def cmd_validate(a, overrides):
   capture.ensure_devices(8)
   from perfmodel import validate
   _print(validate.run(a.suite, reps=a.reps, backend=a.backend, png=a.png, results=not a.no_results,
-                      limit=a.limit))
+                      limit=a.limit, measurements=a.measurements))
 
 
 def cmd_search(a, overrides):
@@ -98,7 +108,7 @@ def cmd_search(a, overrides):
     capture.ensure_devices(a.devices)
   from perfmodel import hardware, search
   _print(search.run(cfg, hardware.load(a.hardware), a.devices, top=a.top, run_top=a.run_top, backend=a.backend,
-                    config_path=a.config, overrides=overrides))
+                    config_path=a.config, overrides=overrides, refine=a.refine))
 
 
 def main(argv=None):
@@ -116,7 +126,9 @@ def main(argv=None):
   pr.add_argument("--mesh", default="", help="e.g. data=2,tensor=4 (axes not named are 1)")
   pr.add_argument("--devices", type=int, default=0, help="device count when the mesh has a -1 axis")
   pr.add_argument("--mode", choices=("train", "infer"), default="train")
-  pr.add_argument("--method", choices=("auto", "compile", "analytic"), default="auto")
+  pr.add_argument("--method", choices=("auto", "compile", "rank_program", "analytic"), default="auto",
+                  help="auto: compile the real N-device program up to 512 devices, else the traced per-rank "
+                       "program (rank_program), else the analytic graph")
   pr.add_argument("--backend", choices=("auto", "roofline", "calibrated", "profiled", "learned"), default="auto")
   pr.add_argument("--profile-dots", action="store_true", help="time this program's unique dots on this host first")
   pr.add_argument("--batch", type=int, default=1)
@@ -125,6 +137,7 @@ def main(argv=None):
   ca = sub.add_parser("calibrate", help="fit the cpu profile on this host (a few minutes)")
   ca.add_argument("--quick", action="store_true")
   ca.add_argument("--no-nodes", action="store_true", help="micro-benchmarks only (skip the learned backend)")
+  ca.add_argument("--nodes-only", action="store_true", help="only the calibration-program stage (keep the curves)")
   va = sub.add_parser("validate", help="measured vs predicted over a suite of configs on this host")
   va.add_argument("--suite", default=None, help="python file with SUITE = [...] (default: perfmodel/suite.py)")
   va.add_argument("--reps", type=int, default=7)
@@ -132,13 +145,18 @@ def main(argv=None):
   va.add_argument("--png", default="benchmarks/perfmodel_validate.png")
   va.add_argument("--no-results", action="store_true", help="do not append to benchmarks/RESULTS.md")
   va.add_argument("--limit", type=int, default=0, help="run only the first N configs (smoke)")
+  va.add_argument("--measurements", default=None,
+                  help="JSON cache of measured times by config name: reused if present, filled if not")
   se = sub.add_parser("search", help="rank layouts for a model on N devices under memory limits")
   se.add_argument("--config", required=True)
   se.add_argument("--hardware", default="cpu")
   se.add_argument("--devices", type=int, required=True)
   se.add_argument("--top", type=int, default=10)
   se.add_argument("--backend", default="auto")
-  se.add_argument("--run-top", action="store_true", help="on this host: run the top layout and the default one")
+  se.add_argument("--run-top", action="store_true",
+                  help="on this host: re-rank the top --refine layouts with compiled predictions, run them and the "
+                       "default, report whether the predicted best beats the default")
+  se.add_argument("--refine", type=int, default=4)
   for sp in (ca, va, se):
     sp.add_argument("--no-pin", action="store_true", help="measure unpinned in wall time (noisy on a shared host)")
     sp.add_argument("--pin-core", type=int, default=-1, help="core to pin to (default: the last allowed)")

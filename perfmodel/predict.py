@@ -161,3 +161,43 @@ def predict_train_analytic(cfg: Config, hw: HardwareProfile, backend: str = "aut
       "breakdown": _breakdown(tl, scale * mb), "fits_in_memory": mem.total <= hw.mem_bytes,
       "predict_s": time.perf_counter() - t0,
   }
+
+
+def predict_train_rank_program(cfg: Config, hw: HardwareProfile, backend: str = "auto") -> dict:
+  """No N-device compile: the rank's real per-device program (perfmodel.emulate.rank_program, the program the
+  emulator runs), traced on an AbstractMesh at the target sizes -> jaxpr graph -> costs -> timeline."""
+  import math
+  import jax
+  from perfmodel import jaxpr_graph
+  from perfmodel.emulate import rank_program
+  t0 = time.perf_counter()
+  prog = rank_program.build(cfg)
+  local = jax.tree.leaves(prog.local_state.params)
+  n_local = sum(math.prod(x.shape) for x in local)
+  pbytes = sum(math.prod(x.shape) * x.dtype.itemsize for x in local)
+  # AdamW on the rank's shards (outside the traced body): read p, g, m, v; write p, m, v.
+  opt = dict(name="adamw_update", kind="fusion", opcode="fusion:jaxpr", flops=12.0 * n_local,
+             transcendentals=float(n_local), bytes=7.0 * pbytes, out_bytes=3.0 * pbytes,
+             attribution=graph_lib.Attribution(op_name="optimizer", phase="opt", op="adamw"))
+  g, notes = jaxpr_graph.build(prog.body, cfg.mesh.sizes(), extra_entry_nodes=[opt])
+  tl, chain = price_graph(g, hw, backend)
+  step = tl.makespan + hw.calibration.get("step_overhead_s", 0.0)
+  tokens = cfg.data.global_batch * cfg.data.seq_len
+  model_flops = flops_lib.train_flops_per_token(cfg.model, cfg.data.seq_len) * tokens
+  dtype = {"bfloat16": "bf16", "float16": "f16"}.get(cfg.model.dtype, "f32")
+  n_dev = g.n_devices
+  mem = memory.analytic(cfg)
+  tot = g.totals()
+  return {
+      "mode": "train", "method": "rank_program", "route": "rank_program",
+      "route_detail": "per-device shard_map body traced on an AbstractMesh (perfmodel.emulate.rank_program), "
+                      "jaxpr graph (perfmodel.jaxpr_graph); no N-device compile",
+      "config": cfg.name, "hardware": hw.name, "calibrated": hw.calibrated, "backends": chain.names,
+      "n_devices": n_dev, "mesh": {k: v for k, v in cfg.mesh.sizes().items() if v != 1},
+      "step_time_s": step, "tokens_per_s": tokens / step, "mfu": model_flops / step / (hw.peak(dtype) * n_dev),
+      "peak_memory_bytes": mem.total, "memory_analytic": mem.to_dict(), "rank_param_bytes": pbytes,
+      "flops_per_device": tot["flops"], "model_flops_per_step": model_flops,
+      "collective_bytes_per_device": tot["collective_bytes"], "node_counts": tot["node_counts"],
+      "breakdown": _breakdown(tl, 1.0), "fits_in_memory": mem.total <= hw.mem_bytes, "notes": notes,
+      "trace_s": prog.trace_s, "predict_s": time.perf_counter() - t0,
+  }

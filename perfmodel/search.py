@@ -39,7 +39,7 @@ def candidates(cfg: Config, n: int):
 
 
 def run(cfg: Config, hw: HardwareProfile, n: int, top: int = 10, run_top: bool = False, backend: str = "auto",
-        config_path: str = "", overrides=()) -> dict:
+        config_path: str = "", overrides=(), refine: int = 4) -> dict:
   ranked = []
   n_tried = 0
   for c in candidates(cfg, n):
@@ -55,23 +55,58 @@ def run(cfg: Config, hw: HardwareProfile, n: int, top: int = 10, run_top: bool =
                       "microbatches": c.mesh.microbatches, "peak_memory_bytes": p["peak_memory_bytes"]}
                      for i, (t, c, p) in enumerate(ranked[:top])]}
   if run_top and ranked:
-    out["run_check"] = _run_check(cfg, ranked[0][1], n)
+    out["run_check"] = _run_check(cfg, ranked, n, hw, refine)
   return out
 
 
-def _run_check(default_cfg: Config, best: Config, n: int) -> dict:
-  """Compile and time the top layout and the config's own layout on this host (jit form only)."""
-  from perfmodel import capture
-  from perfmodel.validate import measure_train
-  res = {}
-  for label, c in (("top", best), ("default", validate(default_cfg, n))):
-    if c.mesh.pipeline > 1:
-      res[label] = {"skipped": "pipeline layouts need the shard_map step"}
+def _distinct(ranked, k: int) -> list:
+  """The first k layouts that differ in what runs (effective mesh, rules where they matter, remat)."""
+  picks, seen = [], set()
+  for t, c, p in ranked:
+    rules = c.mesh.rules if (c.mesh.data > 1 or c.mesh.fsdp > 1) else "-"
+    key = (tuple(sorted(p["mesh"].items())), rules, c.model.remat, c.mesh.microbatches)
+    if key in seen or c.mesh.pipeline > 1:
       continue
+    seen.add(key)
+    picks.append(c)
+    if len(picks) == k:
+      break
+  return picks
+
+
+def _layout(c: Config) -> dict:
+  return {"mesh": {k: v for k, v in c.mesh.sizes().items() if v != 1}, "rules": c.mesh.rules, "remat": c.model.remat}
+
+
+def _run_check(default_cfg: Config, ranked: list, n: int, hw: HardwareProfile, refine: int) -> dict:
+  """On this host: re-rank the top `refine` distinct layouts (plus the config's own) with the compiled-program
+  prediction (the validated model), then run every one of them and the default, measured in the regime's
+  clock (pinned core: process CPU time). Reports whether the predicted-best layout beats the default."""
+  from perfmodel import bench, capture
+  from perfmodel.validate import kendall_tau, measure_train
+  default = validate(default_cfg, n)
+  cands = _distinct(ranked, refine)
+  cands = [c for c in cands if _layout(c) != _layout(default)] + [default]
+  rows = []
+  for c in cands:
     cap = capture.train_step(c, keep_compiled=True)
-    r = measure_train(cap, c, reps=7)
-    res[label] = {"measured_s": r["median"], "mesh": {k: v for k, v in c.mesh.sizes().items() if v != 1},
-                  "rules": c.mesh.rules, "remat": c.model.remat}
-  if "measured_s" in res.get("top", {}) and "measured_s" in res.get("default", {}):
-    res["top_beats_default"] = res["top"]["measured_s"] < res["default"]["measured_s"]
+    pred = predict.predict_train(c, hw, captured=cap)
+    r1 = measure_train(cap, c, reps=5)
+    r2 = measure_train(cap, c, reps=5)
+    meas = (bench.seconds(r1) + bench.seconds(r2)) / 2
+    noise = max(bench.spread_pct(bench.view(r1)), bench.spread_pct(bench.view(r2)),
+                50 * abs(bench.seconds(r1) - bench.seconds(r2)) / meas)
+    rows.append({**_layout(c), "is_default": c is default, "predicted_s": pred["step_time_s"],
+                 "analytic_rank_s": next((t for t, cc, _ in ranked if cc is c), None), "measured_s": meas,
+                 "noise_pct": noise, "clock": "cpu" if bench.pinned() else "wall"})
+    del cap
+  best = min((r for r in rows if not r["is_default"]), key=lambda r: r["predicted_s"], default=None)
+  dflt = rows[-1]
+  res = {"layouts": rows, "top": best, "default": dflt}
+  if best is not None:
+    res["top_beats_default"] = best["measured_s"] < dflt["measured_s"]
+    res["speedup_measured"] = dflt["measured_s"] / best["measured_s"]
+    res["speedup_predicted"] = dflt["predicted_s"] / best["predicted_s"]
+    res["kendall_tau_measured_vs_predicted"] = kendall_tau([r["measured_s"] for r in rows],
+                                                           [r["predicted_s"] for r in rows])
   return res

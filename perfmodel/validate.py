@@ -69,10 +69,12 @@ def train_runner(cap, cfg):
 
 
 def measure_train(cap, cfg, reps: int) -> dict:
-  return bench.time_fn(train_runner(cap, cfg), reps=reps, warmup=2)
+  # sub-millisecond steps get more repeats (up to 1 s of wall clock) so their median is not one outlier
+  return bench.time_fn(train_runner(cap, cfg), reps=reps, warmup=2, min_time=1.0)
 
 
-def measure_infer(cfg, batch, prompt_len, gen_len, reps) -> dict:
+def infer_runner(cfg, batch, prompt_len, gen_len):
+  """(run, cap): run() blocks on one real call of the compiled KV-cached sampler."""
   import jax
   import jax.numpy as jnp
   from framework import model as model_lib
@@ -81,14 +83,59 @@ def measure_infer(cfg, batch, prompt_len, gen_len, reps) -> dict:
   params = model_lib.init_params(model, jax.random.key(0))
   params = jax.tree.map(lambda x: x, __import__("flax").linen.unbox(params))
   prompt = jnp.zeros((batch, prompt_len), jnp.int32)
-  r = bench.time_fn(lambda: compiled(params, prompt, jax.random.key(0)), reps=reps)
-  return r, cap
+  key = jax.random.key(0)
+  return (lambda: jax.block_until_ready(compiled(params, prompt, key))), cap
+
+
+def measure_infer(cfg, batch, prompt_len, gen_len, reps) -> dict:
+  run, cap = infer_runner(cfg, batch, prompt_len, gen_len)
+  return bench.time_fn(run, reps=reps, min_time=1.0), cap
+
+
+def decode_loop(g, gen_len: int):
+  """The sampler's decode while-loop node (trip = gen_len; the largest such body) or None."""
+  loops = [n for n in g.regions[g.entry].nodes if n.kind == "loop" and n.trip_count == gen_len]
+  return max(loops, key=lambda n: len(g.regions[n.body].nodes)) if loops else None
+
+
+def _measure_train_entry(cfg, reps):
+  cap = capture.train_step(cfg, keep_compiled=True)
+  r1 = measure_train(cap, cfg, reps)
+  r2 = measure_train(cap, cfg, reps)
+  s1, s2 = bench.seconds(r1), bench.seconds(r2)
+  meas = (s1 + s2) / 2
+  # noise = the larger of the within-round spread and the half drift between the two rounds
+  noise = max(bench.spread_pct(bench.view(r1)), bench.spread_pct(bench.view(r2)), 50 * abs(s1 - s2) / meas)
+  return {"measured_s": meas, "noise_pct": noise, "wall_s": (r1["median"] + r2["median"]) / 2,
+          "rounds_s": [s1, s2]}, cap
+
+
+def _measure_infer_entry(cfg, entry, reps):
+  g1, g2 = entry["gen_lens"]
+  m1, _ = measure_infer(cfg, entry["batch"], entry["prompt_len"], g1, reps)
+  m2, cap2 = measure_infer(cfg, entry["batch"], entry["prompt_len"], g2, reps)
+  tpot = (bench.seconds(m2) - bench.seconds(m1)) / (g2 - g1)
+  noise = (max(bench.spread_pct(bench.view(m1)), bench.spread_pct(bench.view(m2))) * bench.seconds(m2)
+           / max(1e-12, bench.seconds(m2) - bench.seconds(m1)))
+  return {"measured_s": tpot, "noise_pct": noise}, cap2
 
 
 def run(suite_path=None, reps: int = 7, backend: str = "auto", png: str = None, results: bool = True,
-        limit: int = 0, hardware_name: str = "cpu") -> dict:
+        limit: int = 0, hardware_name: str = "cpu", measurements: str = None) -> dict:
+  """measurements: a JSON file of measured step times by config name. Entries found there are not re-run
+  (predictions are recomputed from a fresh compile); new measurements are added to it. Lets the slow
+  measuring and a recalibration proceed separately on a loaded host."""
   hw = hardware.load(hardware_name)
   suite = _load_suite(suite_path)
+  cache = {}
+  if measurements and os.path.exists(measurements):
+    with open(measurements) as f:
+      cache = json.load(f)
+
+  def save():
+    if measurements:
+      with open(measurements, "w") as f:
+        json.dump(cache, f, indent=1)
   rows = []
   entries = suite.SUITE[:limit] if limit else suite.SUITE
   for entry in entries:
@@ -96,30 +143,41 @@ def run(suite_path=None, reps: int = 7, backend: str = "auto", png: str = None, 
     n = cfg.mesh.data * cfg.mesh.fsdp * cfg.mesh.tensor
     cfg = validate_cfg(cfg, n)
     cfg = cfg.__class__(**{**cfg.__dict__, "name": entry["name"]})
-    cap = capture.train_step(cfg, keep_compiled=True)
-    profiler.profile_dots(graph_lib.from_hlo_text(cap.hlo_text), hw.name)
-    r1 = measure_train(cap, cfg, reps)
+    if entry["name"] in cache:
+      m, cap = cache[entry["name"]], capture.train_step(cfg)
+    else:
+      m, cap = _measure_train_entry(cfg, reps)
+      m["regime"] = bench.regime()
+      cache[entry["name"]] = m
+      save()
+    if backend == "profiled":
+      profiler.profile_dots(graph_lib.from_hlo_text(cap.hlo_text), hw.name)
     pred = predict.predict_train(cfg, hw, backend, captured=cap)
-    r2 = measure_train(cap, cfg, reps)
-    meas = statistics.median([r1["median"], r2["median"]])
-    noise = max(bench.spread_pct(r1), bench.spread_pct(r2), 50 * abs(r1["median"] - r2["median"]) / meas)
+    meas, noise, wall = m["measured_s"], m["noise_pct"], m["wall_s"]
     err = 100 * (pred["step_time_s"] - meas) / meas
     rows.append(dict(name=entry["name"], kind="train", measured_s=meas, predicted_s=pred["step_time_s"], err_pct=err,
-                     noise_pct=noise, n_devices=n, predict_s=pred["predict_s"],
-                     mem_pred=pred["peak_memory_bytes"], mem_xla=cap.memory["peak_bytes"]))
+                     noise_pct=noise, n_devices=n, predict_s=pred["predict_s"], wall_s=wall,
+                     mem_pred=pred["peak_memory_bytes"], mem_xla=cap.memory["peak_bytes"],
+                     mem_analytic=pred["memory_analytic"]["total"], priced_by=pred["breakdown"]["priced_by"]))
     print(f"{entry['name']:>16}  measured {meas * 1e3:9.2f} ms  predicted {pred['step_time_s'] * 1e3:9.2f} ms  "
           f"err {err:+6.1f}%  noise ±{noise:4.1f}%  ({n} dev)", file=sys.stderr, flush=True)
   inf_rows = []
   for entry in getattr(suite, "INFER", []) if not limit else []:
     cfg = validate_cfg(from_dict(_merge(suite.BASE, entry)), 1)
     g1, g2 = entry["gen_lens"]
-    m1, _ = measure_infer(cfg, entry["batch"], entry["prompt_len"], g1, reps)
-    m2, cap2 = measure_infer(cfg, entry["batch"], entry["prompt_len"], g2, reps)
-    profiler.profile_dots(graph_lib.from_hlo_text(cap2.hlo_text), hw.name)
-    tpot_meas = (m2["median"] - m1["median"]) / (g2 - g1)
+    if entry["name"] in cache:
+      m, cap2 = cache[entry["name"]], capture.sampler(cfg, entry["batch"], entry["prompt_len"], g2)
+    else:
+      m, cap2 = _measure_infer_entry(cfg, entry, reps)
+      m["regime"] = bench.regime()
+      cache[entry["name"]] = m
+      save()
+    if backend == "profiled":
+      profiler.profile_dots(graph_lib.from_hlo_text(cap2.hlo_text), hw.name)
+    tpot_meas = m["measured_s"]
     pred = predict.predict_infer(cfg, hw, entry["batch"], entry["prompt_len"], g2, backend, captured=cap2)
     err = 100 * (pred["tpot_s"] - tpot_meas) / tpot_meas if tpot_meas > 0 else float("nan")
-    noise = max(bench.spread_pct(m1), bench.spread_pct(m2)) * m2["median"] / max(1e-12, m2["median"] - m1["median"])
+    noise = m["noise_pct"]
     inf_rows.append(dict(name=entry["name"], kind="infer", measured_s=tpot_meas, predicted_s=pred["tpot_s"],
                          err_pct=err, noise_pct=noise))
     print(f"{entry['name']:>16}  TPOT measured {tpot_meas * 1e3:8.3f} ms  predicted {pred['tpot_s'] * 1e3:8.3f} ms  "
@@ -131,12 +189,17 @@ def run(suite_path=None, reps: int = 7, backend: str = "auto", png: str = None, 
   best_pred = int(np.argmin(prd))
   regret = 100 * (1 - tps_m[best_pred] / max(tps_m))
   mem_err = float(np.max([abs(r["mem_pred"] - r["mem_xla"]) / r["mem_xla"] * 100 for r in rows]))
+  mem_ana = float(np.mean([abs(r["mem_analytic"] - r["mem_xla"]) / r["mem_xla"] * 100 for r in rows]))
   out = {"mape": mape, "kendall_tau": kendall_tau(meas, prd), "n_configs": len(rows),
          "noise_pct": float(np.median([r["noise_pct"] for r in rows])),
          "top1_regret_pct": regret, "signed_err_pct": {r["name"]: round(r["err_pct"], 2) for r in rows},
          "tpot_mape": float(np.mean([abs(r["err_pct"]) for r in inf_rows])) if inf_rows else None,
          "tpot_n_configs": len(inf_rows),
+         "tpot_noise_pct": float(np.median([r["noise_pct"] for r in inf_rows])) if inf_rows else None,
          "peak_memory_max_err_pct_vs_memory_analysis": mem_err,
+         "peak_memory_analytic_mape_vs_memory_analysis": mem_ana,
+         "clock": "cpu" if bench.pinned() else "wall", "regime": bench.regime(),
+         "calibration_loo_mape": hw.calibration.get("calibration_loo_mape"),
          "predict_s_max": float(max(r["predict_s"] for r in rows)),
          "hardware": hw.name, "calibrated": hw.calibrated, "backend": backend,
          "load_avg": os.getloadavg()[0], "rows": rows + inf_rows}
@@ -177,8 +240,8 @@ def _append_results(out):
     with open(path, "w") as f:
       f.write("# Benchmark results\n\n| date | command | machine | numbers |\n|---|---|---|---|\n")
   nums = {k: (round(v, 3) if isinstance(v, float) else v) for k, v in out.items()
-          if k in ("mape", "kendall_tau", "n_configs", "noise_pct", "top1_regret_pct", "tpot_mape",
-                   "peak_memory_max_err_pct_vs_memory_analysis", "load_avg")}
+          if k in ("mape", "kendall_tau", "n_configs", "noise_pct", "top1_regret_pct", "tpot_mape", "tpot_noise_pct",
+                   "peak_memory_max_err_pct_vs_memory_analysis", "load_avg", "clock", "calibration_loo_mape")}
   with open(path, "a") as f:
     f.write(f"| {datetime.datetime.now().isoformat(timespec='minutes')} | python -m perfmodel validate | "
             f"{platform.node()} {os.cpu_count()} cores (shared) | {json.dumps(nums)} |\n")

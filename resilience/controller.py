@@ -261,6 +261,10 @@ class Controller:
         self.rec.setdefault("first_step_t", {})[rank] = time.time()
         if len(self.rec["first_step_t"]) == self.s.nodes:
           self.finish_recovery()
+    elif kind == "restore_failed":
+      self.event("restore_failed", rank=rank, node=msg["node"], why=msg["why"])
+      if self.rec is not None and self.state == "running":
+        self.begin_recovery(set(), "in-memory restore failed its checksum", time.time(), force_tier="persistent")
     elif kind == "error":
       self.event("worker_error", rank=rank, node=msg["node"], error=msg["error"], trace=msg.get("trace"))
       if self.pending_error is None and self.state == "running" and self.rec is None:
@@ -275,6 +279,10 @@ class Controller:
       self.committed_holders = {k: set(acks[k]) for k in range(self.s.nodes)}
       self.committed_owner = {k: self.members[k] for k in range(self.s.nodes)}
       wire.send(self.pub, {"type": "commit", "gen": self.gen, "version": v})
+      for node in self.nodes.values():  # replicas now live on current members: release retired nodes
+        if node.role == "retired" and node.alive and not getattr(node, "released", False):
+          node.released = True
+          self.send(node.name, {"type": "exit"})
       for old in [x for x in self.stored if x < v]:
         self.stored.pop(old, None)
         self.acks.pop(old, None)
@@ -368,14 +376,14 @@ class Controller:
     for r in ranks:  # retire failed nodes (a crashed worker may mean bad hardware: never reuse it here)
       node = self.nodes[self.members[r]]
       if node.role == "member":
+        # a retired node whose agent lives keeps serving the replicas it holds until the new generation
+        # commits (released in check_commit), so a second failure meanwhile can still use them
         node.role = "retired"
-        if node.alive:
-          self.send(node.name, {"type": "exit"})
         self.replenish()
     rec["kills_pending"] = set()
-    for name in self.members:
+    for name in self.members:  # fence: every worker of this generation, failed node's included
       node = self.nodes[name]
-      if node.role == "member" and node.alive:
+      if node.alive:
         self.send(name, {"type": "kill_worker", "gen": self.gen})
         rec["kills_pending"].add(name)
     rec.pop("fetch_pending", None)
@@ -413,7 +421,7 @@ class Controller:
       if rec["plan"]["tier"] == "memory":
         for r in rec["swaps"]:
           sources = [self.nodes[h].data_addr for h in sorted(self.committed_holders.get(r, ()))
-                     if self.nodes[h].alive and self.nodes[h].role == "member"]
+                     if self.nodes[h].alive]
           spare = self.members[r]
           self.send(spare, {"type": "fetch", "rank": r, "version": rec["plan"]["version"], "sources": sources})
           rec["fetch_pending"][spare] = r
@@ -432,7 +440,7 @@ class Controller:
     if ok:
       for r in range(self.s.nodes):
         if r in swapped:
-          live = [h for h in self.committed_holders.get(r, ()) if self.nodes[h].alive and self.nodes[h].role == "member"]
+          live = [h for h in self.committed_holders.get(r, ()) if self.nodes[h].alive]
           if not live:
             ok, why = False, f"rank {r}: its node and all {self.s.replicas} replica holder(s) are lost"
             break

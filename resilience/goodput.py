@@ -44,10 +44,19 @@ class Costs:
   hotswap_recovery_s: float = 10.0
 
 
-def expected_segment_s(w: float, restart_s: float, lam: float) -> float:
+def expected_segment_s(w: float, restart_s: float, lam: float, fail_during_restart: bool = True) -> float:
+  """Expected wall time to finish w seconds of work that is redone after every failure.
+
+  fail_during_restart=True: failures strike at rate lam at any time, restarts included (Daly).
+  False: failures strike only while working (rate lam per working second), as when a benchmark
+  injects them at steps: the number of failures before w completes is geometric with mean
+  e^{lam w} - 1, each costing the time worked so far plus R.
+  """
   if lam <= 0:
     return w
-  return math.exp(lam * restart_s) * math.expm1(lam * w) / lam
+  if fail_during_restart:
+    return math.exp(lam * restart_s) * math.expm1(lam * w) / lam
+  return math.expm1(lam * w) * (1.0 / lam + restart_s)
 
 
 def predict(c: Costs) -> dict:
@@ -63,6 +72,14 @@ def predict(c: Costs) -> dict:
           # hot swap keeps spare hardware idle; the others need none
           "goodput_per_node": {"disk_checkpoint_restart": disk, "in_memory_restart": mem, "hotswap": hs * share},
           "costs": dataclasses.asdict(c)}
+
+
+def predict_injected(step_s: float, overhead_ratio: float, recovery_s: float, failures: int, steps: int) -> float:
+  """Hot-swap goodput when `failures` are injected at steps of a `steps`-step run (failures only strike
+  while training, never during a recovery): the benchmark's measured run, predicted from its costs."""
+  work_s = steps * step_s * overhead_ratio
+  lam = failures / work_s if work_s > 0 else 0.0
+  return step_s / expected_segment_s(step_s * overhead_ratio, recovery_s, lam, fail_during_restart=False)
 
 
 def measured_goodput(useful_steps: int, plain_step_s: float, wall_s: float) -> float:

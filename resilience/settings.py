@@ -28,7 +28,7 @@ class HotswapSettings:
   heartbeat_s: float = 0.25  # worker/agent heartbeat period
   heartbeat_timeout_s: float = 2.0  # a worker silent this long is hung (SIGSTOP, deadlock)
   step_timeout_s: float = 60.0  # no step progress from anyone this long -> restart all ranks
-  startup_timeout_s: float = 120.0  # agents up, standbys warm, first generation compiled
+  startup_timeout_s: float = 600.0  # agents up, standbys warm, a generation compiled (cold compiles are slow)
   snapshot: bool = True  # the replicated in-memory layer (False = plain donated step, no snapshots)
   persist_every: int = 0  # orbax checkpoint every N steps (persistent tier); 0 = off
   overhead_probe_block: int = 0  # >0: alternate blocks of N steps with the layer on / off (overhead ratio)

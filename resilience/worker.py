@@ -183,7 +183,9 @@ def _train(start, agent, push, ctx, t_start, name, warm):
   from framework import config as config_lib
   from framework import data as data_lib
   from parallelism.mesh import make_mesh
+  from jax.sharding import NamedSharding
   from parallelism.step import build_step
+  from resilience import aot as aot_lib
   from resilience import layout as layout_lib
   from resilience import slots as slots_lib
   from resilience.snapshot import Snapshotter
@@ -207,11 +209,29 @@ def _train(start, agent, push, ctx, t_start, name, warm):
 
   cfg = config_lib.validate(config_lib.from_dict(start["config"]), jax.device_count(), jax.process_count())
   msh = make_mesh(cfg.mesh)
-  # The layer reads the state while the next step runs, so its step must not donate the state.
-  step_obj = build_step(cfg, msh, donate=not s["snapshot"])
   probe = s["snapshot"] and s["overhead_probe_block"] > 0
-  donated_obj = build_step(cfg, msh, donate=True) if probe else None
-  abstract = step_obj.abstract_state()
+  plan = start["restore"]
+  aot_path = aot_lib.path(start["compile_cache_dir"], aot_lib.key(start["config"], n, f"{s['snapshot']},{probe}"), rank)
+  loaded = None
+  if plan["tier"] != "init":  # a later generation: reuse this rank's executable from generation 0
+    try:
+      loaded = aot_lib.load(aot_path, msh)
+    except Exception as e:  # noqa: BLE001 - any mismatch: rebuild and recompile instead
+      _log("aot executable unusable, recompiling:", repr(e)[:300])
+  step_obj = donated_obj = None
+  if loaded is not None:
+    compiled, abstract, batch_spec = loaded
+  else:
+    # The layer reads the state while the next step runs, so its step must not donate the state.
+    step_obj = build_step(cfg, msh, donate=not s["snapshot"])
+    donated_obj = build_step(cfg, msh, donate=True) if probe else None
+    abstract = step_obj.abstract_state()
+    batch_spec = step_obj.batch_shardings["inputs"].spec
+  batch_sh = NamedSharding(msh, batch_spec)
+
+  def put_batch(local):  # this process's rows -> global arrays (as CompiledStep.put_batch)
+    return {k: jax.make_array_from_process_local_data(batch_sh, v, (v.shape[0] * n,) + v.shape[1:])
+            for k, v in local.items()}
   lay = layout_lib.make(abstract)
   corpus = warm["corpus"] if warm["data_cfg"] == cfg.data else data_lib.split(data_lib.load_corpus(cfg.data), cfg.data)
   t_built = wire.now()
@@ -223,7 +243,6 @@ def _train(start, agent, push, ctx, t_start, name, warm):
     _, rep, _ = wire.recv(agent)
     slot_file = slots_lib.SlotFile(rep["path"], lay.nbytes, create=False)
 
-  plan = start["restore"]
   workdir = start["workdir"]
   ckpt = ckpt_lib.Checkpointer(workdir, cfg.checkpoint) if s["persist_every"] > 0 or plan["tier"] == "persistent" \
       else None
@@ -232,8 +251,10 @@ def _train(start, agent, push, ctx, t_start, name, warm):
     view = slot_file.view(slot, lay.nbytes)
     crc = slots_lib.checksum(view)
     if crc != plan["crc"] or plan["nbytes"] != lay.nbytes:
-      raise RuntimeError(f"in-memory snapshot v{plan['version']} failed its checksum on {name} "
-                         f"({crc} != {plan['crc']}); the controller falls back to the persistent tier")
+      # corrupted in memory: the controller fences this generation and falls back to the persistent tier
+      wire.send(push, {"type": "restore_failed", **base, "why": f"snapshot v{plan['version']} checksum "
+                       f"{crc} != {plan['crc']} (or {plan['nbytes']} != {lay.nbytes} bytes)"})
+      time.sleep(3600)
     state = layout_lib.unpack(view, lay)
     start_step = plan["version"]
   elif plan["tier"] == "persistent":
@@ -247,15 +268,22 @@ def _train(start, agent, push, ctx, t_start, name, warm):
   t_restored = wire.now()
   _log("restored", plan)
 
-  with step_obj.context():
-    run = step_obj.lower().compile()
-    run_donated = donated_obj.lower().compile() if probe else None
+  if loaded is not None:
+    run, run_donated = compiled["run"], compiled.get("run_donated")
+  else:
+    with step_obj.context():
+      run = step_obj.lower().compile()
+      run_donated = donated_obj.lower().compile() if probe else None
+    try:
+      aot_lib.save(aot_path, {"run": run, "run_donated": run_donated}, abstract, batch_spec)
+    except Exception as e:  # noqa: BLE001 - an accelerator only
+      _log("could not serialize the executable (later generations will recompile):", repr(e)[:300])
   # Ranks compile at different speeds (a warm spare hits the cache, a busy host does not); gloo gives
   # the first collective only 30 s to find every peer, so meet at a coordination-service barrier first.
   from jax._src import distributed as jdist
   jdist.global_state.client.wait_at_barrier(f"compiled_g{gen}", int(1000 * s["startup_timeout_s"]))
   t_compiled = wire.now()
-  _log("compiled")
+  _log("compiled", "(aot executable loaded)" if loaded is not None else "")
   wire.send(push, {"type": "timing", **base, "t_start": t_start, "t_init": t_init, "t_built": t_built,
                    "t_restored": t_restored, "t_compiled": t_compiled, "tier": plan["tier"],
                    "start_step": start_step})
@@ -275,10 +303,8 @@ def _train(start, agent, push, ctx, t_start, name, warm):
     if prev_on and not on:
       snap.drain()  # a donated step may overwrite buffers the snapshot thread still reads
     prev_on = on
-    batch = step_obj.put_batch(data_lib.batch_at(corpus.train, step, cfg.data, process_index=rank,
-                                                 process_count=n))
-    with step_obj.context():
-      state, m = (run if on or not probe else run_donated)(state, batch)
+    batch = put_batch(data_lib.batch_at(corpus.train, step, cfg.data, process_index=rank, process_count=n))
+    state, m = (run if on or not probe else run_donated)(state, batch)
     loss = float(m.loss)  # blocks: the step time below is a completed step
     t_now = time.perf_counter()
     dt, t_prev = t_now - t_prev, t_now

@@ -70,7 +70,11 @@ class CollectiveRecord:
     if self.kind == "collective-permute":
       pos = space.position(rank, self.axes)
       dst = dict(self.perm).get(pos)
-      return (rank,) if dst is None else (rank, g[dst])
+      if dst is not None:
+        return (rank, g[dst])
+      # A receiver takes part too: the transfer into it is on its timeline (synchronous on gloo).
+      src = {d: s for s, d in self.perm}.get(pos)
+      return (rank,) if src is None else (g[src], rank)
     return g
 
 

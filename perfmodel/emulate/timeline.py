@@ -200,6 +200,40 @@ def collective_seconds(rec, space: RankSpace, rank: int, hw: HardwareProfile, al
   return c.seconds + hw.launch_overhead, c.algorithm
 
 
+def _combine_groups(flat, markers, node_region, rec_by_index, combine: bool) -> dict:
+  """(site, instance path) of each combined call's first member -> the member sites.
+
+  Mirrors XLA's collective combiners on the real program: within one loop iteration / branch
+  instance, collectives of one kind over the same axes (and permutation) merge into one call unless
+  one depends on another's result (measured on the validation configs: the data-parallel step's 13
+  gradient psums and the loss psum compile to a single all-reduce)."""
+  out, open_, assigned = {}, {}, {}  # open_: (path, kind key) -> first member key; assigned: key -> head
+  anc = {}  # (path, node id) -> frozenset of first-member keys it depends on (transitively)
+  for n, path in flat:
+    idxs, _ = markers.get((node_region.get(n.id), n.name), ((), False))
+    deps = frozenset().union(*[anc.get((path, d), frozenset()) for d in n.deps]) if n.deps else frozenset()
+    mine = set()
+    for idx in idxs:
+      rec = rec_by_index.get(idx)
+      if rec is None:
+        continue
+      key = (idx, path)
+      if key in assigned:  # another node of the same stand-in (its output read by several fusions)
+        mine.add(assigned[key])
+        continue
+      kk = (path, rec.kind, rec.axes, rec.perm)
+      head = open_.get(kk)
+      if not combine or head is None or head in deps:
+        out[key] = [idx]
+        open_[kk] = head = key
+      else:
+        out[head].append(idx)
+      assigned[key] = head
+      mine.add(head)
+    anc[(path, n.id)] = deps | frozenset(mine)
+  return {k: v for k, v in out.items()}
+
+
 def rank_timeline(rank: int, hlo_text: str, records: list, measured_s: float, space: RankSpace,
                   target_hw: HardwareProfile, local_hw: HardwareProfile, algorithm: str = "auto",
                   branch_trace: Optional[dict] = None, combine: bool = True,
@@ -229,12 +263,12 @@ def rank_timeline(rank: int, hlo_text: str, records: list, measured_s: float, sp
   total_model = sum(model) or 1.0
   scale = measured_s / total_model if measured_s > 0 else (1.0 if compute_hw is not None else 0.0)
   rec_by_index = {r.index: r for r in records}
+  groups = _combine_groups(flat, markers, node_region, rec_by_index, combine)
   events, t, seen = [], 0.0, set()
   standin_local, compute, comm = 0.0, 0.0, 0.0
   by_kind = defaultdict(float)
   calls = 0
   seg = None  # open compute segment
-  pending = []  # collectives issued since the last compute: one combined call per (kind, axes)
 
   def close():
     nonlocal seg
@@ -242,46 +276,39 @@ def rank_timeline(rank: int, hlo_text: str, records: list, measured_s: float, sp
       events.append(seg)
       seg = None
 
-  def flush():
-    nonlocal t, comm, calls
-    groups = {}
-    for rec in pending:
-      groups.setdefault((rec.kind, rec.axes, rec.perm) if combine else (rec.index, len(groups)), []).append(rec)
-    for recs in groups.values():
+  for (n, path), m in zip(flat, model):
+    dur = m * scale
+    idxs, pure = markers.get((node_region.get(n.id), n.name), ((), False))
+    for idx in idxs:
+      # The collective runs before the node holding its stand-in (the stand-in's output is its result);
+      # a combined call runs where its first member would.
+      key = (idx, path)
+      if idx not in rec_by_index or key in seen:
+        continue
+      seen.add(key)
+      members = groups.get(key)
+      if members is None:
+        continue  # a later member of a combined call: already placed
+      recs = [rec_by_index[i] for i in members]
       head = recs[0]
       merged = dataclasses.replace(head, bytes=sum(r.bytes for r in recs))
       secs, alg = collective_seconds(merged, space, rank, target_hw, algorithm)
       if secs <= 0:
         continue
-      events.append(Event(f"{head.kind} {'x'.join(head.axes)}" + (f" (x{len(recs)} combined)" if len(recs) > 1 else ""),
+      close()
+      events.append(Event(f"{head.kind} {'x'.join(head.axes)}" + (f" ({len(recs)} combined)" if len(recs) > 1 else ""),
                           "comm", t, secs,
                           {"bytes": merged.bytes, "group_size": head.group_size, "axes": list(head.axes),
-                           "algorithm": alg, "sites": [r.index for r in recs], "scope": head.scope}))
+                           "algorithm": alg, "sites": members, "scope": head.scope}))
       t += secs
       comm += secs
       calls += 1
       by_kind[head.kind] += secs
-    pending.clear()
-
-  for (n, path), m in zip(flat, model):
-    dur = m * scale
-    idxs, pure = markers.get((node_region.get(n.id), n.name), ((), False))
-    for idx in idxs:
-      # The collective runs before the node holding its stand-in (the stand-in's output is its result).
-      key = (idx, path)
-      if idx not in rec_by_index or key in seen:
-        continue
-      seen.add(key)
-      if not pending:
-        close()
-      pending.append(rec_by_index[idx])
     if idxs and pure:
       standin_local += dur  # pure stand-in work: replaced by the collective above
       continue
     if dur <= 0:
       continue
-    if pending:
-      flush()
     phase = n.attribution.phase
     if seg is None or seg.args.get("phase") != phase:
       close()
@@ -290,7 +317,6 @@ def rank_timeline(rank: int, hlo_text: str, records: list, measured_s: float, sp
     seg.args["nodes"] += 1
     t += dur
     compute += dur
-  flush()
   close()
   in_program = {i for v, _ in markers.values() for i in v}
   unplaced = 0

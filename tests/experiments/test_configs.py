@@ -45,12 +45,12 @@ def _plan(path: pathlib.Path) -> dict:
     spec, cfg = spec + ":runlocal=True", local
   plan = {"spec": spec, "name": path.stem, "runlocal": spec.endswith("runlocal=True")}
   if "resilience" in dict(cfg.extras):
-    plan["skip"] = ("hot-swap config (extras.resilience): starts 5 node processes, ~1 min of CPU; covered end to end "
-                    "by tests/resilience/test_hotswap_e2e.py, and run here under -m slow")
+    plan["skip"] = ("hot-swap config (extras.resilience): starts 5 node processes, ~1 min of CPU; "
+                    "covered end to end by tests/resilience/test_hotswap_e2e.py, and run here under -m slow")
     plan["slow"] = True
   if not plan["runlocal"] and cfg.model.n_params() > CPU_PARAM_LIMIT:
-    plan["skip"] = (f"{cfg.model.n_params() / 1e6:.0f}M parameters and no runlocal variant: too large for a 2-step "
-                    f"CPU run; add a ':runlocal=True' variant to {path.name} to have it tested here")
+    plan["skip"] = (f"{cfg.model.n_params() / 1e6:.0f}M parameters and no runlocal variant: too large for "
+                    f"a 2-step CPU run; add a ':runlocal=True' variant to {path.name} to have it tested here")
     plan.pop("slow", None)
   sizes = cfg.mesh.sizes()
   plan["devices"] = 8 if -1 in sizes.values() else math.prod(sizes.values())
@@ -67,7 +67,8 @@ def _start(plan, workdir):
   env = dict(os.environ, PYTHONPATH=str(REPO) + os.pathsep + os.environ.get("PYTHONPATH", ""))
   env.pop("XLA_FLAGS", None)  # experiments.run sets the device count from --host-devices
   log = open(workdir.parent / f"{plan['name']}.log", "w")
-  return subprocess.Popen(cmd, cwd=REPO, env=env, stdout=log, stderr=subprocess.STDOUT, start_new_session=True), log
+  proc = subprocess.Popen(cmd, cwd=REPO, env=env, stdout=log, stderr=subprocess.STDOUT, start_new_session=True)
+  return proc, log
 
 
 def _kill(proc):

@@ -69,7 +69,8 @@ def test_unknown_keys_are_rejected_with_the_known_ones():
 
 
 def test_overrides_are_typed():
-  cfg = config_file.load(QUICKSTART, ["--config.model.n_layers=6", "--config.optim.lr=1", "--config.model.remat=full",
+  cfg = config_file.load(QUICKSTART, ["--config.model.n_layers=6", "--config.optim.lr=1",
+                                      "--config.model.remat=full",
                                       "--config.model.tie_embeddings=True", "--config.data.corpus=/some/dir",
                                       "--config.optim.b2=0.99", "--config.mesh.data=-1"])
   assert cfg.model.n_layers == 6 and type(cfg.model.n_layers) is int
@@ -102,14 +103,24 @@ BAD = {
                      r"mesh data=2 x tensor=2 needs 4 devices, found 8: change --config.mesh.*"
                      r"xla_force_host_platform_device_count=4"),
     "batch_vs_data_axes": (dict(data=dict(global_batch=12)),
-                           r"global_batch=12 is not divisible by the batch axes data x fsdp = 8: use a multiple of 8"),
+                           r"global_batch=12 is not divisible by the batch axes data x fsdp = 8: "
+                           r"use a multiple of 8"),
     "layers_vs_pipeline": (dict(model=dict(n_layers=3), mesh=dict(data=4, pipeline=2, form="shard_map")),
-                           r"n_layers=3 is not divisible by mesh.pipeline=2 stages: use a pipeline size that divides 3"),
+                           r"n_layers=3 is not divisible by mesh.pipeline=2 stages: "
+                           r"use a pipeline size that divides 3"),
     "heads_vs_tensor": (dict(model=dict(n_heads=6, n_kv_heads=2), mesh=dict(data=2, tensor=4)),
                         r"not divisible by mesh.tensor=4: pick a tensor axis that divides 2"),
     "corpus_missing": (dict(data=dict(corpus="/nonexistent/corpus")),
                        r"/nonexistent/corpus does not exist; pass a text file or folder \(--config.data.corpus"),
 }
+
+
+def test_compile_probe_sees_compilations(compiles):
+  """Positive control: the probe the tests below rely on does report a compilation."""
+  def probe_fn(x):
+    return x * 3 + 1
+  jax.jit(probe_fn)(jax.numpy.arange(5.0)).block_until_ready()
+  assert "probe_fn" in compiles
 
 
 @pytest.mark.parametrize("case", sorted(BAD))

@@ -146,13 +146,19 @@ def test_unsupported_checkpoints_are_refused(tmp_path):
     hf.load(str(tmp_path))
 
 
-def test_workdir_import_export_cli_round_trip(tmp_path):
+def test_workdir_import_export_cli_round_trip(tmp_path, capsys):
   """HF dir -> step-0 orbax checkpoint (CLI) -> HF dir (CLI): identical tensors."""
   m = _hf_model(CASES["gqa_untied"][0], seed=8)
   m.save_pretrained(tmp_path / "hf")
   wd, out = tmp_path / "wd", tmp_path / "out"
   spec = "experiments/configs/quickstart.py:runlocal=True"
-  assert hf.main(["import", "--hf-dir", str(tmp_path / "hf"), "--workdir", str(wd), "--config", spec]) == 0
+  # The quickstart layout has tensor=4, which 2 KV heads cannot split: refused before anything is written.
+  assert hf.main(["import", "--hf-dir", str(tmp_path / "hf"), "--workdir", str(wd), "--config", spec]) == 2
+  assert "pick a tensor axis that divides 2" in capsys.readouterr().err and not wd.exists()
+  assert hf.main(["import", "--hf-dir", str(tmp_path / "hf"), "--workdir", str(wd), "--config", spec,
+                  "--config.mesh.data=4", "--config.mesh.tensor=2"]) == 0
+  printed = capsys.readouterr().out
+  assert "--config.mesh.tensor=2" in printed and "--config.model.n_kv_heads=2" in printed
   assert (wd / "config.json").exists()
   # Importing twice into the same workdir would mix runs: refused.
   assert hf.main(["import", "--hf-dir", str(tmp_path / "hf"), "--workdir", str(wd)]) == 2

@@ -19,7 +19,8 @@ P, N = 7, 12
 def _setup(variant):
   cfg = dataclasses.replace(BASE, **VARIANTS[variant])
   model = model_lib.build(cfg)
-  params = jax.tree.map(jnp.asarray, model_lib.nn.unbox(jax.jit(model_lib.init_params, static_argnums=0)(model, jax.random.key(1))))
+  boxed = jax.jit(model_lib.init_params, static_argnums=0)(model, jax.random.key(1))
+  params = jax.tree.map(jnp.asarray, model_lib.nn.unbox(boxed))
   if cfg.tie_embeddings:  # the tied init (std 1) makes a random model echo its input: shrink it
     params["embed"]["embedding"] = params["embed"]["embedding"] * 0.1
   prompt = jnp.asarray(np.random.default_rng(2).integers(0, 256, size=(2, P)), jnp.int32)
@@ -41,9 +42,8 @@ def test_greedy_cached_equals_argmax_of_uncached_forward(variant):
   assert len(np.unique(np.asarray(out))) > 2  # not a degenerate constant output
 
 
-@pytest.mark.parametrize("variant", sorted(VARIANTS))
-def test_cached_logits_equal_uncached(variant):
-  cfg, model, params, prompt = _setup(variant)
+def test_cached_logits_equal_uncached():
+  cfg, model, params, prompt = _setup("unrolled_tied")
   cache = model_lib.init_kv_cache(cfg, 2, P + 3)
   pos = jnp.broadcast_to(jnp.arange(P), (2, P))
   apply = jax.jit(model.apply)  # eager Flax dispatches op by op: far slower than one compile
@@ -58,11 +58,11 @@ def test_cached_logits_equal_uncached(variant):
 
 def test_temperature_sampling_is_seeded():
   _, model, params, prompt = _setup("scan")
-  gen = lambda seed, t: np.asarray(sampling.generate(params, prompt, jax.random.key(seed), model=model,  # noqa: E731
-                                                     max_new=N, temperature=t))
+  def gen(seed, t):
+    return np.asarray(sampling.generate(params, prompt, jax.random.key(seed), model=model, max_new=N,
+                                        temperature=t))
   a, b, c = gen(0, 1.0), gen(0, 1.0), gen(1, 1.0)
   np.testing.assert_array_equal(a, b)
   assert not np.array_equal(a, c)
   assert a.min() >= 0 and a.max() < 256
-  text = sampling.sample_text(params, model, "def ", 5)
-  assert text.startswith("def ") and isinstance(text, str)
+  # sampling.sample_text (prompt string in, text out) runs at the end of tests/framework/test_train.py.

@@ -51,3 +51,14 @@ def test_fsdp_gathers_every_sharded_weight_once_per_use():
   # embedding, lm_head); each is gathered once in the forward and reduce-scattered once in the backward.
   prims = collectives({"fsdp": 8})
   assert prims["all_gather"] == prims["reduce_scatter"] == 9
+
+
+@pytest.mark.parametrize("mesh,form,needle", [
+    ({"fsdp": 4, "tensor": 2}, "shard_map", "all_gather"),
+    ({"pipeline": 2, "tensor": 4, "microbatches": 2, "schedule": "gpipe"}, "shard_map", "collective_permute"),
+    ({"pipeline": 2, "data": 4, "microbatches": 2, "schedule": "1f1b"}, "jit", "collective_permute"),
+], ids=["shard_map-fsdp4xtensor2", "shard_map-pipeline2xtensor4", "jit-pipeline2xdata4"])
+def test_lower_on_abstract_inputs(mesh, form, needle):
+  # What the performance model does: lower the whole train step (optimizer included) without allocating.
+  text = harness.build(mesh, form).lower().as_text()
+  assert needle in text

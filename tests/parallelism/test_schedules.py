@@ -41,3 +41,12 @@ def test_check_schedule_catches_a_broken_table():
   tight = pipeline.Schedule(s.name, s.n_stages, s.n_micro, s.fwd_TxP, s.bwd_TxP, 2)  # too few stash slots
   with pytest.raises(AssertionError, match="stash"):
     pipeline.check_schedule(tight)
+
+
+def test_masked_bubbles_of_the_jit_form():
+  # The jit form cannot skip idle slots (see pipeline.loss_and_grads_body): every tick costs F + B.
+  p, m = 4, 8
+  assert pipeline.make_schedule("1f1b", p, m).bubble_fraction(masked=True) == pytest.approx(
+      2 * (p - 1) / (m + 2 * (p - 1)))
+  assert pipeline.make_schedule("gpipe", p, m).bubble_fraction(masked=True) == pytest.approx(
+      1 - m / (2 * (m + p - 1)))

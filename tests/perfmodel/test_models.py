@@ -105,3 +105,61 @@ def test_profiles_load_with_sources(name):
   assert all(hw.sources.get(k) for k in ("mem_bandwidth", "mem_bytes", "launch_overhead")), hw.sources
   if name == "h200":
     assert hw.mem_bytes == 141e9 and hw.mem_bandwidth == 4.8e12 and hw.peak("bf16") == 989e12
+
+
+def test_learned_backend_interpolates_by_physics_and_flags_out_of_range():
+  from perfmodel import learned
+  from perfmodel.costs import Calibrated
+  hw = hardware.load("cpu")
+  if not hw.calibrated:
+    pytest.skip("cpu profile not calibrated")
+  mk = lambda i, b: Node(id=i, name=f"f{i}", kind="fusion", opcode="fusion:kLoop", bytes=b, flops=b / 4)  # noqa: E731
+  phys = Calibrated(hw)
+  # samples measured at exactly 2x the physical estimate
+  samples = [{"cls": "fusion:kLoop", "f": learned.features(mk(i, b)), "t": 2 * phys.price(mk(i, b)).seconds,
+              "phys": phys.price(mk(i, b)).seconds} for i, b in enumerate((1e4, 3e4, 1e5, 3e5, 1e6))]
+  model = learned.Learned(hw, samples=samples)
+  q = mk(99, 2e5)
+  p = model.price(q)
+  assert p.backend == "learned"
+  assert p.seconds == pytest.approx(2 * phys.price(q).seconds, rel=1e-6)
+  far = model.price(mk(98, 1e9))
+  assert far.backend == "learned(out-of-range)" and far.seconds == pytest.approx(2 * phys.price(mk(98, 1e9)).seconds)
+  assert model.price(Node(id=5, name="x", kind="loop", opcode="while")) is None
+
+
+def test_composition_is_linear_in_devices_and_nodes():
+  from perfmodel import calibrate_nodes as cn
+  coef = {"a": 1.3, "b": 2e-6, "c": 1e-4, "e": 1e-10, "f": 5e-6}
+  f1 = [0.01, 400, 1, 0.0, 0]
+  f2 = [0.02, 800, 2, 1e6, 4]
+  assert cn.compose(coef, f1) == pytest.approx(1.3 * 0.01 + 2e-6 * 400 + 1e-4)
+  assert cn.compose(coef, f2) == pytest.approx(2 * cn.compose(coef, f1) + 1e-10 * 1e6 + 5e-6 * 4)
+  # the fit recovers known coefficients from exact data
+  import numpy as np
+  rng = np.random.default_rng(0)
+  rows = [[rng.uniform(1e-3, 1), rng.integers(100, 5000), n, rng.uniform(0, 1e7) * (n > 1), 20 * (n > 1)]
+          for n in (1, 1, 1, 2, 4, 1, 2, 8, 1, 4)]
+  y = [cn.compose(coef, r) for r in rows]
+  got = cn._coef(cn._nnls(rows, y))  # noqa: SLF001
+  for k in ("a", "b", "c"):
+    assert got[k] == pytest.approx(coef[k], rel=1e-3)
+
+
+def test_pin_regime_sets_single_core_and_single_threaded_xla(monkeypatch):
+  import os
+  from perfmodel import bench
+  monkeypatch.setenv("XLA_FLAGS", "")
+  before = os.sched_getaffinity(0)
+  try:
+    core = bench.pin()
+    assert os.sched_getaffinity(0) == {core} and bench.pinned()
+    assert "--xla_cpu_multi_thread_eigen=false" in os.environ["XLA_FLAGS"]
+    assert bench.regime()["pinned_core"] == core
+  finally:
+    for tid in bench._thread_ids():  # noqa: SLF001 (undo for every thread pin() touched)
+      try:
+        os.sched_setaffinity(tid, before)
+      except OSError:
+        pass
+    os.sched_setaffinity(0, before)

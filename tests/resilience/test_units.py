@@ -95,6 +95,19 @@ def test_goodput_segment_formula_matches_monte_carlo():
     total += t
   model = goodput.expected_segment_s(w, r, lam)
   assert abs(total / n - model) / model < 0.02, (total / n, model)
+  # failures only while working (the benchmark's injector): no failure inside the restart loop
+  total = 0.0
+  for _ in range(n):
+    t = 0.0
+    while True:
+      x = rng.expovariate(lam)
+      if x >= w:
+        t += w
+        break
+      t += x + r
+    total += t
+  model = goodput.expected_segment_s(w, r, lam, fail_during_restart=False)
+  assert abs(total / n - model) / model < 0.02, (total / n, model)
 
 
 def test_goodput_orders_strategies_sensibly():
