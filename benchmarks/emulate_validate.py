@@ -27,6 +27,7 @@ import subprocess
 import sys
 import tempfile
 import time
+from typing import Optional
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 sys.path.insert(0, ROOT)
@@ -62,6 +63,15 @@ def child_real(spec: str, workdir: str, coord: str, pid: int, steps: int) -> Non
       return {k: jax.make_array_from_process_local_data(self.batch_shardings[k], v, v.shape)
               for k, v in batch_local.items()}
     step_lib.CompiledStep.put_batch = put_batch
+  # Per-step wall and process-CPU clocks of the real loop: the loop syncs on the loss every step
+  # (log_every=1), so consecutive step calls delimit steps.
+  clocks = []
+  orig_call = step_lib.CompiledStep.__call__
+
+  def call(self, state, batch):
+    clocks.append((time.perf_counter(), time.process_time()))
+    return orig_call(self, state, batch)
+  step_lib.CompiledStep.__call__ = call
   from experiments import run  # noqa: PLC0415
   rc = run.main(["--config", spec, "--workdir", workdir, "--coordinator", coord, "--num-processes", "2",
                  "--process-id", str(pid), f"--config.train.steps={steps}"])
@@ -72,7 +82,10 @@ def child_real(spec: str, workdir: str, coord: str, pid: int, steps: int) -> Non
   mem = {k: int(getattr(m, k)) for k in keys}
   mem["peak_bytes"] = (mem["argument_size_in_bytes"] + mem["output_size_in_bytes"] - mem["alias_size_in_bytes"]
                        + mem["temp_size_in_bytes"])
-  print("@@" + json.dumps({"rc": rc, "pid": pid, "memory": mem, "put_batch_workaround": patched}))
+  steps_wall = [b[0] - a[0] for a, b in zip(clocks, clocks[1:])]
+  steps_cpu = [b[1] - a[1] for a, b in zip(clocks, clocks[1:])]
+  print("@@" + json.dumps({"rc": rc, "pid": pid, "memory": mem, "put_batch_workaround": patched,
+                           "step_wall_s": steps_wall, "step_cpu_s": steps_cpu}))
 
 
 # ------------------------------------------------------------------ parent
@@ -99,7 +112,9 @@ def run_real(layout: str, steps: int, warmup_steps: int) -> dict:
   info = [json.loads([l for l in o.splitlines() if l.startswith("@@")][-1][2:]) for o in done.stdout]
   recs = [json.loads(l) for l in open(os.path.join(wd, "metrics.jsonl")) if l.strip()]
   times = [r["step_time_s"] for r in recs if "step_time_s" in r and r["step"] > warmup_steps]
+  cpu = [info[i].get("step_cpu_s", [])[warmup_steps:] for i in range(2)]
   return {"step_times_s": times, **_stats(times), "memory_per_rank": [i["memory"] for i in info],
+          "step_cpu_s_per_rank": cpu, "cpu_median_per_rank": [_stats(c)["median"] for c in cpu],
           "put_batch_workaround": info[0]["put_batch_workaround"], "wall_s": done.wall_s,
           "load_avg_1m": [load0, os.getloadavg()[0]]}
 
@@ -140,33 +155,8 @@ def _pred_time(d: dict):
   return None
 
 
-def main(argv=None) -> int:
-  ap = argparse.ArgumentParser()
-  ap.add_argument("--rounds", type=int, default=3)
-  ap.add_argument("--layouts", default="data,tensor,pipeline")
-  ap.add_argument("--steps", type=int, default=14)
-  ap.add_argument("--warmup-steps", type=int, default=4, help="real-run steps dropped (the first is compile)")
-  ap.add_argument("--repeats", type=int, default=10)
-  ap.add_argument("--no-results", action="store_true")
-  ap.add_argument("--no-calibrate", action="store_true", help="use the stored gloo calibration as is")
-  ap.add_argument("--json", default=os.path.join(ROOT, "benchmarks", "emulate_validate.json"))
-  a = ap.parse_args(argv)
-  t0 = time.perf_counter()
-  layouts = a.layouts.split(",")
-  from perfmodel.emulate import gloo_calibration  # noqa: PLC0415
-  rounds = []
-  for r in range(a.rounds):
-    cal = None
-    if not a.no_calibrate:
-      cal = gloo_calibration.calibrate(reps=5, k=4)
-    order = layouts[r % len(layouts):] + layouts[:r % len(layouts)]
-    row = {"round": r, "order": order, "calibration_load": cal and cal["load_avg_1m"], "layouts": {}}
-    for lay in order:
-      real = run_real(lay, a.steps, a.warmup_steps)
-      emu = run_emulated(lay, a.repeats, 2, exact_memory=(r == 0))
-      row["layouts"][lay] = {"real": real, "emulated": emu}
-      print(f"round {r} {lay}: real {real['median']:.4f}s emulated {emu['iteration_time_s']:.4f}s", file=sys.stderr)
-    rounds.append(row)
+def aggregate(rounds: list, layouts: list, predict: bool = True, previous: Optional[dict] = None) -> dict:
+  """Per-layout comparison from the raw rounds (real and emulated runs), plus predict/roofline."""
   per = {}
   for lay in layouts:
     reals = [rd["layouts"][lay]["real"] for rd in rounds]
@@ -180,8 +170,11 @@ def main(argv=None) -> int:
     e0 = emus[0]
     exact = (e0.get("exact_memory") or {}).get("peak_bytes")
     standin = max(rk["per_rank_program_memory"]["peak_bytes"] for rk in e0["ranks"])
-    pred = run_predict(lay, "auto")
-    roof = run_predict(lay, "roofline")
+    if predict:
+      pred, roof = run_predict(lay, "auto"), run_predict(lay, "roofline")
+    else:
+      old = (previous or {}).get(lay, {})
+      pred, roof = {"step_time_s": old.get("predict_s")}, {"step_time_s": old.get("roofline_s")}
     per[lay] = {
         "real_s": real_med, "emulated_s": emu_med, "error_pct": 100 * (emu_med / real_med - 1),
         "paired_error_pct": [100 * p for p in paired], "real_noise_p10_p90_pct": real_noise,
@@ -199,13 +192,67 @@ def main(argv=None) -> int:
         "memory_error_bytes": (exact - max(m["peak_bytes"] for m in mem_real)) if exact else None,
         "memory_standin_error_pct": 100 * (standin / max(m["peak_bytes"] for m in mem_real) - 1),
         "put_batch_workaround": reals[0]["put_batch_workaround"],
+        **_cpu_view(reals, emus),
         "predict_raw": {k: pred.get(k) for k in ("step_time_s", "backend", "method", "error") if k in pred},
     }
+  return per
+
+
+def _cpu_view(reals: list, emus: list) -> dict:
+  """Process CPU time per step (all threads), real vs emulated: the work each rank does, without the
+  time slices other users' processes took (see README: on this shared host wall time is mostly that)."""
+  rc = [max(m for m in x.get("cpu_median_per_rank", []) if m) for x in reals if any(x.get("cpu_median_per_rank", []))]
+  ec = [max(statistics.median(rk["step_cpu_s"]) for rk in e["ranks"] if rk.get("step_cpu_s"))
+        for e in emus if any(rk.get("step_cpu_s") for rk in e["ranks"])]
+  if not rc or not ec:
+    return {"real_cpu_s": None, "emulated_cpu_compute_s": None}
+  return {"real_cpu_s": statistics.median(rc), "emulated_cpu_compute_s": statistics.median(ec),
+          "cpu_ratio_emulated_compute_over_real": statistics.median(ec) / statistics.median(rc)}
+
+
+def main(argv=None) -> int:
+  ap = argparse.ArgumentParser()
+  ap.add_argument("--rounds", type=int, default=3)
+  ap.add_argument("--layouts", default="data,tensor,pipeline")
+  ap.add_argument("--steps", type=int, default=14)
+  ap.add_argument("--warmup-steps", type=int, default=4, help="real-run steps dropped (the first is compile)")
+  ap.add_argument("--repeats", type=int, default=10)
+  ap.add_argument("--no-results", action="store_true")
+  ap.add_argument("--no-calibrate", action="store_true", help="use the stored gloo calibration as is")
+  ap.add_argument("--json", default=os.path.join(ROOT, "benchmarks", "emulate_validate.json"))
+  ap.add_argument("--reaggregate", default=None, help="recompute the summary from a saved JSON (no runs)")
+  a = ap.parse_args(argv)
+  if a.reaggregate:
+    with open(a.reaggregate) as f:
+      saved = json.load(f)
+    return _finish(saved["raw_rounds"], list(saved["layouts"]), a, time.perf_counter(),
+                   previous=saved["layouts"])
+  t0 = time.perf_counter()
+  layouts = a.layouts.split(",")
+  from perfmodel.emulate import gloo_calibration  # noqa: PLC0415
+  rounds = []
+  for r in range(a.rounds):
+    cal = None
+    if not a.no_calibrate:
+      cal = gloo_calibration.calibrate(reps=5, k=4)
+    order = layouts[r % len(layouts):] + layouts[:r % len(layouts)]
+    row = {"round": r, "order": order, "calibration_load": cal and cal["load_avg_1m"], "layouts": {}}
+    for lay in order:
+      real = run_real(lay, a.steps, a.warmup_steps)
+      emu = run_emulated(lay, a.repeats, 2, exact_memory=(r == 0))
+      row["layouts"][lay] = {"real": real, "emulated": emu}
+      print(f"round {r} {lay}: real {real['median']:.4f}s emulated {emu['iteration_time_s']:.4f}s", file=sys.stderr)
+    rounds.append(row)
+  return _finish(rounds, layouts, a, t0)
+
+
+def _finish(rounds, layouts, a, t0, previous=None) -> int:
+  per = aggregate(rounds, layouts, predict=previous is None, previous=previous)
   mean_abs = statistics.mean(abs(v["error_pct"]) for v in per.values())
   out = {"benchmark": "emulate_validate", "date": datetime.datetime.now().isoformat(timespec="minutes"),
          "machine": f"{platform.node()} {os.cpu_count()} cores (shared)", "processes": 2,
          "four_processes": "not run: the host has 2 cores, and each process needs its own core",
-         "mean_abs_error_pct": mean_abs, "target_pct": 2.0, "layouts": per, "rounds": a.rounds,
+         "mean_abs_error_pct": mean_abs, "target_pct": 2.0, "layouts": per, "rounds": len(rounds),
          "wall_s": time.perf_counter() - t0, "load_avg_1m_end": os.getloadavg()[0]}
   with open(a.json, "w") as f:
     json.dump({**out, "raw_rounds": rounds}, f, indent=1, default=str)
@@ -237,7 +284,7 @@ def _append(out: dict, a) -> None:
                  f"{v['real_across_rounds_pct']:.0f}%), emulate {v['emulated_s'] * 1e3:.1f} ms ({v['error_pct']:+.1f}%), "
                  f"predict {_fmt(v['predict_s'])} ({_fmtp(v['predict_error_pct'])}), roofline {_fmt(v['roofline_s'])} "
                  f"({_fmtp(v['roofline_error_pct'])}); {mem}")
-  row = (f"| {out['date']} | `PYTHONPATH=. python benchmarks/emulate_validate.py --rounds {a.rounds}` | {out['machine']}, "
+  row = (f"| {out['date']} | `PYTHONPATH=. python benchmarks/emulate_validate.py --rounds {out['rounds']}` | {out['machine']}, "
          f"load {out['load_avg_1m_end']:.0f} | emulate_validate, 2 processes gloo vs 1 real rank + virtual peer: mean "
          f"abs iteration-time error {out['mean_abs_error_pct']:.1f}% (target 2%); " + "; ".join(cells) + " |\n")
   with open(path, "a") as f:

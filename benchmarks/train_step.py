@@ -5,6 +5,7 @@
   python benchmarks/train_step.py --layouts jit:data,shard_map:tensor   # or 'none' / 'all'
   python benchmarks/train_step.py --config.data.global_batch=16 --config.model.n_kv_heads=4
   python benchmarks/train_step.py --gpu           # ~1B Llama-3.2-1B-shaped model, bf16, MFU (UNTESTED: no GPU yet)
+  python benchmarks/train_step.py --pin           # one core, single-threaded kernels: CPU time = work done
   XLA_FLAGS=--xla_cpu_multi_thread_eigen=false python benchmarks/train_step.py ...   # XLA flags pass through
 
 What it measures (one JSON object on stdout; one row per headline result appended to benchmarks/RESULTS.md):
@@ -17,6 +18,9 @@ What it measures (one JSON object on stdout; one row per headline result appende
   between repetitions) and its min/max as the noise band; achieved FLOP/s uses framework/flops.py's
   convention. XLA's own FLOP count and op counts of both compiled steps are reported too: they
   do not depend on machine load, so they explain a gap without timing noise.
+* Every time is taken twice: wall clock (the goal's unit; meaningful on a quiet machine only) and the
+  process's CPU time (``*_cpu`` keys: all threads, user + system). On a shared, oversubscribed host the
+  wall clock measures the queue; CPU-time ratios stay within a few percent between runs.
 * ``layouts``: the framework step on 8 emulated CPU devices per layout, each timed paired with the
   single-device framework step. Emulated devices share the host's cores, so a layout cannot be
   faster than one device; the ratio measures partitioning + collective overhead. Layouts that

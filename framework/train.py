@@ -59,9 +59,9 @@ def train_and_evaluate(cfg: Config, workdir: str, max_steps: Optional[int] = Non
     with open(os.path.join(workdir, "config.json"), "w") as f:
       json.dump(config_lib.to_dict(cfg), f, indent=1, default=str)
 
+  corpus = data_lib.split(data_lib.load_corpus(cfg.data), cfg.data)  # bad corpus fails before compiling
   mesh = make_mesh(cfg.mesh)
   step_obj = build_step(cfg, mesh)
-  corpus = data_lib.split(data_lib.load_corpus(cfg.data), cfg.data)
   ckpt = ckpt_lib.Checkpointer(workdir, cfg.checkpoint) if cfg.checkpoint.every > 0 else None
 
   data_state = None
@@ -124,6 +124,12 @@ def train_and_evaluate(cfg: Config, workdir: str, max_steps: Optional[int] = Non
           bar.write(f"step {done}: eval loss {ev:.3f} nats/byte")
       if ckpt is not None and done % cfg.checkpoint.every == 0:
         ckpt.save(done, state, it.state())
+      if (cfg.train.eval_every and done % cfg.train.eval_every == 0) or (
+          ckpt is not None and done % cfg.checkpoint.every == 0):
+        # Eval and the checkpoint's device->host copy are not training steps: restart the
+        # step-time window after them so step_time_s / tokens_per_s / mfu measure steps only.
+        jax.block_until_ready(m.loss)
+        last_t, last_step = time.perf_counter(), done
     if ckpt is not None and total > start and ckpt.latest_step() != total:
       ckpt.save(total, state, it.state(), force=True)
   finally:

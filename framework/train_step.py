@@ -53,7 +53,7 @@ def apply_grads(state: TrainState, grads, tx: optax.GradientTransformation) -> T
 
 def train_step(state: TrainState, batch, *, model: nn.Module, tx: optax.GradientTransformation):
   loss, grads = jax.value_and_grad(loss_fn)(state.params, batch, model)
-  metrics = StepMetrics(loss=loss, grad_norm=optax.global_norm(grads),
+  metrics = StepMetrics(loss=loss, grad_norm=optax.tree.norm(grads),
                         n_tokens=jnp.asarray(batch["targets"].size, jnp.int32))
   return apply_grads(state, grads, tx), metrics
 

@@ -211,7 +211,8 @@ def _train(start, agent, push, ctx, t_start, name, warm):
   msh = make_mesh(cfg.mesh)
   probe = s["snapshot"] and s["overhead_probe_block"] > 0
   plan = start["restore"]
-  aot_path = aot_lib.path(start["compile_cache_dir"], aot_lib.key(start["config"], n, f"{s['snapshot']},{probe}"), rank)
+  # per run (not in the shared compile cache): an executable is only reused by the run that compiled it
+  aot_path = aot_lib.path(start["workdir"], aot_lib.key(start["config"], n, f"{s['snapshot']},{probe}"), rank)
   loaded = None
   if plan["tier"] != "init":  # a later generation: reuse this rank's executable from generation 0
     try:

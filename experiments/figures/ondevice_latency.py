@@ -1,39 +1,83 @@
-"""Bar chart of emulated TPOT per scenario from `python -m ondevice.bench --suite ring` JSON output(s).
+"""Shape of prima.cpp's latency table at our scale: per-token latency of a single mmap device
+(llama.cpp-like), an exo-like RAM-proportional split and Halda + pipelined ring, across model sizes, on the
+EMULATED 4-device setup of benchmarks/ondevice_devices4.yaml. Every time is on the emulated clock.
 
-  python -m ondevice.bench --model m.gguf --suite ring --devices d.yaml --no-append > ring.json
-  python experiments/figures/ondevice_latency.py ring.json [more.json ...] --out ondevice_latency.png
-Shape of prima.cpp's latency table (single device vs exo-like vs dllama-like vs Halda+PRP), one group per
-model file; all times are on the EMULATED clock.
+  # run the sweep (random-weight "small"-shape Q8_0 models of 4, 8, 16 layers) and plot
+  PYTHONPATH=. python experiments/figures/ondevice_latency.py --sweep 4,8,16 --out experiments/figures/ondevice_latency.png
+  # or plot saved `python -m ondevice.bench --suite ring --no-append` JSON outputs
+  PYTHONPATH=. python experiments/figures/ondevice_latency.py ring_a.json ring_b.json --out fig.png
 """
 import argparse
 import json
+import os
+import tempfile
 
-SCEN = ["single_mmap", "exo_like_memory_split", "dllama_like_equal_split", "halda_k1_prefetch", "halda_prp_prefetch"]
+SCEN = [("single_mmap", "single device, mmap (llama.cpp-like)"),
+        ("exo_like_memory_split", "exo-like RAM-proportional split"),
+        ("halda_prp_prefetch", "Halda + pipelined ring (ours)")]
+ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+
+
+def sweep(layers, devices, tokens, workdir):
+  import jax
+  from framework import model as fm
+  from framework.config import ModelConfig
+  from ondevice import bench, gguf_io
+  runs = []
+  for n_layers in layers:
+    cfg = ModelConfig(vocab_size=256, d_model=256, n_layers=n_layers, n_heads=8, n_kv_heads=4, d_ff=768,
+                      max_seq_len=512, init_std=0.02)
+    with jax.numpy_rank_promotion("allow"):
+      params = fm.init_params(fm.build(cfg), jax.random.key(0))
+    path = os.path.join(workdir, f"small_L{n_layers}_q8_0.gguf")
+    gguf_io.export_gguf(params, cfg, path, "q8_0", name=f"small_L{n_layers}")
+    ring = bench.bench_ring(path, devices, tokens, list(b"def fibonacci(n):\n    "), only=("none",))
+    runs.append({"model": f"L={n_layers} ({os.path.getsize(path) / 2**20:.1f} MiB)", "ring": ring})
+    print(json.dumps({"layers": n_layers, **{s: round(ring[s]["tpot_ms"], 1) for s, _ in SCEN}}), flush=True)
+  return runs
+
+
+def plot(runs, out):
+  import matplotlib
+  matplotlib.use("Agg")
+  import matplotlib.pyplot as plt
+  fig, ax = plt.subplots(figsize=(7.5, 4))
+  width = 0.8 / len(SCEN)
+  for j, (s, label) in enumerate(SCEN):
+    ys = [r["ring"][s]["tpot_ms"] for r in runs]
+    xs = [i + j * width for i in range(len(runs))]
+    ax.bar(xs, ys, width, label=label)
+    for x, y in zip(xs, ys):
+      ax.text(x, y, f"{y:.0f}", ha="center", va="bottom", fontsize=7)
+  ax.set_xticks([i + 0.4 - width / 2 for i in range(len(runs))])
+  ax.set_xticklabels([r["model"].split(":")[0] for r in runs])
+  ax.set_ylabel("ms per token (EMULATED clock)")
+  ax.set_yscale("log")
+  ax.legend(fontsize=8)
+  ax.set_title("Emulated 4-device ring (benchmarks/ondevice_devices4.yaml), Q8_0")
+  fig.tight_layout()
+  fig.savefig(out, dpi=120)
+  print(out)
 
 
 def main():
   ap = argparse.ArgumentParser()
-  ap.add_argument("inputs", nargs="+")
+  ap.add_argument("inputs", nargs="*")
+  ap.add_argument("--sweep", default="", help="comma-separated layer counts to export and benchmark")
+  ap.add_argument("--devices", default=os.path.join(ROOT, "benchmarks/ondevice_devices4.yaml"))
+  ap.add_argument("--tokens", type=int, default=12)
+  ap.add_argument("--json-out", default=None, help="save the sweep's results here")
   ap.add_argument("--out", default="ondevice_latency.png")
   a = ap.parse_args()
-  import matplotlib
-  matplotlib.use("Agg")
-  import matplotlib.pyplot as plt
-  runs = [json.load(open(p)) for p in a.inputs]
-  fig, ax = plt.subplots(figsize=(8, 4))
-  width = 0.8 / len(SCEN)
-  for j, s in enumerate(SCEN):
-    ys = [r["ring"][s]["tpot_ms"] for r in runs]
-    ax.bar([i + j * width for i in range(len(runs))], ys, width, label=s)
-  ax.set_xticks([i + 0.4 - width / 2 for i in range(len(runs))])
-  ax.set_xticklabels([r["model"].split(":")[0] for r in runs])
-  ax.set_ylabel("TPOT, ms (emulated clock)")
-  ax.set_yscale("log")
-  ax.legend(fontsize=7)
-  ax.set_title("On-device ring latency (emulated devices)")
-  fig.tight_layout()
-  fig.savefig(a.out, dpi=120)
-  print(a.out)
+  if a.sweep:
+    with tempfile.TemporaryDirectory() as d:
+      runs = sweep([int(x) for x in a.sweep.split(",")], a.devices, a.tokens, d)
+    if a.json_out:
+      with open(a.json_out, "w") as f:
+        json.dump(runs, f)
+  else:
+    runs = [json.load(open(p)) for p in a.inputs]
+  plot(runs, a.out)
 
 
 if __name__ == "__main__":

@@ -125,6 +125,7 @@ def emulate(cfg: Config, ranks: Optional[Sequence[int]] = None, hardware: str = 
         "compute_s": tl.compute_s, "comm_s": tl.comm_s, "wait_s": tl.wait_s,
         "measured_standin_program_s": run.compute_s if execute else None,
         "standin_local_s": tl.standin_local_s, "noise_p10_p90": run.noise, "step_times_s": run.step_times_s,
+        "step_cpu_s": run.step_cpu_s,
         "peak_memory_bytes": mem,
         "memory_source": "target N-device compile (exact)" if exact else "compiled per-rank program at real shapes",
         "per_rank_program_memory": run.memory, "collective_sites": len(run.records),

@@ -42,6 +42,7 @@ class RankRun:
   branch_trace: Optional[dict] = None  # cond site -> taken branch per execution (None: not counted)
   n_cond_sites: int = 0
   host_data: bool = False
+  step_cpu_s: list = dataclasses.field(default_factory=list)  # process CPU time of each timed step (all threads)
 
   @property
   def noise(self) -> float:
@@ -134,14 +135,16 @@ def run_rank(prog: rp.RankProgram, rank: int, repeats: int = 5, warmup: int = 1,
       except Exception:  # noqa: BLE001 - e.g. a corpus this host lacks: fixed batch instead (reported)
         nxt = None
     dev = jax.devices()[0]
+    cpu = []
     for i in range(warmup + repeats):
-      t0 = time.perf_counter()
+      c0, t0 = time.process_time(), time.perf_counter()
       if nxt is not None:
         inputs, targets = (jax.device_put(x, dev) for x in nxt())
       state, l = compiled(state, inputs, targets)
       l = float(l)  # the train loop's host sync (it reads the loss at every logged step)
       if i >= warmup:
         times.append(time.perf_counter() - t0)
+        cpu.append(time.process_time() - c0)
     loss = float(l)
     host_data = nxt is not None
     del state
@@ -149,4 +152,4 @@ def run_rank(prog: rp.RankProgram, rank: int, repeats: int = 5, warmup: int = 1,
                  compute_s=statistics.median(times) if times else float("nan"), memory=memory_of(compiled),
                  hlo_text=compiled.as_text(), records=list(interp.records), loss=loss,
                  device=str(jax.devices()[0].device_kind), branch_trace=trace, n_cond_sites=n_conds,
-                 host_data=bool(execute and host_data))
+                 host_data=bool(execute and host_data), step_cpu_s=cpu if execute else [])

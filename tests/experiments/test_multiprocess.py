@@ -20,7 +20,8 @@ REPO = pathlib.Path(__file__).resolve().parents[2]
 TIMEOUT_S = 300  # hard limit for the 2-process job; the launcher SIGKILLs both process groups after it
 ARGS = ["--config", str(REPO / "experiments/configs/quickstart.py") + ":runlocal=True",
         "--config.train.steps=4", "--config.train.log_every=1", "--config.train.progress=False",
-        "--config.train.peak_flops=1e12", "--config.train.sample_tokens=8", "--config.checkpoint.every=2"]
+        "--config.train.peak_flops=1e12", "--config.train.sample_tokens=0", "--config.checkpoint.every=2"]
+# (sampling is tested in tests/framework; the multi-process save of orbax checkpoints is kept on purpose)
 
 
 def _losses(workdir):
@@ -53,4 +54,3 @@ def test_two_processes_match_one(tmp_path, monkeypatch, capfd):
   assert one[4] < one[1]
   # Both wrote a checkpoint at step 4 (process 0 coordinates the multi-process save).
   assert (tmp_path / "two" / "checkpoints" / "4").exists() and (tmp_path / "one" / "checkpoints" / "4").exists()
-  assert (tmp_path / "two" / "sample.txt").read_text().startswith("def ")

@@ -23,11 +23,18 @@ def tiny_config(**sections) -> Config:
   return from_dict(d)
 
 
-def use_compilation_cache(directory: str) -> None:
-  """Persistent XLA compilation cache for this test session: the many tiny runs here compile the same
-  few programs again and again (each run builds a fresh jit); a hit costs ~0.5 s instead of ~5 s of CPU.
-  Keyed on the exact HLO, so it never changes what runs."""
+def use_compilation_cache(directory: str):
+  """Persistent XLA compilation cache: the many tiny runs of these tests compile the same few programs
+  again and again (each run builds a fresh jit); a hit costs ~0.5 s instead of ~5 s of CPU. Keyed on the
+  exact HLO, so it never changes what runs. Returns a function that restores the previous settings."""
   import jax  # noqa: PLC0415
-  jax.config.update("jax_compilation_cache_dir", directory)
-  jax.config.update("jax_persistent_cache_min_compile_time_secs", 0)
-  jax.config.update("jax_persistent_cache_min_entry_size_bytes", 0)
+  keys = ("jax_compilation_cache_dir", "jax_persistent_cache_min_compile_time_secs",
+          "jax_persistent_cache_min_entry_size_bytes")
+  old = {k: jax.config.values[k] for k in keys}
+  for k, v in zip(keys, (directory, 0, 0)):
+    jax.config.update(k, v)
+
+  def restore():
+    for k, v in old.items():
+      jax.config.update(k, v)
+  return restore

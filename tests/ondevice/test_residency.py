@@ -64,7 +64,7 @@ def test_whole_window_prefetch_of_an_oversized_window_reads_it_twice(files):
   share = b - a
   r_prima, r_pin = _steady_reads_per_token(prima)[-1], _steady_reads_per_token(pinned)[-1]
   assert r_prima >= 1.8 * share
-  assert abs(r_pin - (share - 2.5 * lb)) <= PAGE  # pin what fits, fault the rest once
+  assert abs(r_pin - (share - 2.5 * lb)) <= 2 * PAGE  # pin what fits (in whole pages), fault the rest once
   # k = 2 windows under the same prima runtime: each fits, so each byte is read once
   prima2 = Device(files["q8_0"], [[0, 1], [2, 3]], spec, DeviceOptions(policy="os", prefetch=True,
                                                                         chunk_bytes=PAGE, max_len=ctx))

@@ -30,14 +30,14 @@ NON_PIPELINE_SHARD_MAP_EXTRA = [
     pytest.param({"data": 4, "fsdp": 2, "rules": "zero3"}, marks=S),
 ]
 PIPELINE = [  # (mesh, schedule)
-    ({"pipeline": 2, "data": 4, "microbatches": 2}, "gpipe"),
     ({"pipeline": 2, "tensor": 4, "microbatches": 2}, "1f1b"),
-    ({"pipeline": 4, "tensor": 2, "microbatches": 4}, "1f1b"),
+    ({"pipeline": 4, "tensor": 2, "microbatches": 4}, "gpipe"),
     pytest.param({"pipeline": 2, "microbatches": 4}, "gpipe", marks=S),
     pytest.param({"pipeline": 2, "microbatches": 4}, "1f1b", marks=S),
+    pytest.param({"pipeline": 2, "data": 4, "microbatches": 2}, "gpipe", marks=S),
     pytest.param({"pipeline": 2, "data": 4, "microbatches": 2}, "1f1b", marks=S),
     pytest.param({"pipeline": 2, "tensor": 4, "microbatches": 2}, "gpipe", marks=S),
-    pytest.param({"pipeline": 4, "tensor": 2, "microbatches": 4}, "gpipe", marks=S),
+    pytest.param({"pipeline": 4, "tensor": 2, "microbatches": 4}, "1f1b", marks=S),
     pytest.param({"pipeline": 2, "data": 2, "tensor": 2, "microbatches": 2}, "gpipe", marks=S),
     pytest.param({"pipeline": 2, "data": 2, "tensor": 2, "microbatches": 2}, "1f1b", marks=S),
     pytest.param({"pipeline": 2, "fsdp": 2, "sequence": 2, "microbatches": 2}, "gpipe", marks=S),

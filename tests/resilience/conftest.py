@@ -1,11 +1,18 @@
+import os
+import tempfile
+
 import pytest
 
 from tests.resilience.harness import run_job
 
 
 @pytest.fixture(scope="session")
-def cache_dir(tmp_path_factory):
-  return tmp_path_factory.mktemp("jax_cache")
+def cache_dir():
+  """Persistent XLA cache shared across test sessions (keys are HLO hashes, so code changes just miss):
+  a cold compile of 4 processes on a loaded 2-core host costs minutes."""
+  d = os.path.join(tempfile.gettempdir(), "prismllm-test-cache", "resilience")
+  os.makedirs(d, exist_ok=True)
+  return d
 
 
 @pytest.fixture(scope="session")

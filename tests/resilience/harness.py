@@ -9,7 +9,7 @@ REPO = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__)
 TEST_STEPS = 8
 
 
-def run_job(workdir, cache_dir, timeout_s=240, steps=TEST_STEPS, **resilience):
+def run_job(workdir, cache_dir, timeout_s=600, steps=TEST_STEPS, **resilience):
   opts = {"compile_cache_dir": str(cache_dir), "heartbeat_timeout_s": 3.0, "wall_timeout_s": timeout_s - 10,
           **resilience}
   cmd = [sys.executable, "-m", "resilience.launch", "--config", "experiments/configs/hotswap.py:runlocal=True",

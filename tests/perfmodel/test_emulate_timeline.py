@@ -1,0 +1,80 @@
+"""Emulation timeline: runtime branches counted per stage, collective combining, permute receivers, gloo hook."""
+import json
+
+import jax
+import numpy as np
+
+from framework import config as config_lib
+from framework import config_file
+from perfmodel import collectives, hardware
+from perfmodel.emulate import gloo_calibration, measure, rank_program
+from perfmodel.emulate import timeline as tl_lib
+from perfmodel.emulate.topology import RankSpace
+
+
+def _cfg(spec, over, n):
+  return config_lib.validate(config_file.load(spec, over), n)
+
+
+def test_pipeline_branches_are_counted_per_stage_and_idle_slots_cost_nothing():
+  """GPipe P=2, M=2 with fsdp=2 x tensor=2: 6 ticks; a stage runs its forward and backward slot
+  M=2 times each. The timeline must walk exactly the branches that ran, so FSDP all-gathers inside
+  the slots are charged per executed slot, not per tick (the old upper bound)."""
+  cfg = _cfg("experiments/configs/llama3_70b.py:runlocal=True", ["--config.mesh.schedule=gpipe"], 8)
+  prog = rank_program.build(cfg)
+  hw = hardware.load("h100")
+  sched_ticks = 2 * (cfg.mesh.microbatches + cfg.mesh.pipeline - 1)
+  for stage in (0,):  # one stage keeps the test short; the benchmark composes both
+    rank = prog.space.rank({"pipeline": stage})
+    run = measure.run_rank(prog, rank, repeats=1, warmup=0, host_data=False)
+    per_tick = {k: v for k, v in run.branch_trace.items() if len(v) == sched_ticks}
+    # the forward-slot and backward-slot conds run every tick and take their work branch M times
+    assert len(per_tick) >= 2
+    assert sorted(sum(v) for v in per_tick.values())[-2:] == [cfg.mesh.microbatches] * 2
+    traced = tl_lib.rank_timeline(rank, run.hlo_text, run.records, run.compute_s, prog.space, hw, hw,
+                                  branch_trace=run.branch_trace)
+    bound = tl_lib.rank_timeline(rank, run.hlo_text, run.records, run.compute_s, prog.space, hw, hw,
+                                 branch_trace=None)
+    assert traced.untraced_branches == 0 and bound.untraced_branches > 0
+    walked = {int(k): sum(c for c in v.values()) for k, v in traced.branches.items()}
+    for site, seq in run.branch_trace.items():  # every execution of every compiled conditional was walked
+      if site in walked:
+        assert walked[site] == len(seq)
+    assert traced.comm_s < bound.comm_s  # idle ticks no longer pay the slot's all-gathers
+    assert abs(traced.compute_s - run.compute_s) / run.compute_s < 0.35  # measured time kept (minus stand-ins)
+
+
+def test_data_parallel_collectives_combine_like_the_real_compiled_program():
+  """XLA combines the 13 gradient psums and the loss psum of the DP step into one all-reduce; the
+  emulated timeline must issue as many calls per step as the real 2-device program executes."""
+  from parallelism import shard_map_step
+  from parallelism.mesh import make_mesh
+  from perfmodel import graph as graph_lib
+  cfg = _cfg("experiments/configs/emulate_validate.py:layout=data,runlocal=True", [], 2)
+  real = shard_map_step.build(cfg, make_mesh(cfg.mesh, jax.devices()[:2]))
+  g = graph_lib.from_hlo_text(real.lower().compile().as_text(), 2)
+  real_calls = sum(k for n, k in g.walk() if n.kind in ("collective", "p2p"))
+  prog = rank_program.build(cfg)
+  run = measure.run_rank(prog, 0, execute=False)  # compile only: placement does not need timings
+  hw = hardware.load("h100")
+  tl = tl_lib.rank_timeline(0, run.hlo_text, run.records, 0.0, prog.space, hw, hw, compute_hw=hw)
+  apart = tl_lib.rank_timeline(0, run.hlo_text, run.records, 0.0, prog.space, hw, hw, combine=False, compute_hw=hw)
+  assert len(run.records) > 1 and tl.collective_calls == real_calls == 1
+  assert apart.collective_calls == len(run.records)
+
+
+def test_permute_receiver_takes_part_and_gloo_curves_hook_into_the_collective_model(tmp_path):
+  from perfmodel.emulate.standins import CollectiveRecord
+  space = RankSpace.of({"pipeline": 2})
+  fwd = CollectiveRecord(0, "collective-permute", "ppermute", ("pipeline",), 2, 1024.0, (256,), "float32", 1, "",
+                         perm=((0, 1),))
+  assert fwd.group(space, 0) == (0, 1) and fwd.group(space, 1) == (0, 1)  # sender and receiver both pay
+  path = tmp_path / "gloo.json"
+  curves = {k: [[1024.0, 1e-3], [1048576.0, 4e-3]] for k in gloo_calibration.KINDS}
+  path.write_text(json.dumps({"curves": curves, "source": "test"}))
+  hw, cal = gloo_calibration.with_gloo_curves(hardware.load("cpu"), str(path))
+  assert cal["source"] == "test"
+  c = collectives.cost("collective-permute", 1024.0, (0, 1), hw)
+  assert c.algorithm == "measured" and np.isclose(c.seconds, 1e-3)
+  s, _ = tl_lib.collective_seconds(fwd, space, 1, hw)
+  assert s > 0
