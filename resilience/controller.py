@@ -267,7 +267,9 @@ class Controller:
         self.begin_recovery(set(), "in-memory restore failed its checksum", time.time(), force_tier="persistent")
     elif kind == "error":
       self.event("worker_error", rank=rank, node=msg["node"], error=msg["error"], trace=msg.get("trace"))
-      if self.pending_error is None and self.state == "running" and self.rec is None:
+      # an error with no failure detected within the grace period is a bug, also while a new generation
+      # is still starting (its first steps not yet seen); a secondary effect of a crash clears it
+      if self.pending_error is None and self.state == "running":
         self.pending_error = {"t": time.time(), **msg}
 
   def check_commit(self, v: int):

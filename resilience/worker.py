@@ -193,9 +193,15 @@ def _train(start, agent, push, ctx, t_start, name, warm):
   s = start["settings"]
   gen, rank, n = start["gen"], start["rank"], start["n"]
   base = {"rank": rank, "gen": gen, "node": name}
-  jax.config.update("jax_compilation_cache_dir", start["compile_cache_dir"])
-  jax.config.update("jax_persistent_cache_min_compile_time_secs", 0.0)
-  jax.config.update("jax_persistent_cache_min_entry_size_bytes", -1)
+  # Generation 0 compiles fresh and serializes the executable for later generations (aot.py): an XLA:CPU
+  # executable that was itself loaded from the persistent cache re-serializes without its object code
+  # ("Function ... not found" when loaded; measured). Later generations keep the persistent cache as the
+  # fallback when the serialized executable cannot be used.
+  fresh_compile = start["restore"]["tier"] == "init"
+  if not fresh_compile:
+    jax.config.update("jax_compilation_cache_dir", start["compile_cache_dir"])
+    jax.config.update("jax_persistent_cache_min_compile_time_secs", 0.0)
+    jax.config.update("jax_persistent_cache_min_entry_size_bytes", -1)
   jax.config.update("jax_cpu_collectives_implementation", "gloo")
   # jax's own heartbeat would abort every survivor (SIGABRT) when a peer stops; our controller
   # detects and fences first, so give jax a long timeout and let fencing be the only exit path.
@@ -275,10 +281,11 @@ def _train(start, agent, push, ctx, t_start, name, warm):
     with step_obj.context():
       run = step_obj.lower().compile()
       run_donated = donated_obj.lower().compile() if probe else None
-    try:
-      aot_lib.save(aot_path, {"run": run, "run_donated": run_donated}, abstract, batch_spec)
-    except Exception as e:  # noqa: BLE001 - an accelerator only
-      _log("could not serialize the executable (later generations will recompile):", repr(e)[:300])
+    if fresh_compile:
+      try:
+        aot_lib.save(aot_path, {"run": run, "run_donated": run_donated}, abstract, batch_spec)
+      except Exception as e:  # noqa: BLE001 - an accelerator only
+        _log("could not serialize the executable (later generations will recompile):", repr(e)[:300])
   # Ranks compile at different speeds (a warm spare hits the cache, a busy host does not); gloo gives
   # the first collective only 30 s to find every peer, so meet at a coordination-service barrier first.
   from jax._src import distributed as jdist

@@ -3,7 +3,7 @@
 EMULATED 4-device setup of benchmarks/ondevice_devices4.yaml. Every time is on the emulated clock.
 
   # run the sweep (random-weight "small"-shape Q8_0 models of 4, 8, 16 layers) and plot
-  PYTHONPATH=. python experiments/figures/ondevice_latency.py --sweep 4,8,16 --out experiments/figures/ondevice_latency.png
+  PYTHONPATH=. python experiments/figures/ondevice_latency.py --sweep 4,8,16 --out benchmarks/ondevice_latency.png
   # or plot saved `python -m ondevice.bench --suite ring --no-append` JSON outputs
   PYTHONPATH=. python experiments/figures/ondevice_latency.py ring_a.json ring_b.json --out fig.png
 """
