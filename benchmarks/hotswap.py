@@ -3,7 +3,7 @@
   python benchmarks/hotswap.py [--failures 5] [--steps 60] [--probe-block 5] [--quick] [--no-append]
 
 Two jobs with the same config (experiments/configs/hotswap.py: 4 nodes + 1 warm spare on localhost,
-FSDP over the nodes, ~12.8 MB of fp32 params):
+FSDP over the nodes, ~13.1 MB of fp32 params):
   A. failure-free, with the overhead probe: blocks of --probe-block steps alternate the layer on
      (non-donated step + snapshot + replication + commit) and off (the plain donated step) *in the same
      processes*, so the ratio of median step times is measured side by side under the same load;

@@ -54,6 +54,7 @@ def bench_jax(path: str, prompt: list, n: int) -> dict:
   from framework import model as fm
   from ondevice.gguf_io import load_params
   params, cfg = load_params(path)
+  params = jax.device_put(params)  # once: numpy args would be copied to the device on every call
   model = fm.build(cfg)
   L = len(prompt) + n + 8
   with jax.numpy_rank_promotion("allow"):
@@ -77,7 +78,7 @@ def bench_llama_cpp(path: str, prompt: list, n: int, threads: int) -> dict:
   try:
     import llama_cpp
   except ImportError:
-    return {"skipped": "llama-cpp-python not installed (source build did not finish within 10 min here)"}
+    return {"skipped": "llama-cpp-python not installed (its source build did not finish here; ondevice/README.md)"}
   llm = llama_cpp.Llama(path, n_ctx=len(prompt) + n + 8, n_threads=threads, verbose=False)
   llm.eval(prompt)
   ts = []
@@ -223,7 +224,7 @@ def main(argv=None) -> int:
   ap.add_argument("--threads", type=int, default=1)
   ap.add_argument("--no-jax", action="store_true")
   ap.add_argument("--no-append", action="store_true")
-  ap.add_argument("--scenarios", default="", help="ring: comma-separated subset (single, exo-like and Halda always run)")
+  ap.add_argument("--scenarios", default="", help="ring: extra scenarios to run besides single, exo-like and Halda (which always run); 'none' = only those")
   args = ap.parse_args(argv)
   from ondevice import kernels
   from ondevice.gguf_io import describe, read_info

@@ -66,7 +66,6 @@ def _send(push, header: dict, x: Optional[np.ndarray]):
 
 def _recv(pull, procs: Sequence = ()):
   """Receives one message; polls so that a dead device process is reported at once, not after the timeout."""
-  import zmq
   waited = 0
   while not pull.poll(1000):
     waited += 1000

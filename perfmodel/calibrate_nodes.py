@@ -46,9 +46,53 @@ def composition_features(g: graph_lib.ExecGraph, price, n_devices: int, region: 
   return [t * n_devices, execs * n_devices, n_devices, cb * n_devices, ce * n_devices]
 
 
-def compose(coef: dict, feats: list) -> float:
+# Program types compose differently on this host (measured, see README): a single-device training step,
+# N virtual devices time-sharing the pinned core (their threads interleave at every collective), and a decode
+# step inside the sampler's while loop (hot caches, tiny thunks). Each type has its own coefficients; which
+# features a type may use is fixed here (few calibration programs per type: keep the forms small).
+TYPE_FEATURES = {"train": (0, 1, 2), "multi": (0, 2, 4), "decode": (0, 1)}
+
+
+def program_type(n_devices: int, decode: bool = False) -> str:
+  return "decode" if decode else ("multi" if n_devices > 1 else "train")
+
+
+def compose(coef: dict, feats: list, ptype: str = None) -> float:
+  if ptype is not None and ptype in coef:
+    coef = coef[ptype]
+  elif "train" in coef:  # typed coefficients but no type given: a single-device step
+    coef = coef["train"]
   a, b, c, e, f = (coef.get(k, 0.0) for k in ("a", "b", "c", "e", "f"))
   return a * feats[0] + b * feats[1] + c * feats[2] + e * feats[3] + f * feats[4]
+
+
+def fit_typed(rows: list, y: list, types: list) -> dict:
+  """Per-type NNLS over the type's allowed features; a type without rows falls back to 'train'."""
+  out = {}
+  for t, cols in TYPE_FEATURES.items():
+    idx = [i for i, tt in enumerate(types) if tt == t]
+    if not idx:
+      continue
+    sub = [[rows[i][c] for c in cols] for i in idx]
+    x = _nnls(sub, [y[i] for i in idx])
+    full = [0.0] * 5
+    for c, v in zip(cols, x):
+      full[c] = float(v)
+    out[t] = _coef(full)
+  for t in TYPE_FEATURES:
+    out.setdefault(t, out.get("train", _coef([1.0, 0, 0, 0, 0])))
+  return out
+
+
+def loo_typed(rows: list, y: list, types: list, names: list, noise: list) -> list:
+  cv = []
+  for i in range(len(rows)):
+    keep = [j for j in range(len(rows)) if j != i]
+    ci = fit_typed([rows[j] for j in keep], [y[j] for j in keep], [types[j] for j in keep])
+    p = compose(ci, rows[i], types[i])
+    cv.append({"name": names[i], "type": types[i], "measured_s": y[i], "predicted_s": p,
+               "err_pct": 100 * (p - y[i]) / y[i], "noise_pct": noise[i]})
+  return cv
 
 
 def _nnls(rows, y):
@@ -141,12 +185,9 @@ def run(hw, reps: int = 7, trace_reps: int = 3, entries: list = None, log=print,
       f[2] = 0.0
     rows.append(f)
     y.append(p["measured"])
-  coef = _coef(_nnls(rows, y))
-  cv = []
-  for i, p in enumerate(programs):
-    ci = _coef(_nnls(rows[:i] + rows[i + 1:], y[:i] + y[i + 1:]))
-    cv.append({"name": p["name"], "measured_s": y[i], "predicted_s": compose(ci, rows[i]),
-               "err_pct": 100 * (compose(ci, rows[i]) - y[i]) / y[i], "noise_pct": p["noise"]})
+  types = [program_type(p["n"], bool(p.get("region"))) for p in programs]
+  coef = fit_typed(rows, y, types)
+  cv = loo_typed(rows, y, types, [p["name"] for p in programs], [p["noise"] for p in programs])
   for c in cv:
     log(f"  LOO {c['name']:>18}: measured {c['measured_s'] * 1e3:8.2f} ms predicted {c['predicted_s'] * 1e3:8.2f} ms "
         f"err {c['err_pct']:+6.1f}%")
@@ -157,3 +198,49 @@ def run(hw, reps: int = 7, trace_reps: int = 3, entries: list = None, log=print,
 
 if __name__ == "__main__":
   sys.exit("run via `python -m perfmodel calibrate`")
+
+
+def refit(prof_path: str, hlo_dir: str, log=print) -> dict:
+  """Refits the composition from stored calibration data: the measured step times kept in the profile
+  (``calibration_loo``), the node samples file, and the calibration programs' HLO in ``hlo_dir/<name>.json``
+  (as ``validate --hlo-cache`` writes them). Nothing is re-measured."""
+  import json
+  import os
+  from perfmodel import hardware
+  from perfmodel.validate import decode_loop
+  hw = hardware.load(prof_path)
+  with open(learned.samples_path(hw.name)) as f:
+    samples = json.load(f)["samples"]
+  prev = {c["name"]: c for c in hw.calibration["calibration_loo"]}
+  rows, y, types, names, noise = [], [], [], [], []
+  for name, c in prev.items():
+    if not os.path.exists(os.path.join(hlo_dir, f"{name}.json")):
+      log(f"  refit: no cached program for {name} in {hlo_dir}; left out")
+      continue
+    with open(os.path.join(hlo_dir, f"{name}.json")) as f:
+      d = json.load(f)
+    g = graph_lib.from_hlo_text(d["hlo"], d["n"])
+    region = decode_loop(g, d["gen"]).body if "gen" in d else None
+    model = learned.Learned(hw, samples=[s for s in samples if s["prog"] != name])
+    r = composition_features(g, lambda n: model.price(n).seconds, d["n"], region)
+    if region:
+      r[2] = 0.0
+    rows.append(r)
+    y.append(c["measured_s"])
+    types.append(program_type(d["n"], bool(region)))
+    names.append(name)
+    noise.append(c.get("noise_pct", 0.0))
+  coef = fit_typed(rows, y, types)
+  cv = loo_typed(rows, y, types, names, noise)
+  for c in cv:
+    log(f"  LOO {c['name']:>18} ({c['type']:>6}): measured {c['measured_s'] * 1e3:8.3f} ms predicted "
+        f"{c['predicted_s'] * 1e3:8.3f} ms err {c['err_pct']:+6.1f}%")
+  with open(prof_path) as f:
+    base = json.load(f)
+  cal = base["calibration"]["value"]
+  cal["composition"] = coef
+  cal["calibration_loo"] = [{k: (round(v, 6) if isinstance(v, float) else v) for k, v in c.items()} for c in cv]
+  cal["calibration_loo_mape"] = float(np.mean([abs(c["err_pct"]) for c in cv]))
+  with open(prof_path, "w") as f:
+    json.dump(base, f, indent=1)
+  return {"composition": coef, "loo_mape": cal["calibration_loo_mape"], "loo": cv}

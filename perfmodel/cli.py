@@ -84,6 +84,13 @@ def _regime(a, trace: bool = True):
 
 def cmd_calibrate(a, overrides):
   from perfmodel import capture
+  if a.refit_composition:
+    import os
+    from perfmodel import calibrate_nodes, hardware
+    res = calibrate_nodes.refit(os.path.join(hardware.PROFILE_DIR, "cpu.json"), a.refit_composition,
+                                log=lambda m: print(m, file=sys.stderr))
+    _print({"composition": res["composition"], "loo_mape": res["loo_mape"]})
+    return
   _regime(a)
   capture.ensure_devices(4)
   from perfmodel import calibrate
@@ -96,7 +103,7 @@ def cmd_validate(a, overrides):
   capture.ensure_devices(8)
   from perfmodel import validate
   _print(validate.run(a.suite, reps=a.reps, backend=a.backend, png=a.png, results=not a.no_results,
-                      limit=a.limit, measurements=a.measurements))
+                      limit=a.limit, measurements=a.measurements, hlo_cache=a.hlo_cache))
 
 
 def cmd_search(a, overrides):
@@ -138,6 +145,8 @@ def main(argv=None):
   ca.add_argument("--quick", action="store_true")
   ca.add_argument("--no-nodes", action="store_true", help="micro-benchmarks only (skip the learned backend)")
   ca.add_argument("--nodes-only", action="store_true", help="only the calibration-program stage (keep the curves)")
+  ca.add_argument("--refit-composition", default="", metavar="HLO_DIR",
+                  help="refit only the step composition from stored measurements + cached calibration programs")
   va = sub.add_parser("validate", help="measured vs predicted over a suite of configs on this host")
   va.add_argument("--suite", default=None, help="python file with SUITE = [...] (default: perfmodel/suite.py)")
   va.add_argument("--reps", type=int, default=7)
@@ -147,6 +156,7 @@ def main(argv=None):
   va.add_argument("--limit", type=int, default=0, help="run only the first N configs (smoke)")
   va.add_argument("--measurements", default=None,
                   help="JSON cache of measured times by config name: reused if present, filled if not")
+  va.add_argument("--hlo-cache", default=None, help="folder of compiled programs by config name (reused / filled)")
   se = sub.add_parser("search", help="rank layouts for a model on N devices under memory limits")
   se.add_argument("--config", required=True)
   se.add_argument("--hardware", default="cpu")

@@ -224,7 +224,14 @@ def _mesh_groups(text: str) -> list:
   them). A group is the set of devices that differ only along the listed axes."""
   m = re.match(r"\s*mesh\[(.*?)\]\s*\{(.*)\}\s*$", text, re.S)
   if not m:
-    raise ValueError(f"not a mesh replica group: {text!r}")
+    # Seen in jax 0.10.2 CPU HLO of a data x fsdp x tensor jit step: "mesh['axis_0'=1,'axis_1'=2,'axis_2'=4]"
+    # with no axis list. Read as every axis (one group of the whole mesh), the only non-trivial reading.
+    bare = re.match(r"\s*mesh\[(.*)\]\s*$", text, re.S)
+    if not bare:
+      raise ValueError(f"not a mesh replica group: {text!r}")
+    names = [am.group(1) for am in re.finditer(r"'?([\w.]+)'?\s*=\s*\d+", bare.group(1))]
+    text = f"mesh[{bare.group(1)}] {{{','.join(repr(n) for n in names)}}}"
+    m = re.match(r"\s*mesh\[(.*?)\]\s*\{(.*)\}\s*$", text, re.S)
   axes, device_ids = [], None
   for part in split_top(m.group(1)):
     am = re.fullmatch(r"'?([\w.]+)'?\s*=\s*(\d+)", part.strip())

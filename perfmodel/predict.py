@@ -32,7 +32,7 @@ def composed(g: graph_lib.ExecGraph, chain, hw: HardwareProfile, n_devices: int,
   feats = calibrate_nodes.composition_features(g, lambda n: chain.price(n).seconds, n_devices, region)
   if not per_step:
     feats[2] = 0.0
-  return calibrate_nodes.compose(coef, feats)
+  return calibrate_nodes.compose(coef, feats, calibrate_nodes.program_type(n_devices, decode=not per_step))
 
 
 def _host_factor(hw: HardwareProfile, n_devices: int) -> float:
@@ -108,10 +108,18 @@ def predict_infer(cfg: Config, hw: HardwareProfile, batch: int, prompt_len: int,
   overhead = hw.calibration.get("step_overhead_s", 0.0)
   ttft = full.makespan - (tpot * gen_len) + overhead
   total = full.makespan + overhead
-  c_total = composed(g, chain, hw, 1)
-  if c_total is not None:
-    c_tpot = composed(g, chain, hw, 1, region=decode.body, per_step=False) if decode else 0.0
-    tpot, total, ttft = c_tpot, c_total, c_total - c_tpot * gen_len
+  coef = hw.calibration.get("composition")
+  if coef and chain.names and chain.names[0] == "learned":
+    from perfmodel import calibrate_nodes as cn
+    price = lambda n: chain.price(n).seconds  # noqa: E731
+    f_all = cn.composition_features(g, price, 1)
+    f_dec = cn.composition_features(g, price, 1, decode.body) if decode else [0.0] * 5
+    f_dec[2] = 0.0
+    # prefill + sampling glue: everything outside the decode loop, composed as a single-device step
+    f_rest = [a - b * (gen_len if decode else 0) for a, b in zip(f_all, f_dec)]
+    tpot = cn.compose(coef, f_dec, "decode") if decode else 0.0
+    ttft = cn.compose(coef, f_rest, "train")
+    total = ttft + tpot * gen_len
   return {
       "mode": "infer", "config": cfg.name, "hardware": hw.name, "calibrated": hw.calibrated, "backends": chain.names,
       "batch": batch, "prompt_len": prompt_len, "gen_len": gen_len,

@@ -120,8 +120,34 @@ def _measure_infer_entry(cfg, entry, reps):
   return {"measured_s": tpot, "noise_pct": noise}, cap2
 
 
+def _clock(cache: dict, pinned_now: bool) -> str:
+  """The clock of the measurements: CPU time iff every one was taken pinned (cached ones carry their regime)."""
+  regimes = [m.get("regime", {}) for m in cache.values()]
+  if regimes and all(r.get("pinned_core") is not None for r in regimes):
+    return "cpu"
+  return "cpu" if pinned_now and not regimes else "wall"
+
+
+def _cached_capture(hlo_cache, name, compile_fn):
+  """The compiled program of a config from ``hlo_cache/<name>.json`` (HLO text + memory_analysis, written by
+  an earlier run with the same jax) or compile it and store it there."""
+  if hlo_cache:
+    path = os.path.join(hlo_cache, f"{name}.json")
+    if os.path.exists(path):
+      with open(path) as f:
+        d = json.load(f)
+      return capture.Captured(hlo_text=d["hlo"], memory=d["mem"], cost_analysis=d.get("cost", {}), n_devices=d["n"],
+                              lower_s=0.0, compile_s=0.0)
+  cap = compile_fn()
+  if hlo_cache:
+    os.makedirs(hlo_cache, exist_ok=True)
+    with open(os.path.join(hlo_cache, f"{name}.json"), "w") as f:
+      json.dump({"hlo": cap.hlo_text, "n": cap.n_devices, "mem": cap.memory, "cost": cap.cost_analysis}, f)
+  return cap
+
+
 def run(suite_path=None, reps: int = 7, backend: str = "auto", png: str = None, results: bool = True,
-        limit: int = 0, hardware_name: str = "cpu", measurements: str = None) -> dict:
+        limit: int = 0, hardware_name: str = "cpu", measurements: str = None, hlo_cache: str = None) -> dict:
   """measurements: a JSON file of measured step times by config name. Entries found there are not re-run
   (predictions are recomputed from a fresh compile); new measurements are added to it. Lets the slow
   measuring and a recalibration proceed separately on a loaded host."""
@@ -144,7 +170,7 @@ def run(suite_path=None, reps: int = 7, backend: str = "auto", png: str = None, 
     cfg = validate_cfg(cfg, n)
     cfg = cfg.__class__(**{**cfg.__dict__, "name": entry["name"]})
     if entry["name"] in cache:
-      m, cap = cache[entry["name"]], capture.train_step(cfg)
+      m, cap = cache[entry["name"]], _cached_capture(hlo_cache, entry["name"], lambda: capture.train_step(cfg))
     else:
       m, cap = _measure_train_entry(cfg, reps)
       m["regime"] = bench.regime()
@@ -166,7 +192,8 @@ def run(suite_path=None, reps: int = 7, backend: str = "auto", png: str = None, 
     cfg = validate_cfg(from_dict(_merge(suite.BASE, entry)), 1)
     g1, g2 = entry["gen_lens"]
     if entry["name"] in cache:
-      m, cap2 = cache[entry["name"]], capture.sampler(cfg, entry["batch"], entry["prompt_len"], g2)
+      m, cap2 = cache[entry["name"]], _cached_capture(
+          hlo_cache, entry["name"], lambda: capture.sampler(cfg, entry["batch"], entry["prompt_len"], g2))
     else:
       m, cap2 = _measure_infer_entry(cfg, entry, reps)
       m["regime"] = bench.regime()
@@ -198,7 +225,7 @@ def run(suite_path=None, reps: int = 7, backend: str = "auto", png: str = None, 
          "tpot_noise_pct": float(np.median([r["noise_pct"] for r in inf_rows])) if inf_rows else None,
          "peak_memory_max_err_pct_vs_memory_analysis": mem_err,
          "peak_memory_analytic_mape_vs_memory_analysis": mem_ana,
-         "clock": "cpu" if bench.pinned() else "wall", "regime": bench.regime(),
+         "clock": _clock(cache, bench.pinned()), "regime": bench.regime(),
          "calibration_loo_mape": hw.calibration.get("calibration_loo_mape"),
          "predict_s_max": float(max(r["predict_s"] for r in rows)),
          "hardware": hw.name, "calibrated": hw.calibrated, "backend": backend,

@@ -17,7 +17,6 @@ from __future__ import annotations
 import json
 import logging
 import os
-import signal
 import subprocess
 import sys
 import time
@@ -26,14 +25,12 @@ from typing import Dict, List, Optional
 import zmq
 
 from resilience import injection, wire
+from resilience.injection import InjectorMixin
+from resilience.recovery import RecoveryMixin, RunFailed, latest_persistent_step  # noqa: F401
 from resilience.settings import HotswapSettings
 
 log = logging.getLogger("prismllm.resilience")
 REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
-
-
-class RunFailed(RuntimeError):
-  pass
 
 
 class Node:
@@ -48,7 +45,7 @@ class Node:
     self.hello = False
 
 
-class Controller:
+class Controller(RecoveryMixin, InjectorMixin):
   def __init__(self, cfg_dict: dict, total_steps: int, s: HotswapSettings, workdir: str, run_id: str):
     self.cfg_dict, self.total, self.s, self.workdir, self.run_id = cfg_dict, total_steps, s, workdir, run_id
     self.ctx = zmq.Context()
@@ -70,6 +67,8 @@ class Controller:
     self.acks: Dict[int, Dict[int, set]] = {}
     self.losses: Dict[int, float] = {}
     self.loss_mismatch: List[int] = []
+    self.loss_gen: Dict[int, int] = {}  # generation that first reported each step's loss
+    self.recompute_checks = 0  # reports of a step an earlier generation had computed, compared bit for bit
     self.max_step = 0
     self.gen_max_step = 0
     self.worker_hb: Dict[int, float] = {}
@@ -229,10 +228,14 @@ class Controller:
     self.worker_hb[rank] = time.time()
     if kind == "step":
       step = msg["step"]
-      if step in self.losses and self.losses[step] != msg["loss"]:
-        self.loss_mismatch.append(step)
+      if step in self.losses:
+        if self.losses[step] != msg["loss"]:  # ranks disagree, or a recomputed step differs
+          self.loss_mismatch.append(step)
+        if self.loss_gen[step] < self.gen:
+          self.recompute_checks += 1
       if rank == 0:
         self.losses[step] = msg["loss"]
+        self.loss_gen[step] = self.gen
         self.step_times.append({"gen": self.gen, "step": step, "dt": msg["dt"], "on": msg["on"],
                                 "transition": msg["transition"], "first": msg["first"]})
       if step > self.gen_max_step:
@@ -358,213 +361,6 @@ class Controller:
       t_inj = f.__dict__.get("t_fail", t_inj)
     self.begin_recovery(ranks, cause, t_inj or t_fail, force_tier=force_tier)
 
-  # -- recovery ----------------------------------------------------------------------------------------
-  def begin_recovery(self, ranks: set, cause: str, t_fail: float, force_tier: Optional[str] = None):
-    now = time.time()
-    self.pending_error = None
-    if self.rec is None:
-      self.rec = {"t_fail": t_fail, "t_detect": now, "failed": set(), "causes": [], "last_step": self.max_step,
-                  "tier_forced": None, "n_restarts": 0}
-      self.event("failure_detected", ranks=sorted(ranks), cause=cause, detect_s=round(now - t_fail, 4))
-    else:
-      self.rec["n_restarts"] += 1
-      self.event("failure_during_recovery", ranks=sorted(ranks), cause=cause)
-    rec = self.rec
-    rec["failed"] |= set(ranks)
-    rec["causes"].append(cause)
-    if force_tier:
-      rec["tier_forced"] = force_tier
-    self.state = "fencing"
-    for r in ranks:  # retire failed nodes (a crashed worker may mean bad hardware: never reuse it here)
-      node = self.nodes[self.members[r]]
-      if node.role == "member":
-        # a retired node whose agent lives keeps serving the replicas it holds until the new generation
-        # commits (released in check_commit), so a second failure meanwhile can still use them
-        node.role = "retired"
-        self.replenish()
-    rec["kills_pending"] = set()
-    for name in self.members:  # fence: every worker of this generation, failed node's included
-      node = self.nodes[name]
-      if node.alive:
-        self.send(name, {"type": "kill_worker", "gen": self.gen})
-        rec["kills_pending"].add(name)
-    rec.pop("fetch_pending", None)
-    rec.pop("plan", None)
-    rec.pop("first_step_t", None)
-    rec.pop("timings", None)
-
-  def replenish(self):
-    if self.s.respawn_spares:
-      self.spare_counter += 1
-      self.launch_node(f"repl{self.spare_counter}")
-
-  def advance_recovery(self):
-    rec = self.rec
-    if any(self.nodes[n].alive for n in rec["kills_pending"]):
-      return
-    rec.setdefault("t_fenced", time.time())
-    if "plan" not in rec:
-      # assign spares to every failed rank whose member is retired
-      need = [r for r in range(self.s.nodes) if self.nodes[self.members[r]].role != "member"]
-      free = self.spares()
-      if len(free) < len(need):
-        if self.s.respawn_spares and time.time() - rec["t_detect"] < self.s.startup_timeout_s:
-          return  # a replacement node is booting
-        raise RunFailed(f"{len(need)} rank(s) failed but only {len(free)} warm spare(s) are left: raise "
-                        f"extras.resilience.spares or set respawn_spares=True")
-      rec["swaps"] = {}
-      for r, spare in zip(need, free):
-        old = self.members[r]
-        self.members[r] = spare
-        self.nodes[spare].role = "member"
-        rec["swaps"][r] = (old, spare)
-      rec["plan"] = self.choose_tier(set(rec["swaps"]))
-      rec["fetch_pending"] = {}
-      if rec["plan"]["tier"] == "memory":
-        for r in rec["swaps"]:
-          sources = [self.nodes[h].data_addr for h in sorted(self.committed_holders.get(r, ()))
-                     if self.nodes[h].alive]
-          spare = self.members[r]
-          self.send(spare, {"type": "fetch", "rank": r, "version": rec["plan"]["version"], "sources": sources})
-          rec["fetch_pending"][spare] = r
-      self.event("swap", swaps={r: list(v) for r, v in rec["swaps"].items()}, tier=rec["plan"]["tier"],
-                 version=rec["plan"]["version"])
-    if rec["fetch_pending"]:
-      return
-    rec["t_fetched"] = time.time()
-    self.start_generation(rec["plan"])
-
-  def choose_tier(self, swapped: set) -> dict:
-    rec = self.rec
-    c = self.committed
-    ok = c >= 0 and rec["tier_forced"] is None
-    why = "" if ok else ("nothing committed yet" if c < 0 else f"forced ({rec['tier_forced']})")
-    if ok:
-      for r in range(self.s.nodes):
-        if r in swapped:
-          live = [h for h in self.committed_holders.get(r, ()) if self.nodes[h].alive]
-          if not live:
-            ok, why = False, f"rank {r}: its node and all {self.s.replicas} replica holder(s) are lost"
-            break
-        elif self.committed_owner.get(r) != self.members[r]:
-          ok, why = False, f"rank {r}: own copy is on a node that no longer holds it"
-          break
-    if ok:
-      plan = {"tier": "memory", "version": c}
-    else:
-      p = latest_persistent_step(self.workdir)
-      plan = {"tier": "persistent", "version": p} if p is not None else {"tier": "init", "version": 0}
-    self.event("tier", **plan, why=why or "every rank has a live in-memory copy")
-    return plan
-
-  def on_fetched(self, name: str, msg: dict):
-    rec = self.rec
-    if rec is None or name not in rec.get("fetch_pending", {}):
-      return
-    rec.setdefault("fetch_s", []).append(msg["t"] - msg["t0"])
-    r = rec["fetch_pending"].pop(name)
-    if msg["ok"]:
-      self.committed_owner[r] = name  # the spare now holds rank r's committed copy in its own store
-    self.event("fetched", node=name, ok=msg["ok"], rank=msg["rank"], source=msg.get("source"),
-               mb=round(msg.get("bytes", 0) / 1e6, 3), s=round(msg["t"] - msg["t0"], 4))
-    if not msg["ok"]:
-      rec["fetch_pending"] = {}
-      p = latest_persistent_step(self.workdir)
-      rec["plan"] = {"tier": "persistent", "version": p} if p is not None else {"tier": "init", "version": 0}
-      self.event("tier", **rec["plan"], why="replica fetch failed (checksum or all sources gone)")
-
-  def finish_recovery(self):
-    rec, self.rec = self.rec, None
-    t = rec.get("timings", {})
-    first = max(rec["first_step_t"].values())
-    restore_worker = max((x["t_restored"] - x["t_built"]) for x in t.values()) if t else 0.0
-    init = max((x["t_init"] - x["t_start"]) for x in t.values()) if t else 0.0
-    build = max((x["t_built"] - x["t_init"]) for x in t.values()) if t else 0.0
-    compile_ = max((x["t_compiled"] - x["t_restored"]) for x in t.values()) if t else 0.0
-    first_step = max(first - x["t_compiled"] for x in t.values()) if t else 0.0
-    fetch = max(rec.get("fetch_s", [0.0]))
-    total = first - rec["t_fail"]
-    detect = rec["t_detect"] - rec["t_fail"]
-    restore = fetch + restore_worker
-    rebuild = total - detect - restore - compile_ - first_step
-    plan = rec.get("plan", {})
-    out = {"causes": rec["causes"], "failed_ranks": sorted(rec["failed"]), "swaps": rec.get("swaps", {}),
-           "tier": plan.get("tier"), "restored_version": plan.get("version"), "last_step": rec["last_step"],
-           "steps_recomputed": max(rec["last_step"] - plan.get("version", 0), 0),
-           "recovery_time_s": total,
-           "breakdown_s": {"detect": detect, "rebuild": rebuild, "restore": restore, "recompile": compile_,
-                           "first_step": first_step},
-           "detail_s": {"fence": rec.get("t_fenced", rec["t_detect"]) - rec["t_detect"], "replica_fetch": fetch,
-                        "jax_distributed_init": init, "mesh_and_step_build": build,
-                        "restore_in_worker": restore_worker},
-           "restarts_during_recovery": rec["n_restarts"]}
-    self.recoveries.append(out)
-    self.event("recovered", **{k: v for k, v in out.items() if k != "swaps"})
-
-  # -- injection -------------------------------------------------------------------------------------------
-  def _kill(self, pid: Optional[int], sig=signal.SIGKILL):
-    if pid:
-      try:
-        os.kill(pid, sig)
-      except ProcessLookupError:
-        pass
-
-  def _kill_node(self, name: str):
-    node = self.nodes[name]
-    self._kill(node.worker_pid)
-    node.proc.kill()
-
-  def maybe_inject(self, step: int):
-    if self.state != "running" or self.rec is not None:
-      return
-    for f in self.faults:
-      if f.fired or step < f.at_step:
-        continue
-      f.fired = True
-      f.__dict__["t_fail"] = time.time()
-      name = self.members[f.rank]
-      node = self.nodes[name]
-      self.event("inject", kind=f.kind, rank=f.rank, node=name, step=step)
-      if f.kind == "worker":
-        self._kill(node.worker_pid)
-      elif f.kind in ("node", "recovery"):
-        self._kill_node(name)
-      elif f.kind == "hang":
-        self._kill(node.worker_pid, signal.SIGSTOP)
-      elif f.kind == "two":
-        self._kill_node(name)
-        self._kill_node(self.members[(f.rank + 1) % self.s.nodes])
-      elif f.kind == "replication":
-        self.send(name, {"type": "fault", "kind": "replication", "version": step + 1})
-        f.__dict__["t_fail"] = None  # set when that node reports the snapshot it dies sending
-      elif f.kind == "spare":
-        idle = self.spares()
-        if idle:
-          self.nodes[idle[0]].proc.kill()
-          self.event("inject_target", node=idle[0])
-        f.__dict__["detected"] = True  # no recovery expected
-      return  # one fault per step
-
-  def maybe_inject_replication_time(self, msg: dict):
-    for f in self.faults:
-      if f.fired and f.kind == "replication" and f.__dict__.get("t_fail") is None and \
-         self.members[f.rank] in self.nodes and msg["rank"] == f.rank:
-        f.__dict__["t_fail"] = msg["t"]
-
-  def maybe_inject_recovery_stage(self, started_node: str):
-    """'recovery' kind, stage 2: a survivor dies while the new generation is starting."""
-    if self.rec is None:
-      return
-    for f in self.faults:
-      if f.kind == "recovery" and f.fired and f.stage == 0:
-        # the victim is rank+2: a survivor whose replica holder (rank+3) is alive, so the memory tier
-        # can still serve it (rank+1 would lose its only replica with the first node when r=1)
-        if "swaps" not in self.rec or self.rank_of(started_node) != (f.rank + 2) % self.s.nodes:
-          continue
-        f.stage = 1
-        self.event("inject", kind="recovery-stage2", node=started_node, rank=self.rank_of(started_node))
-        self._kill_node(started_node)
-
   # -- main loop -------------------------------------------------------------------------------------------
   def run(self) -> dict:
     deadline = self.t0 + self.s.wall_timeout_s
@@ -590,7 +386,7 @@ class Controller:
                                                                   for f in fired if f.kind != "spare"),
             "spares_killed": sum(1 for f in fired if f.kind == "spare"),
             "recoveries": self.recoveries, "losses": {str(k): v for k, v in sorted(self.losses.items())},
-            "loss_mismatch_on_recompute": self.loss_mismatch, "final_crc": [d["final_crc"] for d in done],
+            "loss_mismatch_on_recompute": self.loss_mismatch, "recompute_checks": self.recompute_checks, "final_crc": [d["final_crc"] for d in done],
             "snapshot_bytes_per_rank": done[0].get("snapshot_bytes") if done else None,
             "snapshot_copy_ms_median": done[0].get("snap_copy_ms_median") if done else None,
             "snapshot_crc_ms_median": done[0].get("snap_crc_ms_median") if done else None,
@@ -622,15 +418,6 @@ class Controller:
     self.pull.close()
     self.pub.close()
     self.ctx.term()
-
-
-def latest_persistent_step(workdir: str) -> Optional[int]:
-  """Latest *finalized* orbax step in <workdir>/checkpoints (orbax writes tmp dirs, then renames)."""
-  d = os.path.join(os.path.abspath(workdir), "checkpoints")
-  if not os.path.isdir(d):
-    return None
-  steps = [int(x) for x in os.listdir(d) if x.isdigit() and os.path.isdir(os.path.join(d, x))]
-  return max(steps) if steps else None
 
 
 def _settings_dict(s: HotswapSettings) -> dict:

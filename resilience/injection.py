@@ -13,8 +13,11 @@ Kinds (what a real cluster loses):
 from __future__ import annotations
 
 import dataclasses
+import os
 import random
-from typing import List
+import signal
+import time
+from typing import List, Optional
 
 from resilience.settings import HotswapSettings
 
@@ -70,3 +73,70 @@ def random_campaign(n: int, total_steps: int, nodes: int, replicas: int, seed: i
   at = [min(2 + i * gap + rng.randrange(gap), total_steps - 1) for i in range(n)]
   return {"fail_at": ",".join(map(str, at)), "fail_kind": ",".join(rng.choice(kinds) for _ in range(n)),
           "fail_rank": -1, "fail_seed": seed}
+
+
+class InjectorMixin:
+  """Controller side of injection (mixed into Controller): fires the plan's faults at their steps."""
+
+  def _kill(self, pid: Optional[int], sig=signal.SIGKILL):
+    if pid:
+      try:
+        os.kill(pid, sig)
+      except ProcessLookupError:
+        pass
+
+  def _kill_node(self, name: str):
+    node = self.nodes[name]
+    self._kill(node.worker_pid)
+    node.proc.kill()
+
+  def maybe_inject(self, step: int):
+    if self.state != "running" or self.rec is not None:
+      return
+    for f in self.faults:
+      if f.fired or step < f.at_step:
+        continue
+      f.fired = True
+      f.__dict__["t_fail"] = time.time()
+      name = self.members[f.rank]
+      node = self.nodes[name]
+      self.event("inject", kind=f.kind, rank=f.rank, node=name, step=step)
+      if f.kind == "worker":
+        self._kill(node.worker_pid)
+      elif f.kind in ("node", "recovery"):
+        self._kill_node(name)
+      elif f.kind == "hang":
+        self._kill(node.worker_pid, signal.SIGSTOP)
+      elif f.kind == "two":
+        self._kill_node(name)
+        self._kill_node(self.members[(f.rank + 1) % self.s.nodes])
+      elif f.kind == "replication":
+        self.send(name, {"type": "fault", "kind": "replication", "version": step + 1})
+        f.__dict__["t_fail"] = None  # set when that node reports the snapshot it dies sending
+      elif f.kind == "spare":
+        idle = self.spares()
+        if idle:
+          self.nodes[idle[0]].proc.kill()
+          self.event("inject_target", node=idle[0])
+        f.__dict__["detected"] = True  # no recovery expected
+      return  # one fault per step
+
+  def maybe_inject_replication_time(self, msg: dict):
+    for f in self.faults:
+      if f.fired and f.kind == "replication" and f.__dict__.get("t_fail") is None and \
+         self.members[f.rank] in self.nodes and msg["rank"] == f.rank:
+        f.__dict__["t_fail"] = msg["t"]
+
+  def maybe_inject_recovery_stage(self, started_node: str):
+    """'recovery' kind, stage 2: a survivor dies while the new generation is starting."""
+    if self.rec is None:
+      return
+    for f in self.faults:
+      if f.kind == "recovery" and f.fired and f.stage == 0:
+        # the victim is rank+2: a survivor whose replica holder (rank+3) is alive, so the memory tier
+        # can still serve it (rank+1 would lose its only replica with the first node when r=1)
+        if "swaps" not in self.rec or self.rank_of(started_node) != (f.rank + 2) % self.s.nodes:
+          continue
+        f.stage = 1
+        self.event("inject", kind="recovery-stage2", node=started_node, rank=self.rank_of(started_node))
+        self._kill_node(started_node)

@@ -7,7 +7,7 @@ Command:
 Reproduces: the run survives the injected failure, the spare takes the failed rank, and losses and final
 state are bit-identical to a failure-free run (benchmarks/hotswap.py measures it side by side).
 Variants: ':runlocal=True' is the small model used by tests/resilience (seconds per run).
-Model: ~3.2M params = 12.8 MB fp32 (38 MB train state with AdamW moments, ~9.6 MB per node).
+Model: ~3.3M params = 13.1 MB fp32 (39 MB train state with AdamW moments, 9.9 MB per node).
 """
 import ml_collections
 

@@ -61,3 +61,19 @@ def test_windows_cover_all_layers_in_ring_order():
   plan = halda.Plan(k=2, w=(1, 2, 0), n=(0, 0, 0), latency_s=0.0, used=(0, 1))
   assert plan.windows() == [[[0], [3]], [[1, 2], [4, 5]], [[], []]]
   assert halda.memory_proportional([halda.DeviceCost("a", 1, 1, 1), halda.DeviceCost("b", 1, 3, 1)], 8) == (2, 6)
+
+
+def test_overlap_makes_k_gt_1_win_when_memory_starved():
+  """benchmarks/ondevice_devices4.yaml-like instance: 8 layers of 0.8 MB, RAM < one layer on two devices.
+  Reads of k>1 windows overlap the other devices' work, so Halda picks k>1 although k=1 (pin what fits)
+  reads fewer bytes; prima.cpp's cost, blind to the overlap, rates that plan far worse than it runs."""
+  lb = int(0.8 * MB)
+  spec = [(0.45, 7, 2.0), (0.9, 30, 1.0), (1.8, 32, 1.0), (0.5, 14, 3.0)]  # RAM MB, disk MB/s, slowdown
+  devs = [halda.DeviceCost(f"d{i}", 5e-4 * sl, ram * MB, disk * MB, link_s=5e-3) for i, (ram, disk, sl) in
+          enumerate(spec)]
+  model = halda.ModelCost(8, lb, kv_bytes_per_layer=50_000, head_s=1e-3)
+  best, k1 = halda.solve(devs, model), halda.solve_k(devs, model, 1)
+  assert best.k > 1 and best.latency_s < 0.8 * k1.latency_s
+  assert best.disk_bytes_per_token() > k1.disk_bytes_per_token()
+  assert halda.prima_cost(devs, model, best.k, best.w, best.n) > 1.5 * best.latency_s
+  assert halda.evaluate(devs, model, best.k, best.w, best.n) == pytest.approx(best.latency_s, rel=1e-6)

@@ -3,10 +3,8 @@ import os
 import shutil
 import subprocess
 
-import numpy as np
 import pytest
 
-from ondevice import gguf_io
 from ondevice.weights import PAGE, MappedGGUF, io_counters
 
 

@@ -104,3 +104,8 @@ def test_plain_matmul_flops_equal_xla():
   xla = comp.cost_analysis()
   xla = xla[0] if isinstance(xla, list) else xla
   assert g.totals()["flops"] == 2 * 128 * 256 * 64 == xla["flops"]
+
+
+def test_bare_mesh_replica_groups_mean_the_whole_mesh():
+  from perfmodel import hlo_parse as hp
+  assert hp.parse_replica_groups("mesh['axis_0'=1,'axis_1'=2,'axis_2'=4]") == [tuple(range(8))]

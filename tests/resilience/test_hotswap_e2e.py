@@ -18,6 +18,21 @@ def _check(ref_pair, wd, out, kinds_tier=("memory",), recoveries=1, max_recomput
   assert_identical(ref, out, ref_wd, wd)
 
 
+def test_replication_kill_recomputes_identically(cache_dir, tmp_path):
+  """Default (one job, no reference run): node 1 dies while sending snapshot v5, so v5 never commits, the
+  spare restores v4 from node 2's replica and step 5 is computed again in the new generation; its loss
+  must equal the first computation bit for bit (the full-trajectory comparisons are the slow tests)."""
+  out = run_job(tmp_path, cache_dir, fail_at=4, fail_kind="replication", fail_rank=1)
+  assert len(out["recoveries"]) == 1
+  rec = out["recoveries"][0]
+  assert rec["tier"] == "memory" and rec["failed_ranks"] == [1] and rec["swaps"]["1"] == ["node1", "spare0"]
+  assert rec["restored_version"] < rec["last_step"] and rec["steps_recomputed"] == 1
+  assert out["recompute_checks"] >= 1 and out["loss_mismatch_on_recompute"] == []  # same loss bits again
+  assert set(rec["breakdown_s"]) == {"detect", "rebuild", "restore", "recompile", "first_step"}
+  assert out["failures_injected"] == 1 and out["generations"] == 2 and out["committed"] == out["steps"]
+
+
+@pytest.mark.slow
 def test_node_kill_swaps_spare_bit_identical(reference, cache_dir, tmp_path):
   out = run_job(tmp_path, cache_dir, fail_at=4, fail_kind="node", fail_rank=1)
   _check(reference, tmp_path, out)

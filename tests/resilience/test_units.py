@@ -1,5 +1,4 @@
 """Fast, single-process tests: shared-memory slots, snapshot layout, injection plans, goodput model."""
-import math
 import os
 import random
 
