@@ -220,6 +220,7 @@ def main(argv=None) -> int:
   ap.add_argument("--no-results", action="store_true")
   ap.add_argument("--no-calibrate", action="store_true", help="use the stored gloo calibration as is")
   ap.add_argument("--json", default=os.path.join(ROOT, "benchmarks", "emulate_validate.json"))
+  ap.add_argument("--no-predict", action="store_true", help="skip the predict / roofline columns")
   ap.add_argument("--reaggregate", default=None, help="recompute the summary from a saved JSON (no runs)")
   a = ap.parse_args(argv)
   if a.reaggregate:
@@ -247,7 +248,8 @@ def main(argv=None) -> int:
 
 
 def _finish(rounds, layouts, a, t0, previous=None) -> int:
-  per = aggregate(rounds, layouts, predict=previous is None, previous=previous)
+  per = aggregate(rounds, layouts, predict=previous is None and not getattr(a, "no_predict", False),
+                  previous=previous)
   mean_abs = statistics.mean(abs(v["error_pct"]) for v in per.values())
   out = {"benchmark": "emulate_validate", "date": datetime.datetime.now().isoformat(timespec="minutes"),
          "machine": f"{platform.node()} {os.cpu_count()} cores (shared)", "processes": 2,
@@ -283,7 +285,8 @@ def _append(out: dict, a) -> None:
     cells.append(f"{lay}: real {v['real_s'] * 1e3:.1f} ms (noise p10-p90 {v['real_noise_p10_p90_pct']:.0f}%, across rounds "
                  f"{v['real_across_rounds_pct']:.0f}%), emulate {v['emulated_s'] * 1e3:.1f} ms ({v['error_pct']:+.1f}%), "
                  f"predict {_fmt(v['predict_s'])} ({_fmtp(v['predict_error_pct'])}), roofline {_fmt(v['roofline_s'])} "
-                 f"({_fmtp(v['roofline_error_pct'])}); {mem}")
+                 f"({_fmtp(v['roofline_error_pct'])}); process CPU per step real {_fmt(v.get('real_cpu_s'))} vs emulated "
+                 f"compute {_fmt(v.get('emulated_cpu_compute_s'))}; {mem}")
   row = (f"| {out['date']} | `PYTHONPATH=. python benchmarks/emulate_validate.py --rounds {out['rounds']}` | {out['machine']}, "
          f"load {out['load_avg_1m_end']:.0f} | emulate_validate, 2 processes gloo vs 1 real rank + virtual peer: mean "
          f"abs iteration-time error {out['mean_abs_error_pct']:.1f}% (target 2%); " + "; ".join(cells) + " |\n")

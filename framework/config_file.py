@@ -69,6 +69,9 @@ def apply_overrides(cd, overrides: Iterable[str]):
     if not eq:
       raise ConfigError(f"override {ov!r} has no '=value'")
     *parents, leaf = key.split(".")
+    if parents and parents[0] not in _typed_keys([]) and "extras" in cd and parents[0] in cd["extras"]:
+      parents = ["extras"] + parents  # --config.resilience.x is short for --config.extras.resilience.x
+      key = "extras." + key
     typed = _typed_keys(parents)
     node = cd
     for i, part in enumerate(parents):

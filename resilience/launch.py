@@ -39,6 +39,8 @@ def run_hotswap(cfg: config_lib.Config, workdir: str) -> dict:
   with open(os.path.join(workdir, "config.json"), "w") as f:
     json.dump({"config": cfg_dict, "resilience": settings_lib.to_dict(s)}, f, indent=1, default=str)
   run_id = uuid.uuid4().hex[:10]
+  with open(os.path.join(workdir, "run_id"), "w") as f:  # lets a supervisor that SIGKILLs us clean /dev/shm
+    f.write(run_id)
   ctl = Controller(cfg_dict, cfg.train.steps, s, workdir, run_id)
   t0 = time.time()
   try:

@@ -22,7 +22,7 @@ def get_config(arg=None):
   c.mesh = dict(data=2, tensor=4, fsdp=1, sequence=1, pipeline=1, rules="default", form="jit")
   c.checkpoint = dict(every=100, keep=2, async_save=True)
   c.train = dict(steps=200, log_every=10, eval_every=100, eval_batches=4, sample_tokens=120,
-                 sample_prompt="def ", progress=True)
+                 sample_prompt="def ", sample_temperature=0.7, progress=True)
   if a.runlocal:
     c.model.update(d_model=64, n_layers=2, n_heads=4, n_kv_heads=4, d_ff=128)
     c.data.update(seq_len=32, global_batch=8)

@@ -113,3 +113,12 @@ def test_rank_program_graph_matches_compiled_dots(small):
   dots_c = sum(n.flops * k for n, k in gc.walk() if n.kind == "dot")
   assert dots_j == pytest.approx(dots_c, rel=0.1)
   assert {n.collective.kind for n, _ in gj.walk() if n.collective} >= {"all-reduce"}
+
+
+def test_cli_dispatches_emulate_to_the_emulation_package(monkeypatch, capsys):
+  from perfmodel import cli
+  seen = {}
+  import perfmodel.emulate.cli as emu_cli
+  monkeypatch.setattr(emu_cli, "main", lambda argv=None: seen.setdefault("argv", argv) and 0)
+  cli.main(["emulate", "--config", "x.py", "--mesh", "data=2"])
+  assert seen["argv"] == ["--config", "x.py", "--mesh", "data=2"]

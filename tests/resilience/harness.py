@@ -1,12 +1,29 @@
 """Runs one hot-swap job in its own session with a hard timeout; every descendant is SIGKILLed after."""
+import glob
 import json
 import os
 import signal
 import subprocess
 import sys
+import tempfile
 
 REPO = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 TEST_STEPS = 8
+
+
+def _remove_shm(workdir):
+  """A SIGKILLed launcher cannot unlink its run's shared-memory slots: do it for it."""
+  try:
+    with open(os.path.join(str(workdir), "run_id")) as f:
+      run_id = f.read().strip()
+  except OSError:
+    return
+  for p in glob.glob(os.path.join("/dev/shm", f"prismllm-{run_id}-*")) + \
+      glob.glob(os.path.join(tempfile.gettempdir(), f"prismllm-{run_id}-*")):
+    try:
+      os.unlink(p)
+    except OSError:
+      pass
 
 
 def run_job(workdir, cache_dir, timeout_s=600, steps=TEST_STEPS, **resilience):
@@ -30,6 +47,7 @@ def run_job(workdir, cache_dir, timeout_s=600, steps=TEST_STEPS, **resilience):
     except ProcessLookupError:
       pass
     proc.wait()
+    _remove_shm(workdir)
   text = out.decode(errors="replace")
   path = os.path.join(str(workdir), "hotswap_summary.json")
   assert proc.returncode == 0 and os.path.exists(path), f"hot-swap job failed (rc {proc.returncode}):\n{text[-6000:]}"
