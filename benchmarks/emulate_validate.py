@@ -48,21 +48,7 @@ def child_real(spec: str, workdir: str, coord: str, pid: int, steps: int) -> Non
     captured["step"] = orig_build(cfg_, mesh)
     return captured["step"]
   step_lib.build_step = build
-  patched = cfg.mesh.data * cfg.mesh.fsdp == 1
-  if patched:
-    # framework bug (reported): with the batch replicated over processes (tensor/pipeline layouts),
-    # BatchIterator hands each process B/processes rows but put_batch needs the whole global batch.
-    # Workaround: every process draws the global batch (what a fixed framework must do).
-    orig_init = data_lib.BatchIterator.__init__
-
-    def init(self, data, cfg_d, step=0, seed_offset=0, process_index=0, process_count=1):
-      orig_init(self, data, cfg_d, step, seed_offset, 0, 1)
-    data_lib.BatchIterator.__init__ = init
-
-    def put_batch(self, batch_local):
-      return {k: jax.make_array_from_process_local_data(self.batch_shardings[k], v, v.shape)
-              for k, v in batch_local.items()}
-    step_lib.CompiledStep.put_batch = put_batch
+  patched = False  # the framework now gives each process the rows its devices hold (CompiledStep.local_rows)
   # Per-step wall and process-CPU clocks of the real loop: the loop syncs on the loss every step
   # (log_every=1), so consecutive step calls delimit steps.
   clocks = []

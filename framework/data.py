@@ -73,13 +73,17 @@ def split(data: np.ndarray, cfg: DataConfig) -> Split:
 
 
 def batch_at(data: np.ndarray, step: int, cfg: DataConfig, seed_offset: int = 0,
-             process_index: int = 0, process_count: int = 1) -> dict:
-  """The rows of global batch ``step`` owned by this process: {'inputs', 'targets'} int32 BxT."""
+             process_index: int = 0, process_count: int = 1, rows: Optional[slice] = None) -> dict:
+  """The rows of global batch ``step`` owned by this process: {'inputs', 'targets'} int32 BxT.
+  ``rows`` (a slice of the global batch) overrides the even process split: a process whose devices
+  hold the batch replicated (e.g. tensor parallelism across processes) needs more than B/P rows."""
   T, B = cfg.seq_len, cfg.global_batch
   rng = np.random.default_rng([cfg.seed + seed_offset, step])
   offsets_B = rng.integers(0, data.size - T - 1, size=B)
-  per = B // process_count
-  offsets = offsets_B[process_index * per:(process_index + 1) * per]
+  if rows is None:
+    per = B // process_count
+    rows = slice(process_index * per, (process_index + 1) * per)
+  offsets = offsets_B[rows]
   win_BxT1 = data[offsets[:, None] + np.arange(T + 1)[None, :]].astype(np.int32)
   return {"inputs": win_BxT1[:, :-1], "targets": win_BxT1[:, 1:]}
 
@@ -88,15 +92,15 @@ class BatchIterator:
   """Checkpointable iterator: ``state()`` is {'step': int}; ``restore(state)`` jumps there."""
 
   def __init__(self, data: np.ndarray, cfg: DataConfig, step: int = 0, seed_offset: int = 0,
-               process_index: int = 0, process_count: int = 1):
+               process_index: int = 0, process_count: int = 1, rows: Optional[slice] = None):
     self.data, self.cfg, self.step = data, cfg, step
-    self.seed_offset, self.pi, self.pc = seed_offset, process_index, process_count
+    self.seed_offset, self.pi, self.pc, self.rows = seed_offset, process_index, process_count, rows
 
   def __iter__(self) -> Iterator[dict]:
     return self
 
   def __next__(self) -> dict:
-    b = batch_at(self.data, self.step, self.cfg, self.seed_offset, self.pi, self.pc)
+    b = batch_at(self.data, self.step, self.cfg, self.seed_offset, self.pi, self.pc, self.rows)
     self.step += 1
     return b
 

@@ -39,8 +39,7 @@ def evaluate(step_obj, params, eval_data: np.ndarray, cfg: Config, n_batches: in
   losses = []
   for i in range(n_batches):
     b = step_obj.put_batch(data_lib.batch_at(eval_data, i, cfg.data, seed_offset=1_000_003,
-                                             process_index=jax.process_index(),
-                                             process_count=jax.process_count()))
+                                             rows=step_obj.local_rows()))
     with step_obj.context():
       losses.append(fn(params, b))
   return float(np.mean(jax.device_get(losses)))
@@ -71,8 +70,7 @@ def train_and_evaluate(cfg: Config, workdir: str, max_steps: Optional[int] = Non
   else:
     state = step_obj.init_state(jax.random.key(cfg.train.seed))
   start = int(jax.device_get(state.step))
-  it = data_lib.BatchIterator(corpus.train, cfg.data, step=start, process_index=jax.process_index(),
-                              process_count=jax.process_count())
+  it = data_lib.BatchIterator(corpus.train, cfg.data, step=start, rows=step_obj.local_rows())
   it.restore(data_state)
 
   total = cfg.train.steps if max_steps is None else min(cfg.train.steps, start + max_steps)

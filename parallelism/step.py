@@ -68,16 +68,29 @@ class CompiledStep:
       return self.step_fn.lower(state if state is not None else self.abstract_state(),
                                 batch if batch is not None else self.abstract_batch())
 
+  def local_rows(self) -> slice:
+    """The global-batch rows this process's devices hold (contiguous for meshes built by make_mesh).
+    Not always B/P: when the batch axes do not span the processes, every process needs them all."""
+    d = self.cfg.data
+    idx = self.batch_shardings["inputs"].addressable_devices_indices_map((d.global_batch, d.seq_len))
+    starts = [(i[0].start or 0) for i in idx.values()]
+    stops = [(d.global_batch if i[0].stop is None else i[0].stop) for i in idx.values()]
+    rows = slice(min(starts), max(stops))
+    covered = sum(b - a for a, b in sorted(set(zip(starts, stops))))
+    if covered != rows.stop - rows.start:
+      raise ValueError(f"process {jax.process_index()} holds non-contiguous batch rows {sorted(set(zip(starts, stops)))}")
+    return rows
+
   def put_batch(self, batch_local: dict) -> dict:
-    """Host numpy rows of this process -> global sharded arrays."""
+    """Host numpy rows of this process (``local_rows()``) -> global sharded arrays."""
     out = {}
+    d = self.cfg.data
     for k, v in batch_local.items():
       sh = self.batch_shardings[k]
       if jax.process_count() == 1:
         out[k] = jax.device_put(v, sh)
       else:
-        gshape = (v.shape[0] * jax.process_count(),) + v.shape[1:]
-        out[k] = jax.make_array_from_process_local_data(sh, v, gshape)
+        out[k] = jax.make_array_from_process_local_data(sh, v, (d.global_batch,) + v.shape[1:])
     return out
 
 

@@ -29,8 +29,19 @@ def _losses(workdir):
   return {r["step"]: r["loss"] for r in rows if "loss" in r}
 
 
-def test_two_processes_match_one(tmp_path, monkeypatch, capfd):
+# data=2 x tensor=4: each process holds half the batch. pipeline=2 x tensor=4 (shard_map): the batch is
+# replicated over both processes, so each must feed all rows (CompiledStep.local_rows), a past bug.
+LAYOUTS = {
+    "data2_tensor4": [],
+    "pipeline2_tensor4": ["--config.mesh.data=1", "--config.mesh.pipeline=2", "--config.mesh.form=shard_map",
+                          "--config.mesh.microbatches=2"],
+}
+
+
+@pytest.mark.parametrize("layout", sorted(LAYOUTS))
+def test_two_processes_match_one(tmp_path, monkeypatch, capfd, layout):
   launched = []
+  args = [*ARGS, *LAYOUTS[layout]]
 
   def launch_with_timeout(argv, processes, host_devices, **kw):
     launched.append((list(argv), processes, host_devices))
@@ -40,13 +51,13 @@ def test_two_processes_match_one(tmp_path, monkeypatch, capfd):
   monkeypatch.setattr(distributed, "launch_local", launch_with_timeout)
   monkeypatch.setenv("PYTHONPATH", str(REPO) + os.pathsep + os.environ.get("PYTHONPATH", ""))
   monkeypatch.chdir(REPO)
-  rc = run.main([*ARGS, "--workdir", str(tmp_path / "two"), "--processes", "2"])
+  rc = run.main([*args, "--workdir", str(tmp_path / "two"), "--processes", "2"])
   out = capfd.readouterr()
   assert rc == 0, f"2-process run failed (rc={rc}{', hard timeout' if rc == 124 else ''}):\n{out.err[-4000:]}"
   assert launched and launched[0][1:] == (2, 8) and "--processes" not in launched[0][0]
   assert "process 0/2" in out.err + out.out  # really two jax processes, not a silent fallback to one
 
-  assert run.main([*ARGS, "--workdir", str(tmp_path / "one")]) == 0
+  assert run.main([*args, "--workdir", str(tmp_path / "one")]) == 0
   one, two = _losses(tmp_path / "one"), _losses(tmp_path / "two")
   assert sorted(one) == sorted(two) == [1, 2, 3, 4]
   for s in one:
