@@ -15,44 +15,29 @@ _ACTIVATIONS = (
     ("act_vocab", "tensor"),
 )
 
+def _params(embed) -> tuple:
+  """Parameter rules; presets differ only in where the 'embed' dim of matrices is sharded."""
+  return (
+      ("embed", embed),
+      ("embed_vocab", None),
+      ("vocab", "tensor"),
+      ("q_heads", "tensor"),
+      ("kv_heads", "tensor"),
+      ("head_dim", None),
+      ("mlp", "tensor"),
+      ("norm", None),
+      ("layers", "pipeline"),
+  )
+
+
 PRESETS = {
     # FSDP shards the 'embed' dim of every matrix; Megatron TP shards heads / mlp / vocab;
     # the pipeline axis shards the layer stack (used by the shard_map pipeline).
-    "default": _ACTIVATIONS + (
-        ("embed", "fsdp"),
-        ("embed_vocab", None),
-        ("vocab", "tensor"),
-        ("q_heads", "tensor"),
-        ("kv_heads", "tensor"),
-        ("head_dim", None),
-        ("mlp", "tensor"),
-        ("norm", None),
-        ("layers", "pipeline"),
-    ),
+    "default": _ACTIVATIONS + _params("fsdp"),
     # ZeRO-3 over every batch axis: parameters sharded over data x fsdp.
-    "zero3": _ACTIVATIONS + (
-        ("embed", ("data", "fsdp")),
-        ("embed_vocab", None),
-        ("vocab", "tensor"),
-        ("q_heads", "tensor"),
-        ("kv_heads", "tensor"),
-        ("head_dim", None),
-        ("mlp", "tensor"),
-        ("norm", None),
-        ("layers", "pipeline"),
-    ),
+    "zero3": _ACTIVATIONS + _params(("data", "fsdp")),
     # Everything replicated except tensor parallelism (plain DDP + TP).
-    "replicated": _ACTIVATIONS + (
-        ("embed", None),
-        ("embed_vocab", None),
-        ("vocab", "tensor"),
-        ("q_heads", "tensor"),
-        ("kv_heads", "tensor"),
-        ("head_dim", None),
-        ("mlp", "tensor"),
-        ("norm", None),
-        ("layers", "pipeline"),
-    ),
+    "replicated": _ACTIVATIONS + _params(None),
 }
 
 
