@@ -52,7 +52,8 @@ class Captured:
   compiled: object = None  # the jax Compiled object (runnable on the host when small)
 
 
-def _memory(compiled) -> dict:
+def memory_of(compiled) -> dict:
+  """Per-device memory of a compiled program, with the peak as argument + output - alias + temp."""
   m = compiled.memory_analysis()
   keys = ("argument_size_in_bytes", "output_size_in_bytes", "alias_size_in_bytes", "temp_size_in_bytes",
           "generated_code_size_in_bytes")
@@ -86,7 +87,7 @@ def train_step(cfg: Config, keep_compiled: bool = False) -> Captured:
   t1 = time.perf_counter()
   compiled = lowered.compile()
   t2 = time.perf_counter()
-  return Captured(hlo_text=compiled.as_text(), memory=_memory(compiled), cost_analysis=_cost(compiled),
+  return Captured(hlo_text=compiled.as_text(), memory=memory_of(compiled), cost_analysis=_cost(compiled),
                   n_devices=mesh.size, lower_s=t1 - t0, compile_s=t2 - t1,
                   compiled=(compiled, step) if keep_compiled else None)
 
@@ -107,6 +108,6 @@ def sampler(cfg: Config, batch: int, prompt_len: int, gen_len: int, keep_compile
   t1 = time.perf_counter()
   compiled = lowered.compile()
   t2 = time.perf_counter()
-  return Captured(hlo_text=compiled.as_text(), memory=_memory(compiled), cost_analysis=_cost(compiled),
+  return Captured(hlo_text=compiled.as_text(), memory=memory_of(compiled), cost_analysis=_cost(compiled),
                   n_devices=1, lower_s=t1 - t0, compile_s=t2 - t1,
                   compiled=(compiled, model) if keep_compiled else None)

@@ -25,6 +25,7 @@ from typing import Optional
 
 import jax
 
+from perfmodel.capture import memory_of  # one peak-memory convention for predict and emulate
 from perfmodel.emulate import rank_program as rp
 
 
@@ -52,17 +53,6 @@ class RankRun:
       return 0.0
     lo, hi = xs[int(0.1 * (len(xs) - 1))], xs[int(round(0.9 * (len(xs) - 1)))]
     return (hi - lo) / self.compute_s if self.compute_s else 0.0
-
-
-def memory_of(compiled) -> dict:
-  m = compiled.memory_analysis()
-  keys = ("argument_size_in_bytes", "output_size_in_bytes", "alias_size_in_bytes", "temp_size_in_bytes",
-          "generated_code_size_in_bytes")
-  out = {k: int(getattr(m, k, 0) or 0) for k in keys}
-  # Same convention as perfmodel.capture: CPU's own 'peak' ignores temporaries.
-  out["peak_bytes"] = (out["argument_size_in_bytes"] + out["output_size_in_bytes"] - out["alias_size_in_bytes"]
-                       + out["temp_size_in_bytes"])
-  return out
 
 
 def compile_rank(prog: rp.RankProgram, rank: int):
