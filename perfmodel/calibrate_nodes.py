@@ -122,19 +122,12 @@ def _infer_program(entry, hw, phys, samples, reps, trace_reps, log) -> dict:
   g = graph_lib.from_hlo_text(cap.hlo_text, 1)
   loop = decode_loop(g, g2)
   traced = trace_nodes.traced_times(run2, reps=trace_reps, names={n.name for n, _ in g.walk()})
-  seen = set()
-  for n, _ in g.walk():
-    if n.kind not in ("dot", "fusion", "other") or n.name not in traced or n.name in seen:
-      continue
-    seen.add(n.name)
-    p = phys.price(n)
-    samples.append({"prog": entry["name"], "cls": learned.node_class(n), "f": learned.features(n),
-                    "t": trace_nodes.quantile(traced[n.name], 0.25), "phys": p.seconds if p else 0.0,
-                    "name": n.name, "fp": n.fingerprint})
+  new = _node_samples(g, traced, entry["name"], phys)
+  samples.extend(new)
   tpot = (bench.seconds(r2) - bench.seconds(r1)) / (g2 - g1)
   noise = max(bench.spread_pct(bench.view(r1)), bench.spread_pct(bench.view(r2))) * bench.seconds(r2) / max(
       1e-12, bench.seconds(r2) - bench.seconds(r1))
-  log(f"calibrate {entry['name']:>18}: {len(seen)} nodes traced, TPOT {tpot * 1e3:.3f} ms (±{noise:.1f}%)")
+  log(f"calibrate {entry['name']:>18}: {len(new)} nodes traced, TPOT {tpot * 1e3:.3f} ms (±{noise:.1f}%)")
   return {"name": entry["name"], "graph": g, "n": 1, "measured": tpot, "noise": noise,
           "region": loop.body if loop else None}
 
@@ -160,18 +153,11 @@ def run(hw, reps: int = 7, trace_reps: int = 3, entries: list = None, log=print,
     # device's thread preempts a thunk mid-flight and its TraceMe wall time overstates the work.
     names = {n.name for n, _ in g.walk()}
     traced = trace_nodes.traced_times(run_fn, reps=trace_reps, names=names) if cap.n_devices == 1 else {}
-    seen = set()
-    for n, _ in g.walk():
-      if n.kind not in ("dot", "fusion", "other") or n.name not in traced or n.name in seen:
-        continue
-      seen.add(n.name)
-      p = phys.price(n)
-      samples.append({"prog": entry["name"], "cls": learned.node_class(n), "f": learned.features(n),
-                      "t": trace_nodes.quantile(traced[n.name], 0.25), "phys": p.seconds if p else 0.0,
-                      "name": n.name, "fp": n.fingerprint})
+    new = _node_samples(g, traced, entry["name"], phys)
+    samples.extend(new)
     programs.append({"name": entry["name"], "graph": g, "n": cap.n_devices, "measured": bench.seconds(r),
                      "noise": bench.spread_pct(bench.view(r))})
-    log(f"calibrate {entry['name']:>18}: {len(seen)} nodes traced, step {bench.seconds(r) * 1e3:.2f} ms "
+    log(f"calibrate {entry['name']:>18}: {len(new)} nodes traced, step {bench.seconds(r) * 1e3:.2f} ms "
         f"(±{programs[-1]['noise']:.1f}%, {cap.n_devices} dev)")
   for entry in (suite.CALIBRATION_INFER if infer else []):
     programs.append(_infer_program(entry, hw, phys, samples, reps, trace_reps, log))
@@ -244,3 +230,17 @@ def refit(prof_path: str, hlo_dir: str, log=print) -> dict:
   with open(prof_path, "w") as f:
     json.dump(base, f, indent=1)
   return {"composition": coef, "loo_mape": cal["calibration_loo_mape"], "loo": cv}
+
+
+def _node_samples(g, traced: dict, prog: str, phys) -> list:
+  """One learned-backend sample per distinct timed dot/fusion node of graph ``g``."""
+  out, seen = [], set()
+  for n, _ in g.walk():
+    if n.kind not in ("dot", "fusion", "other") or n.name not in traced or n.name in seen:
+      continue
+    seen.add(n.name)
+    p = phys.price(n)
+    out.append({"prog": prog, "cls": learned.node_class(n), "f": learned.features(n),
+                "t": trace_nodes.quantile(traced[n.name], 0.25), "phys": p.seconds if p else 0.0,
+                "name": n.name, "fp": n.fingerprint})
+  return out
