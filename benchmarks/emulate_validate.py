@@ -8,8 +8,10 @@ Per round and layout, interleaved (real, then emulated, layouts rotated between 
   * real: `experiments.run` as 2 processes (jax.distributed, gloo over loopback), process i pinned to core
     i, single-threaded XLA; time = median of metrics.jsonl `step_time_s` after the warm-up steps. Each
     process also reports `memory_analysis()` of the step it compiled (the real per-rank program).
-  * emulated: `perfmodel.emulate` in 1 process pinned to core 0 (where real rank 0 ran): one real rank,
-    the other a virtual peer; collectives priced by the 2-process gloo calibration
+  * emulated: `perfmodel.emulate --colocated 2` in 1 process pinned to core 0 (where real rank 0 ran): one
+    real rank, the other a virtual peer whose load on the shared memory system is replayed by a shadow
+    process on core 1 (perfmodel/emulate/shadow.py); side by side, the same emulation with the rank timed
+    alone (`--colocated 1`, column "alone"); collectives priced by the 2-process gloo calibration
     (perfmodel/emulate/gloo_calibration.py, re-measured at the start of every round so it sees the
     host's current load); memory from the real 2-device program compiled on 2 virtual devices.
   * predict / roofline: `python -m perfmodel predict` (compile method) once per layout.
@@ -105,11 +107,12 @@ def run_real(layout: str, steps: int, warmup_steps: int) -> dict:
           "load_avg_1m": [load0, os.getloadavg()[0]]}
 
 
-def run_emulated(layout: str, repeats: int, warmup: int, exact_memory: bool) -> dict:
+def run_emulated(layout: str, repeats: int, warmup: int, exact_memory: bool, colocated: int = 2) -> dict:
   from perfmodel.emulate import localrun  # noqa: PLC0415
   out = tempfile.mkdtemp(prefix=f"ev_emu_{layout}_")
   cmd = localrun.python("-m", "perfmodel.emulate", "--config", f"{CONFIG}:layout={layout}", "--hardware", "cpu",
-                        "--repeats", str(repeats), "--warmup", str(warmup), "--out", out)
+                        "--repeats", str(repeats), "--warmup", str(warmup), "--out", out,
+                        "--colocated", str(colocated))
   if exact_memory:
     cmd.append("--exact-memory")
   load0 = os.getloadavg()[0]
@@ -150,6 +153,9 @@ def aggregate(rounds: list, layouts: list, predict: bool = True, previous: Optio
     real_med = statistics.median(x["median"] for x in reals)
     emu_med = statistics.median(x["iteration_time_s"] for x in emus)
     paired = [e["iteration_time_s"] / x["median"] - 1 for e, x in zip(emus, reals)]
+    alone = [rd["layouts"][lay].get("emulated_alone") for rd in rounds]
+    alone = [a_["iteration_time_s"] for a_ in alone if a_]
+    alone_med = statistics.median(alone) if alone else None
     real_noise = statistics.median(100 * (x["p90"] - x["p10"]) / x["median"] for x in reals)
     across = 100 * (max(x["median"] for x in reals) - min(x["median"] for x in reals)) / real_med
     mem_real = reals[0]["memory_per_rank"]
@@ -163,6 +169,9 @@ def aggregate(rounds: list, layouts: list, predict: bool = True, previous: Optio
       pred, roof = {"step_time_s": old.get("predict_s")}, {"step_time_s": old.get("roofline_s")}
     per[lay] = {
         "real_s": real_med, "emulated_s": emu_med, "error_pct": 100 * (emu_med / real_med - 1),
+        "emulated_interference": e0.get("interference"),
+        "emulated_alone_s": alone_med,
+        "error_alone_pct": 100 * (alone_med / real_med - 1) if alone_med else None,
         "paired_error_pct": [100 * p for p in paired], "real_noise_p10_p90_pct": real_noise,
         "real_across_rounds_pct": across,
         "emulated_noise_p10_p90_pct": statistics.median(100 * max(rk["noise_p10_p90"] for rk in e["ranks"])
@@ -204,6 +213,8 @@ def main(argv=None) -> int:
   ap.add_argument("--warmup-steps", type=int, default=4, help="real-run steps dropped (the first is compile)")
   ap.add_argument("--repeats", type=int, default=10)
   ap.add_argument("--no-results", action="store_true")
+  ap.add_argument("--no-alone", action="store_true",
+                  help="skip the side-by-side emulation that times the rank alone (no shadow of its co-located peer)")
   ap.add_argument("--no-calibrate", action="store_true", help="use the stored gloo calibration as is")
   ap.add_argument("--json", default=os.path.join(ROOT, "benchmarks", "emulate_validate.json"))
   ap.add_argument("--no-predict", action="store_true", help="skip the predict / roofline columns")
@@ -226,9 +237,13 @@ def main(argv=None) -> int:
     row = {"round": r, "order": order, "calibration_load": cal and cal["load_avg_1m"], "layouts": {}}
     for lay in order:
       real = run_real(lay, a.steps, a.warmup_steps)
-      emu = run_emulated(lay, a.repeats, 2, exact_memory=(r == 0))
+      emu = run_emulated(lay, a.repeats, 2, exact_memory=(r == 0), colocated=2)
       row["layouts"][lay] = {"real": real, "emulated": emu}
-      print(f"round {r} {lay}: real {real['median']:.4f}s emulated {emu['iteration_time_s']:.4f}s", file=sys.stderr)
+      if not a.no_alone:
+        row["layouts"][lay]["emulated_alone"] = run_emulated(lay, a.repeats, 2, exact_memory=False, colocated=1)
+      print(f"round {r} {lay}: real {real['median']:.4f}s emulated {emu['iteration_time_s']:.4f}s (alone "
+            f"{row['layouts'][lay].get('emulated_alone', {}).get('iteration_time_s', float('nan')):.4f}s)",
+            file=sys.stderr)
     rounds.append(row)
   return _finish(rounds, layouts, a, t0)
 
@@ -271,7 +286,8 @@ def _append(out: dict, a) -> None:
     cells.append(f"{lay}: real {v['real_s'] * 1e3:.1f} ms (noise p10-p90 {v['real_noise_p10_p90_pct']:.0f}%, across rounds "
                  f"{v['real_across_rounds_pct']:.0f}%), emulate {v['emulated_s'] * 1e3:.1f} ms ({v['error_pct']:+.1f}%), "
                  f"predict {_fmt(v['predict_s'])} ({_fmtp(v['predict_error_pct'])}), roofline {_fmt(v['roofline_s'])} "
-                 f"({_fmtp(v['roofline_error_pct'])}); process CPU per step real {_fmt(v.get('real_cpu_s'))} vs emulated "
+                 f"({_fmtp(v['roofline_error_pct'])}); rank timed alone (no peer shadow) {_fmt(v.get('emulated_alone_s'))} "
+                 f"({_fmtp(v.get('error_alone_pct'))}); process CPU per step real {_fmt(v.get('real_cpu_s'))} vs emulated "
                  f"compute {_fmt(v.get('emulated_cpu_compute_s'))}; {mem}")
   row = (f"| {out['date']} | `PYTHONPATH=. python benchmarks/emulate_validate.py --rounds {out['rounds']}` | {out['machine']}, "
          f"load {out['load_avg_1m_end']:.0f} | emulate_validate, 2 processes gloo vs 1 real rank + virtual peer: mean "

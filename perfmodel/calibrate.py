@@ -181,6 +181,7 @@ def _node_stage(quick: bool, prof_path: str = None) -> dict:
                         "perfmodel/suite.py:CALIBRATION(+_INFER)"}, "samples": res["samples"]}, f)
   cal = base["calibration"]["value"]
   cal["composition"] = res["composition"]
+  cal["learned_k"] = res["learned_k"]
   cal["calibration_loo_mape"] = res["loo_mape"]
   cal["calibration_loo"] = [{k: (round(v, 6) if isinstance(v, float) else v) for k, v in c.items()}
                             for c in res["loo"]]
@@ -188,4 +189,5 @@ def _node_stage(quick: bool, prof_path: str = None) -> dict:
   with open(prof_path, "w") as f:
     json.dump(base, f, indent=1)
   return {"profile": prof_path, "nodes": {"samples": len(res["samples"]), "composition": res["composition"],
-                                          "loo_mape": res["loo_mape"], "node_noise_pct": res["noise_pct_median"]}}
+                                          "loo_mape": res["loo_mape"], "learned_k": res["learned_k"],
+                                          "node_noise_pct": res["noise_pct_median"]}}

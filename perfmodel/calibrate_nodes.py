@@ -33,8 +33,22 @@ def _cfg(entry: dict, base: dict = None):
   return cfg.__class__(**{**cfg.__dict__, "name": entry["name"]})
 
 
-def composition_features(g: graph_lib.ExecGraph, price, n_devices: int, region: str = None) -> list:
-  """[sum node s, node execs, 1, collective bytes, collective execs], each x N devices."""
+# XLA:CPU combines a program's temporaries into one buffer per execution, allocated with malloc. glibc serves
+# blocks above its largest dynamic mmap threshold (DEFAULT_MMAP_THRESHOLD_MAX, 32 MiB on 64-bit) with a fresh
+# mmap and unmaps them on free, so such a step page-faults its whole temp buffer every time: measured here,
+# minor faults per step = temp bytes / 4096 above 32 MiB and ~0 below, 0.4-0.5 ms of system time per MiB
+# (README, "fresh temp buffer"). Node traces do not see it as a node of its own.
+FRESH_ALLOC_THRESHOLD = 32 * 2 ** 20
+
+
+def fresh_bytes(temp_bytes: float, n_devices: int) -> float:
+  """Bytes a step page-faults afresh: each device's temp buffer when it is above the mmap threshold."""
+  return float(temp_bytes) * n_devices if temp_bytes > FRESH_ALLOC_THRESHOLD else 0.0
+
+
+def composition_features(g: graph_lib.ExecGraph, price, n_devices: int, region: str = None,
+                         temp_bytes: float = 0.0) -> list:
+  """[sum node s, node execs, 1, collective bytes, collective execs] each x N devices, + fresh temp bytes."""
   t, execs, cb, ce = 0.0, 0, 0.0, 0
   for n, k in g.walk(region):
     if n.collective is not None:
@@ -43,14 +57,17 @@ def composition_features(g: graph_lib.ExecGraph, price, n_devices: int, region: 
     elif n.kind in ("dot", "fusion", "other"):
       t += price(n) * k
       execs += k
-  return [t * n_devices, execs * n_devices, n_devices, cb * n_devices, ce * n_devices]
+  return [t * n_devices, execs * n_devices, n_devices, cb * n_devices, ce * n_devices,
+          0.0 if region else fresh_bytes(temp_bytes, n_devices)]
 
 
 # Program types compose differently on this host (measured, see README): a single-device training step,
 # N virtual devices time-sharing the pinned core (their threads interleave at every collective), and a decode
 # step inside the sampler's while loop (hot caches, tiny thunks). Each type has its own coefficients; which
 # features a type may use is fixed here (few calibration programs per type: keep the forms small).
-TYPE_FEATURES = {"train": (0, 1, 2), "multi": (0, 2, 4), "decode": (0, 1)}
+LEARNED_K = (4, 8, 16)  # neighbour counts tried by calibration
+TYPE_FEATURES = {"train": (0, 1, 2, 5), "multi": (0, 2, 4, 5), "decode": (0, 1)}
+COEF_NAMES = ("a", "b", "c", "e", "f", "g")
 
 
 def program_type(n_devices: int, decode: bool = False) -> str:
@@ -62,8 +79,7 @@ def compose(coef: dict, feats: list, ptype: str = None) -> float:
     coef = coef[ptype]
   elif "train" in coef:  # typed coefficients but no type given: a single-device step
     coef = coef["train"]
-  a, b, c, e, f = (coef.get(k, 0.0) for k in ("a", "b", "c", "e", "f"))
-  return a * feats[0] + b * feats[1] + c * feats[2] + e * feats[3] + f * feats[4]
+  return sum(coef.get(k, 0.0) * v for k, v in zip(COEF_NAMES, feats))
 
 
 def fit_typed(rows: list, y: list, types: list) -> dict:
@@ -75,7 +91,7 @@ def fit_typed(rows: list, y: list, types: list) -> dict:
       continue
     sub = [[rows[i][c] for c in cols] for i in idx]
     x = _nnls(sub, [y[i] for i in idx])
-    full = [0.0] * 5
+    full = [0.0] * len(COEF_NAMES)
     for c, v in zip(cols, x):
       full[c] = float(v)
     out[t] = _coef(full)
@@ -107,7 +123,7 @@ def _nnls(rows, y):
 
 
 def _coef(x) -> dict:
-  return dict(zip(("a", "b", "c", "e", "f"), (float(v) for v in x)))
+  return dict(zip(COEF_NAMES, (float(v) for v in x)))
 
 
 def _infer_program(entry, hw, phys, samples, reps, trace_reps, log) -> dict:
@@ -156,29 +172,36 @@ def run(hw, reps: int = 7, trace_reps: int = 3, entries: list = None, log=print,
     new = _node_samples(g, traced, entry["name"], phys)
     samples.extend(new)
     programs.append({"name": entry["name"], "graph": g, "n": cap.n_devices, "measured": bench.seconds(r),
-                     "noise": bench.spread_pct(bench.view(r))})
+                     "noise": bench.spread_pct(bench.view(r)), "temp": cap.memory["temp_size_in_bytes"]})
     log(f"calibrate {entry['name']:>18}: {len(new)} nodes traced, step {bench.seconds(r) * 1e3:.2f} ms "
         f"(±{programs[-1]['noise']:.1f}%, {cap.n_devices} dev)")
   for entry in (suite.CALIBRATION_INFER if infer else []):
     programs.append(_infer_program(entry, hw, phys, samples, reps, trace_reps, log))
   # Leave-one-program-out node pricing -> composition features. A decode program's row is one decode step:
   # the loop body's nodes, no per-step constant (the loop does not re-enter the runtime per token).
-  rows, y = [], []
-  for p in programs:
-    model = learned.Learned(hw, samples=[s for s in samples if s["prog"] != p["name"]])
-    f = composition_features(p["graph"], lambda n: model.price(n).seconds, p["n"], p.get("region"))
-    if p.get("region"):
-      f[2] = 0.0
-    rows.append(f)
-    y.append(p["measured"])
-  types = [program_type(p["n"], bool(p.get("region"))) for p in programs]
-  coef = fit_typed(rows, y, types)
-  cv = loo_typed(rows, y, types, [p["name"] for p in programs], [p["noise"] for p in programs])
+  # The neighbour count k of the learned backend is chosen here, by the same leave-one-program-out error.
+  best = None
+  for k in LEARNED_K:
+    rows, y = [], []
+    for p in programs:
+      model = learned.Learned(hw, k=k, samples=[s for s in samples if s["prog"] != p["name"]])
+      f = composition_features(p["graph"], lambda n: model.price(n).seconds, p["n"], p.get("region"),
+                               p.get("temp", 0.0))
+      if p.get("region"):
+        f[2] = 0.0
+      rows.append(f)
+      y.append(p["measured"])
+    types = [program_type(p["n"], bool(p.get("region"))) for p in programs]
+    cv = loo_typed(rows, y, types, [p["name"] for p in programs], [p["noise"] for p in programs])
+    mape = float(np.mean([abs(c["err_pct"]) for c in cv]))
+    log(f"  learned k={k}: leave-one-program-out MAPE {mape:.1f}%")
+    if best is None or mape < best[0]:
+      best = (mape, k, fit_typed(rows, y, types), cv)
+  mape, k_best, coef, cv = best
   for c in cv:
     log(f"  LOO {c['name']:>18}: measured {c['measured_s'] * 1e3:8.2f} ms predicted {c['predicted_s'] * 1e3:8.2f} ms "
         f"err {c['err_pct']:+6.1f}%")
-  return {"samples": samples, "composition": coef, "loo": cv,
-          "loo_mape": float(np.mean([abs(c["err_pct"]) for c in cv])),
+  return {"samples": samples, "composition": coef, "loo": cv, "learned_k": k_best, "loo_mape": mape,
           "noise_pct_median": float(statistics.median(p["noise"] for p in programs))}
 
 
@@ -208,7 +231,8 @@ def refit(prof_path: str, hlo_dir: str, log=print) -> dict:
     g = graph_lib.from_hlo_text(d["hlo"], d["n"])
     region = decode_loop(g, d["gen"]).body if "gen" in d else None
     model = learned.Learned(hw, samples=[s for s in samples if s["prog"] != name])
-    r = composition_features(g, lambda n: model.price(n).seconds, d["n"], region)
+    r = composition_features(g, lambda n: model.price(n).seconds, d["n"], region,
+                             d.get("mem", {}).get("temp_size_in_bytes", 0.0))
     if region:
       r[2] = 0.0
     rows.append(r)

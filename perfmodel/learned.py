@@ -51,8 +51,10 @@ def features(n: Node) -> list:
 class Learned:
   name = "learned"
 
-  def __init__(self, hw: HardwareProfile, path: Optional[str] = None, k: int = 4, ood_distance: float = 1.0,
-               samples: Optional[list] = None):
+  def __init__(self, hw: HardwareProfile, path: Optional[str] = None, k: Optional[int] = None,
+               ood_distance: float = 1.0, samples: Optional[list] = None):
+    # k: the neighbour count calibration chose by leave-one-program-out error (4 for older profiles)
+    k = k if k is not None else int(hw.calibration.get("learned_k", 4))
     self.hw, self.k, self.ood = hw, k, ood_distance
     self.phys = Calibrated(hw)
     if samples is None:

@@ -19,7 +19,7 @@ from perfmodel.hardware import HardwareProfile
 
 
 def composed(g: graph_lib.ExecGraph, chain, hw: HardwareProfile, n_devices: int, region: str = None,
-             per_step: bool = True):
+             per_step: bool = True, temp_bytes: float = 0.0):
   """Step seconds from the calibrated composition (cpu profile, learned chain) or None.
 
   On this host the N virtual devices run their per-device programs on one pinned core, so per-node times
@@ -29,7 +29,7 @@ def composed(g: graph_lib.ExecGraph, chain, hw: HardwareProfile, n_devices: int,
   if not coef or not chain.names or chain.names[0] != "learned":
     return None
   from perfmodel import calibrate_nodes
-  feats = calibrate_nodes.composition_features(g, lambda n: chain.price(n).seconds, n_devices, region)
+  feats = calibrate_nodes.composition_features(g, lambda n: chain.price(n).seconds, n_devices, region, temp_bytes)
   if not per_step:
     feats[2] = 0.0
   return calibrate_nodes.compose(coef, feats, calibrate_nodes.program_type(n_devices, decode=not per_step))
@@ -65,7 +65,7 @@ def predict_train(cfg: Config, hw: HardwareProfile, backend: str = "auto", captu
   g = graph_lib.from_hlo_text(cap.hlo_text, cap.n_devices)
   tl, chain = price_graph(g, hw, backend)
   scale = _host_factor(hw, cap.n_devices)
-  step = composed(g, chain, hw, cap.n_devices)
+  step = composed(g, chain, hw, cap.n_devices, temp_bytes=cap.memory.get("temp_size_in_bytes", 0.0))
   composition = step is not None
   if step is None:
     step = tl.makespan * scale + hw.calibration.get("step_overhead_s", 0.0)
@@ -112,8 +112,8 @@ def predict_infer(cfg: Config, hw: HardwareProfile, batch: int, prompt_len: int,
   if coef and chain.names and chain.names[0] == "learned":
     from perfmodel import calibrate_nodes as cn
     price = lambda n: chain.price(n).seconds  # noqa: E731
-    f_all = cn.composition_features(g, price, 1)
-    f_dec = cn.composition_features(g, price, 1, decode.body) if decode else [0.0] * 5
+    f_all = cn.composition_features(g, price, 1, temp_bytes=cap.memory.get("temp_size_in_bytes", 0.0))
+    f_dec = cn.composition_features(g, price, 1, decode.body) if decode else [0.0] * len(f_all)
     f_dec[2] = 0.0
     # prefill + sampling glue: everything outside the decode loop, composed as a single-device step
     f_rest = [a - b * (gen_len if decode else 0) for a, b in zip(f_all, f_dec)]

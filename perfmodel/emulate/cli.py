@@ -22,6 +22,10 @@ def parse(argv):
   p.add_argument("--out", default=None, help="directory for trace files and emulation.json")
   p.add_argument("--repeats", type=int, default=5)
   p.add_argument("--warmup", type=int, default=1)
+  p.add_argument("--colocated", default="1",
+                 help="target ranks sharing one host's memory system (CPU hosts): the real rank is timed while "
+                      "N-1 shadow processes replay their load on the other cores; 'auto' = min(cores, ranks) for "
+                      "a cpu target on a cpu device, else 1")
   p.add_argument("--compile-only", action="store_true", help="slice and compute memory; do not execute")
   p.add_argument("--exact-memory", action="store_true",
                  help="also compile the real N-device program on N virtual CPU devices (N <= 1024) for exact memory")
@@ -35,6 +39,22 @@ def parse(argv):
 def mesh_overrides(mesh: dict) -> list:
   from framework.config import MESH_AXES  # noqa: PLC0415
   return [f"--config.mesh.{a}={mesh.get(a, 1)}" for a in MESH_AXES] if mesh else []
+
+
+def _colocated(spec: str, n: int, hardware: str, local_hardware: str) -> int:
+  if spec != "auto":
+    try:
+      v = int(spec)
+    except ValueError:
+      raise SystemExit(f"--colocated {spec!r}: give a positive integer or 'auto'") from None
+    if v < 1:
+      raise SystemExit(f"--colocated {v}: give a positive integer or 'auto'")
+    return v
+  import os  # noqa: PLC0415
+  from perfmodel import hardware as hw_lib  # noqa: PLC0415
+  if hw_lib.load(hardware).device_kind == "cpu" and hw_lib.load(local_hardware).device_kind == "cpu":
+    return max(1, min(n, os.cpu_count() or 1))
+  return 1
 
 
 def main(argv=None) -> int:
@@ -51,7 +71,8 @@ def main(argv=None) -> int:
   cfg = config_lib.validate(cfg, n)
   ranks = None if args.ranks in ("auto", "") else [int(x) for x in args.ranks.split(",") if x.strip()]
   notes = list(config_lib.extras(cfg, "emulate").get("notes", ()))
-  res = emulator.emulate(cfg, ranks=ranks, hardware=args.hardware, local_hardware=args.local_hardware,
+  colocated = _colocated(args.colocated, n, args.hardware, args.local_hardware)
+  res = emulator.emulate(cfg, ranks=ranks, colocated=colocated, hardware=args.hardware, local_hardware=args.local_hardware,
                          out_dir=args.out, repeats=args.repeats, warmup=args.warmup, execute=not args.compile_only,
                          exact_memory=(args.config, overrides) if args.exact_memory else None, notes=notes)
   print(json.dumps(res, default=str))

@@ -7,6 +7,7 @@
 """
 from __future__ import annotations
 
+import contextlib
 import json
 import os
 import subprocess
@@ -16,7 +17,7 @@ from typing import Optional, Sequence
 
 from framework.config import Config
 from perfmodel import hardware as hw_lib
-from perfmodel.emulate import measure, rank_program, slicing, trace
+from perfmodel.emulate import measure, rank_program, shadow, slicing, trace
 from perfmodel.emulate import timeline as tl_lib
 
 EXACT_MEMORY_MAX_DEVICES = 1024  # XLA:CPU compiles up to here on virtual devices; 8192 is refused (measured)
@@ -69,13 +70,16 @@ def shrunk_branch_traces(cfg: Config, ranks: Sequence[int], n_cond_sites: dict) 
 def emulate(cfg: Config, ranks: Optional[Sequence[int]] = None, hardware: str = "cpu", local_hardware: str = "cpu",
             out_dir: Optional[str] = None, repeats: int = 5, warmup: int = 1, execute: bool = True,
             exact_memory: Optional[tuple] = None, notes: Sequence[str] = (), algorithm: str = "auto",
-            host_data: bool = True, combine: bool = True, gloo_calibration: Optional[str] = "auto") -> dict:
+            host_data: bool = True, combine: bool = True, gloo_calibration: Optional[str] = "auto",
+            colocated: int = 1) -> dict:
   """Emulates one training step of ``cfg`` (validated at its target mesh). ``ranks``: None = one per
   class of distinct programs; else these ranks run for real (plus one per class they leave uncovered).
   ``exact_memory``: (config_spec, overrides) to also compile the real N-device program for its
   byte-exact per-device memory (N <= EXACT_MEMORY_MAX_DEVICES). ``gloo_calibration``: for the ``cpu``
   target, price collectives by the measured 2-process gloo curves (perfmodel/emulate/gloo_calibration.py;
-  'auto' = the stored file when present, None = the profile's own curves)."""
+  'auto' = the stored file when present, None = the profile's own curves). ``colocated``: how many of the
+  target job's ranks share one host's memory system (CPU hosts); the real rank is then timed while
+  ``colocated - 1`` shadow processes replay its peers' load on the other cores (perfmodel/emulate/shadow.py)."""
   t0 = time.perf_counter()
   target_hw, local_hw = hw_lib.load(hardware), hw_lib.load(local_hardware)
   notes = list(notes)
@@ -90,8 +94,13 @@ def emulate(cfg: Config, ranks: Optional[Sequence[int]] = None, hardware: str = 
   sl = slicing.slice_ranks(prog.body, space, ranks)
   to_run = list(dict.fromkeys(list(ranks or []) + [c.representative for c in sl.classes]))
   runs, tls = {}, {}
+  shadow_cores = shadow.colocated_cores(colocated) if execute and colocated > 1 else []
+  if execute and colocated > 1 and len(shadow_cores) < colocated - 1:
+    notes.append(f"{colocated} co-located ranks requested but only {len(shadow_cores)} other cores: "
+                 f"{len(shadow_cores)} shadow processes")
   for r in to_run:
-    runs[r] = measure.run_rank(prog, r, repeats=repeats, warmup=warmup, execute=execute, host_data=host_data)
+    with (shadow.Shadows(cfg, r, shadow_cores) if shadow_cores else contextlib.nullcontext()):
+      runs[r] = measure.run_rank(prog, r, repeats=repeats, warmup=warmup, execute=execute, host_data=host_data)
   branch_source = "counted (execution)" if execute else "none"
   if not execute and any(runs[r].n_cond_sites for r in to_run):
     traces, extra = shrunk_branch_traces(cfg, to_run, {r: runs[r].n_cond_sites for r in to_run})
@@ -142,7 +151,9 @@ def emulate(cfg: Config, ranks: Optional[Sequence[int]] = None, hardware: str = 
                   "classes": [{"class": c.label, "representative": c.representative, "ranks": c.count,
                                "chosen_by": c.chosen_by} for c in sl.classes]},
       "per_rank_params": prog.n_params_local, "trace_s": prog.trace_s, "executed": execute,
-      "exact_memory": exact, "collective_model": coll_source, "branch_trace_source": branch_source, "combine_collectives": combine,
+      "exact_memory": exact, "collective_model": coll_source,
+      "colocated_ranks": colocated, "interference": (f"{len(shadow_cores)} shadow process(es) on cores {shadow_cores}"
+                                                     if shadow_cores else "none (rank timed alone)"), "branch_trace_source": branch_source, "combine_collectives": combine,
       "notes": notes + ([] if execute else [
           "compile only: compute time is modelled (roofline of the target profile on the per-rank graph), not "
           "measured"]),

@@ -144,3 +144,23 @@ def test_llama3_70b_at_8192_ranks_is_sliced_and_its_memory_computed_in_under_a_m
   assert state_bytes < mem["peak_bytes"] < 141e9  # fits an H200
   assert {r.kind for r in interp.records} >= {"all-gather", "reduce-scatter", "collective-permute", "all-reduce"}
   assert elapsed < 60, f"slicing + memory took {elapsed:.1f} s"
+
+
+@pytest.mark.multiprocess
+def test_shadow_peers_start_before_timing_and_are_gone_after(tmp_path):
+  """--colocated 2: the rank is timed while a shadow of its peer runs on another core; no child outlives it."""
+  import os
+  from perfmodel.emulate import emulator, shadow
+  if (os.cpu_count() or 1) < 2:
+    pytest.skip("needs 2 cores: the shadow runs on the core the measuring process does not use")
+  cfg = _tiny({"data": 2})
+  sh = shadow.Shadows(cfg, rank=0, cores=shadow.colocated_cores(2), timeout_s=240)
+  with sh:
+    assert sh.ready_s is not None and all(p.poll() is None for p in sh.procs)
+    pids = [p.pid for p in sh.procs]
+  for pid in pids:
+    with pytest.raises(ProcessLookupError):
+      os.kill(pid, 0)
+  res = emulator.emulate(cfg, repeats=2, warmup=1, colocated=2)
+  assert res["colocated_ranks"] == 2 and res["interference"].startswith("1 shadow process")
+  assert res["iteration_time_s"] > 0

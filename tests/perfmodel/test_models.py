@@ -163,3 +163,16 @@ def test_pin_regime_sets_single_core_and_single_threaded_xla(monkeypatch):
       except OSError:
         pass
     os.sched_setaffinity(0, before)
+
+
+def test_fresh_temp_buffer_feature_only_above_the_mmap_threshold():
+  """A step whose temp buffer exceeds glibc's 32 MiB mmap threshold page-faults it afresh every step."""
+  from perfmodel import calibrate_nodes as cn
+  from perfmodel.graph import ExecGraph, Region
+  g = ExecGraph(regions={"main": Region(name="main", nodes=[])}, entry="main", n_devices=2)
+  small = cn.composition_features(g, lambda n: 0.0, 2, temp_bytes=cn.FRESH_ALLOC_THRESHOLD)
+  big = cn.composition_features(g, lambda n: 0.0, 2, temp_bytes=cn.FRESH_ALLOC_THRESHOLD + 4096)
+  assert small[5] == 0.0 and big[5] == 2 * (cn.FRESH_ALLOC_THRESHOLD + 4096)
+  assert cn.compose({"train": {"a": 1.0, "g": 1e-9}}, big, "train") == pytest.approx(1e-9 * big[5])
+  # the decode loop body of a sampler allocates nothing per token
+  assert 5 in cn.TYPE_FEATURES["train"] and 5 not in cn.TYPE_FEATURES["decode"]
