@@ -1,9 +1,12 @@
 """python -m ondevice.bench --model m.gguf --suite single [--tokens 32]
+   python -m ondevice.bench --suite kernels
    python -m ondevice.bench --model m.gguf --suite ring --devices devices.yaml [--draft d.gguf]
 
 Prints one JSON object and appends a row to benchmarks/RESULTS.md.
-single: TPOT / prefill of our packed-weight engine vs a jitted JAX f32 decode step (framework.model on the
-        file's dequantised weights) vs llama.cpp on the same file and thread count (if installed).
+single: TPOT / prefill of our packed-weight engine vs llama.cpp on the same file and thread count (if
+        installed; decoded token by token in turn with ours, so machine load drift hits both alike) vs a
+        jitted JAX f32 decode step (framework.model on the file's dequantised weights; --no-jax skips it).
+kernels: one 2816x1024 mat-vec per kernel (mmap layout, planes hot/streamed/4 tokens, F16, F32 BLAS).
 ring:   emulated devices (labelled "clock": "emulated"): single mmap device, exo-like memory split (k=1),
         dllama-like equal split, Halda + pipelined ring + prefetch, Halda at k=1, and speculative decoding.
 """
@@ -25,27 +28,136 @@ def _median_ms(ts):
   return 1e3 * statistics.median(ts) if ts else None
 
 
-def bench_ours(path: str, prompt: list, n: int) -> dict:
-  from ondevice.forward import GGUFLlama
-  from ondevice.weights import MappedGGUF, io_counters
-  io0 = io_counters()
-  m = GGUFLlama(MappedGGUF(path), max_len=len(prompt) + n + 8)
-  c = m.new_cache()
-  m.forward(prompt[:4], 0, m.new_cache())  # compile kernels outside the timing
-  t0 = time.perf_counter()
-  logits = m.forward(prompt, 0, c)
-  prefill = time.perf_counter() - t0
-  ts, pos = [], len(prompt)
-  for _ in range(n):
-    tok = int(np.argmax(logits[-1]))
+def _iqr_ms(ts):
+  return [1e3 * float(np.percentile(ts, 25)), 1e3 * float(np.percentile(ts, 75))]
+
+
+class _Ours:
+  """Our engine behind the same step interface as _LlamaCpp: prefill(prompt) and step(token) -> logits."""
+  name = "ours"
+
+  def __init__(self, path: str, ctx: int, repack: bool = True):
+    from ondevice.forward import GGUFLlama
+    from ondevice.weights import MappedGGUF
+    self.m = GGUFLlama(MappedGGUF(path), max_len=ctx, repack=repack)
+    self.m.forward(list(b"warm"), 0, self.m.new_cache())  # compile / load kernels outside the timing
+    self.m.forward(list(b"w"), 4, self.m.new_cache())
+
+  def prefill(self, prompt):
+    self.c, self.pos = self.m.new_cache(), len(prompt)
+    return self.m.forward(prompt, 0, self.c)[-1]
+
+  def step(self, tok):
+    logits = self.m.forward([tok], self.pos, self.c)[-1]
+    self.pos += 1
+    return logits
+
+
+class _LlamaCpp:
+  """llama.cpp through llama-cpp-python with its default settings (f16 KV cache), n_threads as ours."""
+  name = "llama_cpp"
+
+  def __init__(self, path: str, ctx: int, threads: int):
+    import llama_cpp
+    self.llm = llama_cpp.Llama(path, n_ctx=ctx, n_threads=threads, n_threads_batch=threads, verbose=False)
+    self.n_vocab = self.llm.n_vocab()
+    self.llm.eval(list(b"warm"))
+
+  def _last_logits(self):
+    # Llama.scores is only filled with logits_all=True (which costs a full logits copy per token);
+    # read the last row straight from the context instead.
+    return np.ctypeslib.as_array(self.llm._ctx.get_logits_ith(-1), shape=(self.n_vocab,)).copy()
+
+  def prefill(self, prompt):
+    self.llm.reset()
+    self.llm.eval(prompt)
+    return self._last_logits()
+
+  def step(self, tok):
+    self.llm.eval([tok])
+    return self._last_logits()
+
+
+def bench_paired(engines: list, prompt: list, n: int) -> dict:
+  """Decode n greedy tokens with every engine, one token of each in turn, so that load drift on this
+  shared machine hits all of them alike. Per engine: median TPOT, IQR, prefill tokens/s, tokens."""
+  out = {}
+  state = {}
+  for e in engines:
     t0 = time.perf_counter()
-    logits = m.forward([tok], pos, c)
-    ts.append(time.perf_counter() - t0)
-    pos += 1
+    logits = e.prefill(prompt)
+    state[e.name] = {"prefill_s": time.perf_counter() - t0, "tok": int(np.argmax(logits)), "ts": [], "toks": []}
+  for _ in range(n):
+    for e in engines:
+      st = state[e.name]
+      st["toks"].append(st["tok"])
+      t0 = time.perf_counter()
+      logits = e.step(st["tok"])
+      st["ts"].append(time.perf_counter() - t0)
+      st["tok"] = int(np.argmax(logits))
+  for name, st in state.items():
+    out[name] = {"tpot_ms": _median_ms(st["ts"]), "tpot_iqr_ms": _iqr_ms(st["ts"]),
+                 "prefill_tok_s": len(prompt) / st["prefill_s"], "tokens": st["toks"]}
+  return out
+
+
+def bench_parity(path: str, prompt: list, n: int) -> dict:
+  """Greedy tokens of ours vs llama.cpp in its exact-arithmetic configuration (f32 KV cache, no flash
+  attention: its CPU flash-attention path rounds Q to f16). Reports the prefill logit difference and,
+  if the token streams diverge, where, with llama.cpp's top-2 logit margin there."""
+  import llama_cpp
+  from ondevice.forward import GGUFLlama
+  from ondevice.weights import MappedGGUF
+  ctx = len(prompt) + n + 8
+  m = GGUFLlama(MappedGGUF(path), max_len=ctx)
+  c = m.new_cache()
+  llm = llama_cpp.Llama(path, n_ctx=ctx, n_threads=1, logits_all=True, type_k=0, type_v=0, flash_attn=False,
+                        verbose=False)
+  ours = m.forward(prompt, 0, c)
+  llm.eval(prompt)
+  theirs = llm.scores[:len(prompt)]
+  out = {"config": "llama.cpp f32 KV, flash_attn off", "tokens_compared": n, "first_divergence": None,
+         "prefill_max_abs_logit_diff": float(np.abs(ours - theirs).max()),
+         "logit_scale": float(np.abs(theirs).max())}
+  a, b = ours[-1], theirs[-1]
+  for i in range(n):
+    ta, tb = int(np.argmax(a)), int(np.argmax(b))
+    if ta != tb:
+      top2 = np.sort(b)[-2:]
+      out.update(first_divergence=i, llama_cpp_top2_margin_there=float(top2[1] - top2[0]))
+      break
+    a = m.forward([ta], len(prompt) + i, c)[-1]
+    llm.eval([ta])
+    b = llm.scores[llm.n_tokens - 1]
+  return out
+
+
+def bench_single(path: str, prompt: list, n: int, threads: int) -> dict:
+  from ondevice.weights import io_counters
+  ctx = len(prompt) + n + 8
+  io0 = io_counters()
+  engines = [_Ours(path, ctx)]
+  try:
+    engines.append(_LlamaCpp(path, ctx, threads))
+    skipped = None
+  except ImportError:
+    skipped = "llama-cpp-python not installed (pip install llama-cpp-python builds it from source)"
+  res = bench_paired(engines, prompt, n)
   io1 = io_counters()
-  return {"tpot_ms": _median_ms(ts), "tpot_iqr_ms": [1e3 * float(np.percentile(ts, 25)), 1e3 * float(np.percentile(ts, 75))],
-          "prefill_tok_s": len(prompt) / prefill, "major_faults": io1["major_faults"] - io0["major_faults"],
-          "disk_read_mb": (io1.get("read_bytes", 0) - io0.get("read_bytes", 0)) / 2**20}
+  res["ours"].update(major_faults=io1["major_faults"] - io0["major_faults"],
+                     disk_read_mb=(io1.get("read_bytes", 0) - io0.get("read_bytes", 0)) / 2**20)
+  if skipped:
+    res["llama_cpp"] = {"skipped": skipped}
+  else:
+    a, b = res["ours"], res["llama_cpp"]
+    res["tpot_ratio_ours_over_llama_cpp"] = a["tpot_ms"] / b["tpot_ms"]
+    res["same_greedy_tokens"] = a["tokens"] == b["tokens"]
+    res["llama_cpp"]["config"] = "default (f16 KV cache), n_threads = --threads, interleaved token by token"
+    res["greedy_parity_exact_config"] = bench_parity(path, prompt, n)
+  for r in res.values():
+    if isinstance(r, dict) and "tokens" in r:
+      r["tokens"] = bytes(t for t in r["tokens"] if t < 256).decode("utf-8", "replace")
+  return res
 
 
 def bench_jax(path: str, prompt: list, n: int) -> dict:
@@ -71,22 +183,6 @@ def bench_jax(path: str, prompt: list, n: int) -> dict:
       if i:  # first call compiles
         ts.append(time.perf_counter() - t0)
       pos += 1
-  return {"tpot_ms": _median_ms(ts)}
-
-
-def bench_llama_cpp(path: str, prompt: list, n: int, threads: int) -> dict:
-  try:
-    import llama_cpp
-  except ImportError:
-    return {"skipped": "llama-cpp-python not installed (its source build did not finish here; ondevice/README.md)"}
-  llm = llama_cpp.Llama(path, n_ctx=len(prompt) + n + 8, n_threads=threads, verbose=False)
-  llm.eval(prompt)
-  ts = []
-  for _ in range(n):
-    tok = int(np.argmax(llm.scores[llm.n_tokens - 1]))
-    t0 = time.perf_counter()
-    llm.eval([tok])
-    ts.append(time.perf_counter() - t0)
   return {"tpot_ms": _median_ms(ts)}
 
 
@@ -159,7 +255,7 @@ SPEC_PROMPTS = ("def fibonacci(n):\n    ", "import os\nimport sys\n\n\nclass ", 
                 "        if not isinstance(")
 
 
-def bench_spec(path: str, draft: str, n: int, gammas=(2, 4, 6)) -> dict:
+def bench_spec(path: str, draft: str, n: int, gammas=(2, 3, 4, 6)) -> dict:
   """Local device (wall clock): plain greedy vs speculative decoding with a draft model, several prompts.
   Reports tokens/s of each, the acceptance rate, and whether the output is identical (it must be)."""
   from ondevice import generate
@@ -194,6 +290,41 @@ def bench_spec(path: str, draft: str, n: int, gammas=(2, 4, 6)) -> dict:
   return out
 
 
+def bench_kernels(n_out: int = 2816, n_in: int = 1024, copies: int = 40, reps: int = 20) -> dict:
+  """One n_out x n_in mat-vec (the big model's FFN shape), 1 thread, median ms. "hot": the same matrix
+  every call (stays in L2); "streamed": cycling through `copies` distinct matrices (~70 MB: from L3 /
+  memory, as in a decode step). planes_T4: 4 tokens in one call (a speculative verify pass)."""
+  import gguf
+  from ondevice import kernels, planes
+  rng = np.random.default_rng(0)
+  w = rng.normal(size=(n_out, n_in)).astype(np.float32)
+  x1, x4 = rng.normal(size=(1, n_in)).astype(np.float32), rng.normal(size=(4, n_in)).astype(np.float32)
+
+  def med(f, n=reps):
+    f()
+    ts = []
+    for _ in range(n):
+      t0 = time.perf_counter()
+      f()
+      ts.append(time.perf_counter() - t0)
+    return 1e3 * statistics.median(ts)
+
+  out = {"shape": [n_out, n_in], "threads": 1}
+  for qt in ("Q4_0", "Q8_0"):
+    raw = gguf.quants.quantize(w, getattr(gguf.GGMLQuantizationType, qt))
+    ps = [planes.repack(qt, [raw ^ np.uint8(i)], n_in) for i in range(copies)]
+    out[qt] = {"mmap_layout_ms": med(lambda: kernels.matmul(qt, raw, x1, n_out, n_in)),
+               "planes_hot_ms": med(lambda: ps[0](x1)),
+               "planes_streamed_ms": med(lambda: [p(x1) for p in ps], 5) / copies,
+               "planes_T4_streamed_ms": med(lambda: [p(x4) for p in ps], 5) / copies}
+    asm = planes.inspect_asm(qt)
+    out[qt]["vector_registers"] = "zmm" if "zmm" in asm else ("ymm" if "ymm" in asm else "none")
+  w16 = w.astype(np.float16)
+  out["F16_ms"] = med(lambda: kernels.matmul("F16", w16, x1, n_out, n_in))
+  out["F32_blas_ms"] = med(lambda: kernels.matmul("F32", w, x1, n_out, n_in))
+  return out
+
+
 def _n_layers(path: str) -> int:
   from ondevice.gguf_io import read_info
   return read_info(path).cfg.n_layers
@@ -214,11 +345,12 @@ def append_results(cmd: str, result: dict) -> None:
 def main(argv=None) -> int:
   ap = argparse.ArgumentParser(prog="python -m ondevice.bench", description=__doc__,
                                formatter_class=argparse.RawDescriptionHelpFormatter)
-  ap.add_argument("--model", required=True)
-  ap.add_argument("--suite", default="single", choices=["single", "ring", "spec"])
+  ap.add_argument("--model", default=None, help="GGUF file (all suites but kernels)")
+  ap.add_argument("--suite", default="single", choices=["single", "ring", "spec", "kernels"])
   ap.add_argument("--devices", default=None)
   ap.add_argument("--draft", default=None)
-  ap.add_argument("--gamma", type=int, default=4)
+  ap.add_argument("--gamma", type=int, default=4, help="ring: draft length")
+  ap.add_argument("--gammas", default="2,3,4,6", help="spec: draft lengths to sweep")
   ap.add_argument("--tokens", type=int, default=32)
   ap.add_argument("--prompt", default="def fibonacci(n):\n    ")
   ap.add_argument("--threads", type=int, default=1)
@@ -230,16 +362,22 @@ def main(argv=None) -> int:
   from ondevice.gguf_io import describe, read_info
   kernels.set_threads(args.threads)
   prompt = list(args.prompt.encode())
-  res = {"model": describe(read_info(args.model)), "threads": args.threads, "tokens": args.tokens,
-         "load_avg": os.getloadavg()[0]}
-  if args.suite == "single":
-    res["ours"] = bench_ours(args.model, prompt, args.tokens)
+  if args.suite != "kernels" and not args.model:
+    ap.error(f"--suite {args.suite} needs --model")
+  if args.draft and os.path.exists(args.draft) and os.path.samefile(args.draft, args.model):
+    ap.error("--draft is the target file itself (acceptance 1 by construction); pass a smaller draft model")
+  res = {"model": describe(read_info(args.model)) if args.model else None, "threads": args.threads,
+         "tokens": args.tokens, "load_avg": os.getloadavg()[0]}
+  if args.suite == "kernels":
+    res["kernels"] = bench_kernels()
+  elif args.suite == "single":
+    res.update(bench_single(args.model, prompt, args.tokens, args.threads))
     res["jax_f32"] = {"skipped": "--no-jax"} if args.no_jax else bench_jax(args.model, prompt, args.tokens)
-    res["llama_cpp"] = bench_llama_cpp(args.model, prompt, args.tokens, args.threads)
   elif args.suite == "spec":
     if not args.draft:
       ap.error("--suite spec needs --draft")
-    res["spec"] = bench_spec(args.model, args.draft, args.tokens)
+    gammas = tuple(int(g) for g in args.gammas.split(","))
+    res["spec"] = bench_spec(args.model, args.draft, args.tokens, gammas)
   else:
     if not args.devices:
       ap.error("--suite ring needs --devices")

@@ -44,7 +44,10 @@ class Device:
     self.mapped = MappedGGUF(model_path)
     self.windows = [list(w) for w in windows]  # [cycle] -> layer ids
     layers = [i for w in self.windows for i in w]
-    self.model = GGUFLlama(self.mapped, layers=layers, head=head, max_len=opts.max_len)
+    # Planes (repacked, fast) unless real I/O is on: then the kernels must touch the file's own pages,
+    # which is what madvise/fadvise prefetch and release act on.
+    self.model = GGUFLlama(self.mapped, layers=layers, head=head, max_len=opts.max_len,
+                           repack=not opts.real_io)
     self.cache = self.model.new_cache()
     self.spec, self.opts, self.head = spec, opts, head
     self.n_gpu = n_gpu  # layers per window on the emulated GPU (VRAM-resident)

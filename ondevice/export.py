@@ -1,12 +1,24 @@
 """python -m ondevice.export --workdir RUN --out model.gguf --quant q4_0
    python -m ondevice.export --random --config experiments/configs/ondevice_tiny.py --out model.gguf [--config.model.x=y]
+   python -m ondevice.export --from-gguf target.gguf --keep-layers 2 --out draft.gguf --quant q4_0
+     (a self-speculative draft: the target's first N blocks + its embedding and output head, as in
+      LayerSkip / draft-and-verify; re-quantised from the file's dequantised weights)
 """
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import json
+import os
 import sys
 import time
+
+
+def jax_tree_slice(tree, n: int):
+  """The first n entries along the stacked layer axis of every array in a (nested dict) params tree."""
+  if isinstance(tree, dict):
+    return {k: jax_tree_slice(v, n) for k, v in tree.items()}
+  return tree[:n]
 
 
 def main(argv=None) -> int:
@@ -15,6 +27,8 @@ def main(argv=None) -> int:
   src = ap.add_mutually_exclusive_group(required=True)
   src.add_argument("--workdir", help="training workdir (config.json + orbax checkpoints)")
   src.add_argument("--random", action="store_true", help="random weights from --config (framework init)")
+  src.add_argument("--from-gguf", help="an existing GGUF (with --keep-layers: a layer-truncated draft)")
+  ap.add_argument("--keep-layers", type=int, default=None, help="with --from-gguf: keep the first N blocks")
   ap.add_argument("--config", help="experiment config file (with --random)")
   ap.add_argument("--step", type=int, default=None, help="checkpoint step (default: latest)")
   ap.add_argument("--out", required=True)
@@ -33,10 +47,21 @@ def main(argv=None) -> int:
     cfg = sources.config_from_file(args.config, overrides)
     params = sources.random_params(cfg, args.seed)
     origin = f"random seed {args.seed}"
+  elif args.from_gguf:
+    params, model_cfg = gguf_io.load_params(args.from_gguf)
+    n = args.keep_layers or model_cfg.n_layers
+    if not 1 <= n <= model_cfg.n_layers:
+      ap.error(f"--keep-layers {n}: the file has {model_cfg.n_layers} blocks")
+    params = dict(params, layers=jax_tree_slice(params["layers"], n))
+    model_cfg = dataclasses.replace(model_cfg, n_layers=n)
+    name = f"{os.path.basename(args.from_gguf)}:layers={n}"
+    origin = f"{args.from_gguf}, first {n} blocks"
   else:
     params, cfg, step = sources.workdir_params(args.workdir, args.step)
     origin = f"{args.workdir} step {step}"
-  summary = gguf_io.export_gguf(params, cfg.model, args.out, args.quant, name=cfg.name,
+  if not args.from_gguf:
+    model_cfg, name = cfg.model, cfg.name
+  summary = gguf_io.export_gguf(params, model_cfg, args.out, args.quant, name=name,
                                 output_quant=args.output_quant)
   summary.update(origin=origin, seconds=round(time.time() - t0, 2))
   print(json.dumps(summary))

@@ -1,22 +1,26 @@
-"""Llama forward pass on packed GGUF weights with a KV cache (numpy + numba kernels).
+"""Llama forward pass on packed GGUF weights with a KV cache.
 
 Works on any subset of layers, so a ring device binds only its windows. Math follows llama.cpp's
-llama graph: RMSNorm, RoPE NORM mode (adjacent pairs; q/k rows were permuted at export, see
-framework/names.py), grouped-query attention, SwiGLU. Activations and the KV cache are f32.
+llama graph: RMSNorm (ggml's roundings), RoPE NORM mode (adjacent pairs; q/k rows were permuted at
+export, see framework/names.py), grouped-query attention, SwiGLU; Q8_0/Q4_0 dots quantise their
+activations to Q8_0 as ggml does. Activations and the KV cache are f32.
 
-Why not JAX here: a jitted f32 JAX decode step of the same model is measured in ``ondevice.bench``
-(backend 'jax-f32'); the packed-weight kernels (ondevice/kernels.py) are what make quantised files
-fast on CPU, and they are numba, so the layer loop around them is numpy.
+Two paths: Q8_0/Q4_0 files are repacked at load into SIMD planes and every block runs as one numba
+call (ondevice/planes.py; the fast path). F32/F16 files, and ``repack=False`` (ring devices with real
+I/O, whose kernels must touch the file's pages), run the numpy layer below on the mmap views
+(ondevice/kernels.py). Why not JAX: a jitted f32 JAX decode step of the same model is measured in
+``ondevice.bench`` (``jax_f32``) and is several times slower than the planes path (README, Measured).
 """
 from __future__ import annotations
 
 import dataclasses
+import functools
 from typing import Iterable, Optional
 
 import numpy as np
 
 from framework.config import ModelConfig
-from ondevice import kernels
+from ondevice import kernels, planes
 from ondevice.weights import MappedGGUF
 
 
@@ -36,32 +40,58 @@ class QMat:
 
 
 @dataclasses.dataclass(frozen=True)
+class Linear:
+  """Matrices that read the same input (wq/wk/wv, or w_gate/w_up, or one): ``lin(x) -> [x @ W_i.T]``.
+
+  Q8_0/Q4_0 members are repacked into one ``planes.Planes`` (one kernel call, one activation
+  quantisation) unless ``packed`` is None, in which case each runs on its mmap view."""
+  mats: tuple  # QMat per member (mmap views; also what residency accounting sees)
+  packed: Optional[planes.Planes] = None
+
+  @staticmethod
+  def of(mats, repack: bool) -> "Linear":
+    qt = {m.qtype for m in mats}
+    ok = (repack and planes.HAVE_NUMBA and len(qt) == 1 and next(iter(qt)) in planes.PLANE_BYTES
+          and all(m.n_in % planes.QK == 0 for m in mats))
+    p = planes.repack(mats[0].qtype, [m.data for m in mats], mats[0].n_in) if ok else None
+    return Linear(tuple(mats), p)
+
+  def __call__(self, x_TxI: np.ndarray) -> list:
+    if self.packed is not None:
+      return self.packed(x_TxI)
+    return [m(x_TxI) for m in self.mats]
+
+
+@dataclasses.dataclass(frozen=True)
 class LayerW:
   attn_norm: np.ndarray
-  wq: QMat
-  wk: QMat
-  wv: QMat
-  wo: QMat
+  qkv: Linear
+  wo: Linear
   ffn_norm: np.ndarray
-  w_gate: QMat
-  w_up: QMat
-  w_down: QMat
+  gate_up: Linear
+  down: Linear
+
+  @functools.cached_property  # per-token hot path; frozen dataclasses allow it (writes __dict__)
+  def fused(self) -> bool:
+    """All four projections are planes: the whole block runs as one numba call (planes.layer)."""
+    return all(m.packed is not None for m in (self.qkv, self.wo, self.gate_up, self.down))
 
 
 class KVCache:
   """Per-layer K/V rows [max_len, K, E] for the layers a process owns. Rolling back = writing at an
-  earlier position next time (the forward only ever reads rows < pos0 + T)."""
+  earlier position next time (the forward only ever reads rows < pos0 + T). One array per K and V
+  with the layers stacked in the order given; ``k[i]``/``v[i]`` are views of layer i's slice."""
 
   def __init__(self, cfg: ModelConfig, layers: Iterable[int], max_len: int):
-    shape = (max_len, cfg.n_kv_heads, cfg.hd)
+    self.layer_ids = tuple(layers)
     self.max_len = max_len
-    self.k = {i: np.zeros(shape, np.float32) for i in layers}
-    self.v = {i: np.zeros(shape, np.float32) for i in layers}
+    self.k_all = np.zeros((len(self.layer_ids), max_len, cfg.n_kv_heads, cfg.hd), np.float32)
+    self.v_all = np.zeros_like(self.k_all)
+    self.k = {i: self.k_all[j] for j, i in enumerate(self.layer_ids)}
+    self.v = {i: self.v_all[j] for j, i in enumerate(self.layer_ids)}
 
 
-def rms_norm(x_TxD: np.ndarray, w_D: np.ndarray, eps: float) -> np.ndarray:
-  ms = np.mean(x_TxD * x_TxD, axis=-1, keepdims=True)
-  return (x_TxD * (np.float32(1.0) / np.sqrt(ms + np.float32(eps)))) * w_D
+rms_norm = planes.rms_norm  # ggml's roundings (they decide Q8_0 ties of the quantised embedding)
 
 
 class RopeTable:
@@ -85,19 +115,25 @@ class GGUFLlama:
   """The model over a mapped GGUF. ``layers`` limits which blocks are bound (ring devices)."""
 
   def __init__(self, mapped: MappedGGUF, layers: Optional[Iterable[int]] = None, head: bool = True,
-               max_len: Optional[int] = None):
+               max_len: Optional[int] = None, repack: bool = True):
+    """``repack``: copy Q8_0/Q4_0 matrices once into SIMD planes (kernels.repack; ~6x faster mat-vecs,
+    +11%/+6% bytes of anonymous memory). False computes on the mmap views, so the file's pages are
+    what the kernels touch (ring devices with real I/O)."""
     self.mapped = mapped
+    self.repack = repack
     self.cfg: ModelConfig = mapped.info.cfg
     c = self.cfg
     self.layer_ids = list(range(c.n_layers) if layers is None else layers)
     self.max_len = max_len or c.max_seq_len
     self.rope = RopeTable(self.max_len, c.hd, c.rope_theta)
     self.layers = {i: self._layer(i) for i in self.layer_ids}
+    self.stack = self._stack()
     self.has_head = head
     if head:
       self.tok_embd = self._mat("token_embd.weight")
       self.out_norm = np.asarray(mapped.view("output_norm.weight"), np.float32)
-      self.output = self._mat("output.weight" if "output.weight" in mapped.info.tensors else "token_embd.weight")
+      out = self._mat("output.weight" if "output.weight" in mapped.info.tensors else "token_embd.weight")
+      self.output = Linear.of([out], repack)
 
   def _mat(self, name: str) -> QMat:
     t = self.mapped.info.tensors[name]
@@ -106,8 +142,26 @@ class GGUFLlama:
   def _layer(self, i: int) -> LayerW:
     m = lambda s: self._mat(f"blk.{i}.{s}.weight")  # noqa: E731
     v = lambda s: np.asarray(self.mapped.view(f"blk.{i}.{s}.weight"), np.float32)  # noqa: E731
-    return LayerW(v("attn_norm"), m("attn_q"), m("attn_k"), m("attn_v"), m("attn_output"), v("ffn_norm"),
-                  m("ffn_gate"), m("ffn_up"), m("ffn_down"))
+    lin = lambda *ss: Linear.of([m(s) for s in ss], self.repack)  # noqa: E731
+    return LayerW(v("attn_norm"), lin("attn_q", "attn_k", "attn_v"), lin("attn_output"), v("ffn_norm"),
+                  lin("ffn_gate", "ffn_up"), lin("ffn_down"))
+
+  def _stack(self) -> Optional[planes.Stack]:
+    """Stack all bound blocks' planes so run_layers over them is one numba call; the per-layer
+    Planes become views of the stack (no second copy)."""
+    ws = [self.layers[i] for i in self.layer_ids]
+    if not ws or not all(w.fused for w in ws):
+      return None
+    r = planes.stack([(w.qkv.packed, w.wo.packed, w.gate_up.packed, w.down.packed) for w in ws],
+                     [w.attn_norm for w in ws], [w.ffn_norm for w in ws])
+    if r is None:
+      return None
+    st, views = r
+    for i, w, v in zip(self.layer_ids, ws, views):
+      self.layers[i] = dataclasses.replace(
+          w, qkv=dataclasses.replace(w.qkv, packed=v[0]), wo=dataclasses.replace(w.wo, packed=v[1]),
+          gate_up=dataclasses.replace(w.gate_up, packed=v[2]), down=dataclasses.replace(w.down, packed=v[3]))
+    return st
 
   def new_cache(self, layers: Optional[Iterable[int]] = None) -> KVCache:
     return KVCache(self.cfg, self.layer_ids if layers is None else layers, self.max_len)
@@ -117,18 +171,23 @@ class GGUFLlama:
     return self.tok_embd.rows(np.asarray(tokens_T, np.int64))
 
   def head(self, x_TxD: np.ndarray) -> np.ndarray:
-    return self.output(rms_norm(x_TxD, self.out_norm, self.cfg.norm_eps))
+    return self.output(rms_norm(x_TxD, self.out_norm, self.cfg.norm_eps))[0]
 
   def layer(self, i: int, x_TxD: np.ndarray, pos0: int, cache: KVCache) -> np.ndarray:
     c, w = self.cfg, self.layers[i]
     T, H, K, E = x_TxD.shape[0], c.n_heads, c.n_kv_heads, c.hd
     if pos0 + T > cache.max_len:
       raise ValueError(f"context overflow: position {pos0 + T} > max_len {cache.max_len}; raise --ctx")
+    if w.fused:
+      return planes.layer(x_TxD, w.attn_norm, w.ffn_norm, w.qkv.packed, w.wo.packed, w.gate_up.packed,
+                          w.down.packed, cache.k[i], cache.v[i], self.rope.cos, self.rope.sin, pos0, H, K, E,
+                          c.norm_eps)
     h_TxD = rms_norm(x_TxD, w.attn_norm, c.norm_eps)
-    q_TxHxE = self.rope.apply(w.wq(h_TxD).reshape(T, H, E), pos0)
-    k_TxKxE = self.rope.apply(w.wk(h_TxD).reshape(T, K, E), pos0)
+    q_TxHE, k_TxKE, v_TxKE = w.qkv(h_TxD)
+    q_TxHxE = self.rope.apply(q_TxHE.reshape(T, H, E), pos0)
+    k_TxKxE = self.rope.apply(k_TxKE.reshape(T, K, E), pos0)
     cache.k[i][pos0:pos0 + T] = k_TxKxE
-    cache.v[i][pos0:pos0 + T] = w.wv(h_TxD).reshape(T, K, E)
+    cache.v[i][pos0:pos0 + T] = v_TxKE.reshape(T, K, E)
     S = pos0 + T
     k_SxKxE, v_SxKxE = cache.k[i][:S], cache.v[i][:S]
     q_KxGxTxE = q_TxHxE.reshape(T, K, H // K, E).transpose(1, 2, 0, 3)
@@ -139,13 +198,21 @@ class GGUFLlama:
     p_KxGxTxS = s_KxGxTxS / s_KxGxTxS.sum(axis=-1, keepdims=True)
     o_KxGxTxE = np.matmul(p_KxGxTxS, v_SxKxE.transpose(1, 0, 2)[:, None])
     o_TxHE = o_KxGxTxE.transpose(2, 0, 1, 3).reshape(T, H * E)
-    x_TxD = x_TxD + w.wo(o_TxHE)
+    x_TxD = x_TxD + w.wo(o_TxHE)[0]
     h_TxD = rms_norm(x_TxD, w.ffn_norm, c.norm_eps)
-    g_TxF = w.w_gate(h_TxD)
-    a_TxF = g_TxF / (np.float32(1.0) + np.exp(-g_TxF)) * w.w_up(h_TxD)
-    return x_TxD + w.w_down(a_TxF)
+    g_TxF, u_TxF = w.gate_up(h_TxD)
+    a_TxF = g_TxF / (np.float32(1.0) + np.exp(-g_TxF)) * u_TxF
+    return x_TxD + w.down(a_TxF)[0]
 
   def run_layers(self, x_TxD: np.ndarray, pos0: int, layers: Iterable[int], cache: KVCache) -> np.ndarray:
+    layers = list(layers)
+    if self.stack is not None and layers == self.layer_ids and cache.layer_ids == tuple(layers):
+      c = self.cfg
+      if pos0 + x_TxD.shape[0] > cache.max_len:
+        raise ValueError(f"context overflow: position {pos0 + x_TxD.shape[0]} > max_len {cache.max_len}; "
+                         f"raise --ctx")
+      return planes.layers(self.stack, x_TxD, cache.k_all, cache.v_all, self.rope.cos, self.rope.sin, pos0,
+                           c.n_heads, c.n_kv_heads, c.hd, c.norm_eps)
     for i in layers:
       x_TxD = self.layer(i, x_TxD, pos0, cache)
     return x_TxD

@@ -150,7 +150,11 @@ def _export_q4_k(params, cfg, path, align, name) -> dict:
   if cfg.d_model % 256 or cfg.ff % 256:
     raise GGUFError(f"Q4_K needs d_model and d_ff multiples of 256 (got {cfg.d_model}, {cfg.ff}); use q4_0")
   tmp = path + ".f16.tmp"
-  export_gguf(params, cfg, tmp, "f16", align, name)
+  # Default (32-byte) alignment: llama.cpp 0.3.36's quantiser copies general.alignment = 4096 from its
+  # input but pads tensors to 32, so a page-aligned input gives a file llama.cpp itself rejects
+  # ("tensor ... has offset 53760, expected 57344"). Q4_K files are therefore not page-aligned.
+  del align
+  export_gguf(params, cfg, tmp, "f16", 32, name)
   try:
     p = llama_cpp.llama_model_quantize_default_params()
     p.ftype = llama_cpp.LLAMA_FTYPE_MOSTLY_Q4_K_M

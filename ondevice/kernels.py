@@ -1,13 +1,16 @@
-"""Mat-muls on packed GGUF weights (F32, F16, Q8_0, Q4_0) without materialising f32 copies.
+"""Mat-muls on GGUF weights as they lie in the file (F32, F16, Q8_0, Q4_0), no f32 copies.
 
-Q8_0 follows llama.cpp exactly: activations are quantised to Q8_0 blocks too and the dot is int8 x
-int8 -> int32 per block (also the fastest variant measured here). Q4_0 keeps f32 activations.
+Quantised dots follow llama.cpp's CPU backend: the activations are first quantised to Q8_0 blocks
+(``planes.act_q8``) for Q8_0 AND Q4_0 weights, so the per-block dot is ggml's up to float32 rounding.
+
+These kernels read ggml's row-major 18/34-byte blocks in place in the mmap, so the file's pages are
+what they touch (ring devices with real I/O). The fast path is ``ondevice/planes.py``: the same
+numbers repacked once at load into SIMD-friendly planes (2816x1024 Q4_0 mat-vec 1.3 ms here vs
+~0.2-0.3 ms there). F32 weights go to numpy's BLAS (zero-copy view of the mmap). Without numba every
+quantized call falls back to dequantise-then-BLAS, which is correct but ~10x slower.
 
 Why numba and not XLA: on this CPU XLA's quantized dot / in-graph dequantisation runs 30-100x slower
-than an f32 mat-vec (shared/notes/ondevice.md, addendum), while a parallel numba loop over the packed
-blocks reads 3.5-7x fewer bytes than f32 and runs at memory speed. F32 weights go to numpy's BLAS
-(zero-copy view of the mmap). Without numba every quantized call falls back to dequantise-then-BLAS,
-which is correct but ~10x slower (it materialises the f32 rows, which is what we want to avoid).
+than an f32 mat-vec (shared/notes/ondevice.md, addendum).
 
 Layouts (ggml): a row of n_in weights is n_in/32 blocks.
   Q8_0 block (34 B): f16 scale d, 32 x int8 q          -> w = d * q
@@ -19,6 +22,8 @@ from __future__ import annotations
 import os
 
 import numpy as np
+
+from ondevice.planes import act_q8  # first: it sets numba's vector width before any compile
 
 try:
   import numba
@@ -42,10 +47,11 @@ BLOCK_BYTES = {"Q8_0": 34, "Q4_0": 18}
 _F16_LUT = np.arange(65536, dtype=np.uint32).astype(np.uint16).view(np.float16).astype(np.float32)
 
 
-def _q8_0_matmul_py(w_u8, w_i8, xq_TxI, xd_TxB, lut, n_out, n_in):  # pragma: no cover - compiled
-  # llama.cpp's Q8_0 x Q8_0 dot: int8 weights times int8 activations, int32 sums per 32-block.
+def _q8_0_matmul_py(w_i8, xq_TxI, lut, n_out, n_in):  # pragma: no cover - compiled
+  # mmap layout, 34-byte blocks read in place; xq = act_q8's dequantised activations.
   T = xq_TxI.shape[0]
   nb = n_in // 32
+  w_u8 = w_i8.view(np.uint8)
   out = np.zeros((T, n_out), np.float32)
   for o in numba.prange(n_out):
     row = o * nb * 34
@@ -54,47 +60,18 @@ def _q8_0_matmul_py(w_u8, w_i8, xq_TxI, xd_TxB, lut, n_out, n_in):  # pragma: no
       for b in range(nb):
         base = row + b * 34
         d = lut[np.int32(w_u8[base]) | (np.int32(w_u8[base + 1]) << 8)]
-        s = np.int32(0)
+        s = np.float32(0.0)
         for j in range(32):
-          s += np.int32(w_i8[base + 2 + j]) * np.int32(xq_TxI[t, b * 32 + j])
-        acc += d * xd_TxB[t, b] * np.float32(s)
+          s += np.float32(w_i8[base + 2 + j]) * xq_TxI[t, b * 32 + j]
+        acc += d * s
       out[t, o] = acc
   return out
 
 
-def _quantize_q8_py(x_TxI):  # pragma: no cover - compiled
-  """Activations -> Q8_0 blocks (int8, per-32 scale amax/127, round half away from zero), as ggml does."""
-  T, n_in = x_TxI.shape
+def _q4_0_matmul_py(w_u8, xq_TxI, xs_TxB, lut, n_out, n_in):  # pragma: no cover - compiled
+  # mmap layout: sum(d*(q-8)*x) = d*(sum(q*x) - 8*sum(x)), block sums of x shared by every row.
+  T = xq_TxI.shape[0]
   nb = n_in // 32
-  xq = np.empty((T, n_in), np.int8)
-  xd = np.empty((T, nb), np.float32)
-  for t in range(T):
-    for b in range(nb):
-      amax = np.float32(0.0)
-      for j in range(32):
-        amax = max(amax, abs(x_TxI[t, b * 32 + j]))
-      d = amax / np.float32(127.0)
-      inv = np.float32(1.0) / d if d > 0 else np.float32(0.0)
-      xd[t, b] = d
-      for j in range(32):
-        v = x_TxI[t, b * 32 + j] * inv
-        xq[t, b * 32 + j] = np.int8(np.int32(np.floor(v + np.float32(0.5))) if v >= 0
-                                    else -np.int32(np.floor(-v + np.float32(0.5))))
-  return xq, xd
-
-
-def _q4_0_matmul_py(w_u8, x_TxI, lut, n_out, n_in):  # pragma: no cover - compiled
-  # sum(d*(q-8)*x) = d*(sum(q*x) - 8*sum(x)); block sums of x are shared by every row. f32 activations:
-  # the int8-activation variant measured 4x slower here (nibble widening does not vectorise).
-  T = x_TxI.shape[0]
-  nb = n_in // 32
-  xsum = np.zeros((T, nb), np.float32)
-  for t in range(T):
-    for b in range(nb):
-      s = np.float32(0.0)
-      for j in range(32):
-        s += x_TxI[t, b * 32 + j]
-      xsum[t, b] = s
   out = np.zeros((T, n_out), np.float32)
   for o in numba.prange(n_out):
     row = o * nb * 18
@@ -106,8 +83,8 @@ def _q4_0_matmul_py(w_u8, x_TxI, lut, n_out, n_in):  # pragma: no cover - compil
         s = np.float32(0.0)
         for j in range(16):
           q = np.int32(w_u8[base + 2 + j])
-          s += np.float32(q & 15) * x_TxI[t, b * 32 + j] + np.float32(q >> 4) * x_TxI[t, b * 32 + 16 + j]
-        acc += d * (s - np.float32(8.0) * xsum[t, b])
+          s += np.float32(q & 15) * xq_TxI[t, b * 32 + j] + np.float32(q >> 4) * xq_TxI[t, b * 32 + 16 + j]
+        acc += d * (s - np.float32(8.0) * xs_TxB[t, b])
       out[t, o] = acc
   return out
 
@@ -125,7 +102,6 @@ def _f16_matmul_py(w_OxI_u16, x_TxI, lut):  # pragma: no cover - compiled
   return out
 
 
-_KERNELS = ("_q8_0_matmul_py", "_q4_0_matmul_py", "_f16_matmul_py")
 _compiled: dict = {}
 _threads = int(os.environ.get("ONDEVICE_THREADS", "1"))
 
@@ -167,21 +143,24 @@ def dequantize_rows(qtype: str, raw_OxR: np.ndarray, n_in: int) -> np.ndarray:
 
 
 def matmul(qtype: str, w: np.ndarray, x_TxI: np.ndarray, n_out: int, n_in: int) -> np.ndarray:
-  """x_TxI @ W.T for a packed weight W (n_out, n_in) -> T x n_out, float32.
+  """x_TxI @ W.T for a packed weight W (n_out, n_in) -> T x n_out, float32, on the mmap layout.
 
   ``w`` is the zero-copy view of the tensor: float32/float16 (n_out, n_in) or uint8 (n_out, row_bytes).
+  Q8_0/Q4_0 quantise the activations first (ggml semantics), also in the no-numba fallback.
   """
   x_TxI = np.ascontiguousarray(x_TxI, np.float32)
   if qtype == "F32":
     return x_TxI @ w.T
   if not HAVE_NUMBA:
-    return x_TxI @ dequantize_rows(qtype, w, n_in).T
+    xq = act_q8(x_TxI)[0] if qtype in BLOCK_BYTES else x_TxI
+    return xq @ dequantize_rows(qtype, w, n_in).T
   if qtype == "F16":
     return _kernel("_f16_matmul_py")(w.view(np.uint16), x_TxI, _F16_LUT)
   flat = w.reshape(-1)
   if qtype == "Q8_0":
-    xq, xd = _kernel("_quantize_q8_py")(x_TxI)
-    return _kernel("_q8_0_matmul_py")(flat, flat.view(np.int8), xq, xd, _F16_LUT, n_out, n_in)
+    xq, _ = act_q8(x_TxI)
+    return _kernel("_q8_0_matmul_py")(flat.view(np.int8), xq, _F16_LUT, n_out, n_in)
   if qtype == "Q4_0":
-    return _kernel("_q4_0_matmul_py")(flat, x_TxI, _F16_LUT, n_out, n_in)
+    xq, xs = act_q8(x_TxI)
+    return _kernel("_q4_0_matmul_py")(flat, xq, xs, _F16_LUT, n_out, n_in)
   raise NotImplementedError(f"no kernel for {qtype}; export with --quant f32/f16/q8_0/q4_0")

@@ -292,7 +292,14 @@ def rank_timeline(rank: int, hlo_text: str, records: list, measured_s: float, sp
       recs = [rec_by_index[i] for i in members]
       head = recs[0]
       merged = dataclasses.replace(head, bytes=sum(r.bytes for r in recs))
-      secs, alg = collective_seconds(merged, space, rank, target_hw, algorithm)
+      if target_hw.device_kind == "cpu" and len(recs) > 1:
+        # XLA:CPU runs a combined (tuple) collective as one call of the CPU collectives (gloo) per operand
+        # buffer (the all-reduce / all-gather / permute thunks loop over their buffers), so each operand
+        # pays its own latency: price the members one by one. NCCL groups them into one launch: merged.
+        parts = [collective_seconds(r, space, rank, target_hw, algorithm) for r in recs]
+        secs, alg = sum(p[0] for p in parts), parts[0][1]
+      else:
+        secs, alg = collective_seconds(merged, space, rank, target_hw, algorithm)
       if secs <= 0:
         continue
       close()
