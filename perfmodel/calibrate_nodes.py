@@ -47,18 +47,27 @@ def fresh_bytes(temp_bytes: float, n_devices: int) -> float:
 
 
 def composition_features(g: graph_lib.ExecGraph, price, n_devices: int, region: str = None,
-                         temp_bytes: float = 0.0) -> list:
-  """[sum node s, node execs, 1, collective bytes, collective execs] each x N devices, + fresh temp bytes."""
-  t, execs, cb, ce = 0.0, 0, 0.0, 0
+                         temp_bytes: float = 0.0, hw=None) -> list:
+  """Features of a step, in COEF_NAMES order:
+  a: sum of node prices x N devices      b: node executions x N      c: N (per-step constant)
+  e: collectives - with ``hw``, their modelled seconds (the profile's curves, x groups); else bytes x N
+  f: collective executions x N          g: fresh temp bytes (fresh_bytes)
+  h: bytes the priced nodes move x N (decode steps stream the weights and the KV cache)."""
+  from perfmodel import collectives  # noqa: PLC0415
+  t, execs, cb, ce, nb = 0.0, 0, 0.0, 0, 0.0
   for n, k in g.walk(region):
     if n.collective is not None:
-      cb += n.collective.bytes * k
+      if hw is not None:
+        cb += collectives.node_cost(n.collective, hw).seconds * max(1, n.collective.n_groups) * k
+      else:
+        cb += n.collective.bytes * k * n_devices
       ce += k
     elif n.kind in ("dot", "fusion", "other"):
       t += price(n) * k
+      nb += n.bytes * k
       execs += k
-  return [t * n_devices, execs * n_devices, n_devices, cb * n_devices, ce * n_devices,
-          0.0 if region else fresh_bytes(temp_bytes, n_devices)]
+  return [t * n_devices, execs * n_devices, n_devices, cb, ce * n_devices,
+          0.0 if region else fresh_bytes(temp_bytes, n_devices), nb * n_devices]
 
 
 # Program types compose differently on this host (measured, see README): a single-device training step,
@@ -66,8 +75,8 @@ def composition_features(g: graph_lib.ExecGraph, price, n_devices: int, region: 
 # step inside the sampler's while loop (hot caches, tiny thunks). Each type has its own coefficients; which
 # features a type may use is fixed here (few calibration programs per type: keep the forms small).
 LEARNED_K = (4, 8, 16)  # neighbour counts tried by calibration
-TYPE_FEATURES = {"train": (0, 1, 2, 5), "multi": (0, 2, 4, 5), "decode": (0, 1)}
-COEF_NAMES = ("a", "b", "c", "e", "f", "g")
+TYPE_FEATURES = {"train": (0, 1, 2, 5), "multi": (0, 3, 5), "decode": (0, 1, 6)}
+COEF_NAMES = ("a", "b", "c", "e", "f", "g", "h")
 
 
 def program_type(n_devices: int, decode: bool = False) -> str:
@@ -186,7 +195,7 @@ def run(hw, reps: int = 7, trace_reps: int = 3, entries: list = None, log=print,
     for p in programs:
       model = learned.Learned(hw, k=k, samples=[s for s in samples if s["prog"] != p["name"]])
       f = composition_features(p["graph"], lambda n: model.price(n).seconds, p["n"], p.get("region"),
-                               p.get("temp", 0.0))
+                               p.get("temp", 0.0), hw=hw)
       if p.get("region"):
         f[2] = 0.0
       rows.append(f)
@@ -232,7 +241,7 @@ def refit(prof_path: str, hlo_dir: str, log=print) -> dict:
     region = decode_loop(g, d["gen"]).body if "gen" in d else None
     model = learned.Learned(hw, samples=[s for s in samples if s["prog"] != name])
     r = composition_features(g, lambda n: model.price(n).seconds, d["n"], region,
-                             d.get("mem", {}).get("temp_size_in_bytes", 0.0))
+                             d.get("mem", {}).get("temp_size_in_bytes", 0.0), hw=hw)
     if region:
       r[2] = 0.0
     rows.append(r)

@@ -29,7 +29,8 @@ def composed(g: graph_lib.ExecGraph, chain, hw: HardwareProfile, n_devices: int,
   if not coef or not chain.names or chain.names[0] != "learned":
     return None
   from perfmodel import calibrate_nodes
-  feats = calibrate_nodes.composition_features(g, lambda n: chain.price(n).seconds, n_devices, region, temp_bytes)
+  feats = calibrate_nodes.composition_features(g, lambda n: chain.price(n).seconds, n_devices, region, temp_bytes,
+                                               hw=hw)
   if not per_step:
     feats[2] = 0.0
   return calibrate_nodes.compose(coef, feats, calibrate_nodes.program_type(n_devices, decode=not per_step))
@@ -112,8 +113,8 @@ def predict_infer(cfg: Config, hw: HardwareProfile, batch: int, prompt_len: int,
   if coef and chain.names and chain.names[0] == "learned":
     from perfmodel import calibrate_nodes as cn
     price = lambda n: chain.price(n).seconds  # noqa: E731
-    f_all = cn.composition_features(g, price, 1, temp_bytes=cap.memory.get("temp_size_in_bytes", 0.0))
-    f_dec = cn.composition_features(g, price, 1, decode.body) if decode else [0.0] * len(f_all)
+    f_all = cn.composition_features(g, price, 1, temp_bytes=cap.memory.get("temp_size_in_bytes", 0.0), hw=hw)
+    f_dec = cn.composition_features(g, price, 1, decode.body, hw=hw) if decode else [0.0] * len(f_all)
     f_dec[2] = 0.0
     # prefill + sampling glue: everything outside the decode loop, composed as a single-device step
     f_rest = [a - b * (gen_len if decode else 0) for a, b in zip(f_all, f_dec)]

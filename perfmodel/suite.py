@@ -67,6 +67,14 @@ CALIBRATION = [
          data=dict(seq_len=40, global_batch=12), mesh=dict(data=2, tensor=2)),
     dict(name="c_dp4_d64", model=dict(d_model=64, n_heads=4, n_kv_heads=2, d_ff=160), data=dict(seq_len=24, global_batch=8),
          mesh=dict(data=4)),
+    # mid-width programs (d 112-144): the validation suite's widths sit between d96 and d160 above
+    dict(name="c_d112_s72", model=dict(d_model=112, n_heads=4, n_kv_heads=2, d_ff=320), data=dict(seq_len=72)),
+    dict(name="c_d144_l3_b6", model=dict(d_model=144, n_layers=3, n_heads=4, n_kv_heads=2, d_ff=416),
+         data=dict(seq_len=56, global_batch=6)),
+    dict(name="c_remat_full_d144", model=dict(d_model=144, n_heads=4, n_kv_heads=2, d_ff=416, remat="full"),
+         data=dict(seq_len=56)),
+    dict(name="c_tp2_d144", model=dict(d_model=144, n_heads=4, n_kv_heads=2, d_ff=416), data=dict(seq_len=56),
+         mesh=dict(tensor=2)),
 ]
 
 # Calibration decode programs (KV-cached sampler), shapes disjoint from INFER.
@@ -75,4 +83,10 @@ CALIBRATION_INFER = [
                                                                                  d_ff=256)),
     dict(name="c_decode_b6", batch=6, prompt_len=48, gen_lens=(6, 18), model=dict(d_model=192, n_heads=6, n_kv_heads=3,
                                                                                  d_ff=512)),
+    dict(name="c_decode_b1_d64", batch=1, prompt_len=16, gen_lens=(6, 18), model=dict(d_model=64, n_heads=4,
+                                                                                     n_kv_heads=2, d_ff=160)),
+    dict(name="c_decode_b3_d320", batch=3, prompt_len=40, gen_lens=(6, 18), model=dict(d_model=320, n_heads=8,
+                                                                                      n_kv_heads=4, d_ff=896)),
+    dict(name="c_decode_b10_d224", batch=10, prompt_len=56, gen_lens=(6, 18), model=dict(d_model=224, n_heads=8,
+                                                                                        n_kv_heads=4, d_ff=640)),
 ]
