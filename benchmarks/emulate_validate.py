@@ -56,9 +56,14 @@ def child_real(spec: str, workdir: str, coord: str, pid: int, steps: int) -> Non
   clocks = []
   orig_call = step_lib.CompiledStep.__call__
 
+  ready = []
+
   def call(self, state, batch):
     clocks.append((time.perf_counter(), time.process_time()))
-    return orig_call(self, state, batch)
+    out = orig_call(self, state, batch)
+    jax.block_until_ready(out)  # the loop reads the loss right after anyway (log_every=1)
+    ready.append(time.perf_counter() - clocks[-1][0])  # the step call itself: put + compute + collectives
+    return out
   step_lib.CompiledStep.__call__ = call
   from experiments import run  # noqa: PLC0415
   rc = run.main(["--config", spec, "--workdir", workdir, "--coordinator", coord, "--num-processes", "2",
@@ -73,7 +78,7 @@ def child_real(spec: str, workdir: str, coord: str, pid: int, steps: int) -> Non
   steps_wall = [b[0] - a[0] for a, b in zip(clocks, clocks[1:])]
   steps_cpu = [b[1] - a[1] for a, b in zip(clocks, clocks[1:])]
   print("@@" + json.dumps({"rc": rc, "pid": pid, "memory": mem, "put_batch_workaround": patched,
-                           "step_wall_s": steps_wall, "step_cpu_s": steps_cpu}))
+                           "step_wall_s": steps_wall, "step_cpu_s": steps_cpu, "call_s": ready}))
 
 
 # ------------------------------------------------------------------ parent
@@ -101,7 +106,9 @@ def run_real(layout: str, steps: int, warmup_steps: int) -> dict:
   recs = [json.loads(l) for l in open(os.path.join(wd, "metrics.jsonl")) if l.strip()]
   times = [r["step_time_s"] for r in recs if "step_time_s" in r and r["step"] > warmup_steps]
   cpu = [info[i].get("step_cpu_s", [])[warmup_steps:] for i in range(2)]
+  calls = [info[i].get("call_s", [])[warmup_steps:] for i in range(2)]
   return {"step_times_s": times, **_stats(times), "memory_per_rank": [i["memory"] for i in info],
+          "call_median_per_rank": [_stats(c)["median"] for c in calls],
           "step_cpu_s_per_rank": cpu, "cpu_median_per_rank": [_stats(c)["median"] for c in cpu],
           "put_batch_workaround": info[0]["put_batch_workaround"], "wall_s": done.wall_s,
           "load_avg_1m": [load0, os.getloadavg()[0]]}
