@@ -33,7 +33,10 @@ def sweep(layers, devices, tokens, workdir):
     gguf_io.export_gguf(params, cfg, path, "q8_0", name=f"small_L{n_layers}")
     ring = bench.bench_ring(path, devices, tokens, list(b"def fibonacci(n):\n    "), only=("none",))
     runs.append({"model": f"L={n_layers} ({os.path.getsize(path) / 2**20:.1f} MiB)", "ring": ring})
-    print(json.dumps({"layers": n_layers, **{s: round(ring[s]["tpot_ms"], 1) for s, _ in SCEN}}), flush=True)
+    h = ring["halda_prp_prefetch"]
+    print(json.dumps({"layers": n_layers, **{s: round(ring[s]["tpot_ms"], 1) for s, _ in SCEN},
+                      "halda_k": h.get("k"), "halda_w": h.get("w"), "halda_model_ms": h.get("halda_model_latency_ms"),
+                      "clock": ring.get("clock", "emulated")}), flush=True)
   return runs
 
 
@@ -60,6 +63,24 @@ def plot(runs, out):
   print(out)
 
 
+def _append_results(runs, a) -> None:
+  """One row in benchmarks/RESULTS.md: TPOT per model size and scenario (emulated clock)."""
+  import datetime  # noqa: PLC0415
+  cells = []
+  for r in runs:
+    ring = r["ring"]
+    h = ring["halda_prp_prefetch"]
+    cells.append(f"{r['model']}: single mmap {ring['single_mmap']['tpot_ms']:.1f} ms, exo-like "
+                 f"{ring['exo_like_memory_split']['tpot_ms']:.1f} ms, Halda+PRP {h['tpot_ms']:.1f} ms "
+                 f"(k={h.get('k')}, w={h.get('w')}, model {h.get('halda_model_latency_ms') or float('nan'):.1f} ms)")
+  row = (f"| {datetime.datetime.now().isoformat(timespec='minutes')} | `PYTHONPATH=. python experiments/figures/"
+         f"ondevice_latency.py --sweep {a.sweep} --tokens {a.tokens} --out {a.out}` | {os.cpu_count()} cores, load "
+         f"{os.getloadavg()[0]:.1f} | latency table, emulated clock, devices {os.path.basename(a.devices)}: "
+         + "; ".join(cells) + " |\n")
+  with open(os.path.join(ROOT, "benchmarks", "RESULTS.md"), "a") as f:
+    f.write(row)
+
+
 def main():
   ap = argparse.ArgumentParser()
   ap.add_argument("inputs", nargs="*")
@@ -75,6 +96,7 @@ def main():
     if a.json_out:
       with open(a.json_out, "w") as f:
         json.dump(runs, f)
+    _append_results(runs, a)
   else:
     runs = [json.load(open(p)) for p in a.inputs]
   plot(runs, a.out)
