@@ -160,6 +160,26 @@ def run(quick: bool = False, out_path: str = None, nodes: bool = True, nodes_onl
           "calibrated": hw.calibrated, "regime": bench.regime(), "nodes": node_cal}
 
 
+def _step_times_child(quick: bool) -> dict:
+  """Calibration programs' step times measured by validate's code in a fresh process (same pinned core,
+  same XLA flags: it inherits this process's affinity and environment). See calibrate_nodes.measure_steps."""
+  import subprocess  # noqa: PLC0415
+  import sys  # noqa: PLC0415
+  import tempfile  # noqa: PLC0415
+  if quick:
+    return None
+  root = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+  env = dict(os.environ, PYTHONPATH=root + os.pathsep + os.environ.get("PYTHONPATH", ""))
+  with tempfile.TemporaryDirectory() as d:
+    out = os.path.join(d, "steps.json")
+    p = subprocess.run([sys.executable, "-m", "perfmodel.calibrate_nodes", "--measure-steps", out], env=env,
+                       cwd=root, capture_output=True, text=True, timeout=1800)
+    if p.returncode != 0:
+      raise RuntimeError(f"calibration step-time child failed: {p.stderr[-2000:]}")
+    with open(out) as f:
+      return json.load(f)
+
+
 def _node_stage(quick: bool, prof_path: str = None) -> dict:
   """Second stage: real calibration programs traced per node (learned backend + step composition); uses the
   curves already in the profile for the learned backend's physical estimates."""
@@ -172,8 +192,9 @@ def _node_stage(quick: bool, prof_path: str = None) -> dict:
   hw = hardware.load(prof_path)
   src = (f"python -m perfmodel calibrate on {platform.node()} {datetime.date.today().isoformat()}, "
          f"jax {jax.__version__}, load avg {os.getloadavg()[0]:.2f}, regime {bench.regime()}")
+  step_times = _step_times_child(quick)
   res = calibrate_nodes.run(hw, reps=3 if quick else 5, trace_reps=2, entries=None,
-                            log=lambda m: print(m, file=sys.stderr, flush=True))
+                            log=lambda m: print(m, file=sys.stderr, flush=True), step_times=step_times)
   spath = learned.samples_path(hw.name)
   os.makedirs(os.path.dirname(spath), exist_ok=True)
   with open(spath, "w") as f:

@@ -163,7 +163,31 @@ def _cfg_infer(entry):
   return cfg.__class__(**{**cfg.__dict__, "name": entry["name"]})
 
 
-def run(hw, reps: int = 7, trace_reps: int = 3, entries: list = None, log=print, infer: bool = True) -> dict:
+def measure_steps(path: str, reps: int = 7, entries: list = None, infer: bool = True) -> dict:
+  """Step times of the calibration programs measured by `validate`'s own code, in a process that does nothing
+  else (run as ``python -m perfmodel.calibrate_nodes --measure-steps PATH`` by calibrate).
+
+  Why a separate process: the same program measured inside `calibrate` (after micro-benchmarks and traced
+  programs) ran faster than in `validate`'s process (c_d192_b12: 62 ms vs 70-72 ms, four fresh processes),
+  and a composition fitted on the former under-predicted every validation config."""
+  import json  # noqa: PLC0415
+  from perfmodel.validate import _measure_infer_entry, _measure_train_entry  # noqa: PLC0415
+  out = {}
+  for entry in (entries if entries is not None else suite.CALIBRATION):
+    m, _ = _measure_train_entry(_cfg(entry), reps)
+    out[entry["name"]] = {"measured_s": m["measured_s"], "noise_pct": m["noise_pct"]}
+  for entry in (suite.CALIBRATION_INFER if infer else []):
+    m, _ = _measure_infer_entry(validate_cfg(_cfg_infer(entry), 1), entry, reps)
+    out[entry["name"]] = {"measured_s": m["measured_s"], "noise_pct": m["noise_pct"]}
+  with open(path, "w") as f:
+    json.dump(out, f)
+  return out
+
+
+def run(hw, reps: int = 7, trace_reps: int = 3, entries: list = None, log=print, infer: bool = True,
+        step_times: dict = None) -> dict:
+  """``step_times``: {program: {"measured_s", "noise_pct"}} from :func:`measure_steps`; they replace the step
+  times measured here for the composition fit (node samples are always traced here)."""
   from perfmodel.validate import train_runner
   entries = entries if entries is not None else suite.CALIBRATION
   samples, programs = [], []
@@ -189,6 +213,10 @@ def run(hw, reps: int = 7, trace_reps: int = 3, entries: list = None, log=print,
   # Leave-one-program-out node pricing -> composition features. A decode program's row is one decode step:
   # the loop body's nodes, no per-step constant (the loop does not re-enter the runtime per token).
   # The neighbour count k of the learned backend is chosen here, by the same leave-one-program-out error.
+  for p in programs:
+    if step_times and p["name"] in step_times:
+      p["measured"] = step_times[p["name"]]["measured_s"]
+      p["noise"] = step_times[p["name"]]["noise_pct"]
   best = None
   for k in LEARNED_K:
     rows, y = [], []
@@ -215,6 +243,9 @@ def run(hw, reps: int = 7, trace_reps: int = 3, entries: list = None, log=print,
 
 
 if __name__ == "__main__":
+  if len(sys.argv) == 3 and sys.argv[1] == "--measure-steps":
+    measure_steps(sys.argv[2])
+    sys.exit(0)
   sys.exit("run via `python -m perfmodel calibrate`")
 
 
