@@ -70,6 +70,11 @@ from framework.config import Config
 from parallelism import shard_map_step as sms
 
 SCHEDULES = ("gpipe", "1f1b")
+# Named scopes around the schedule's branches: the compiled program's conditionals carry them in their
+# op_name, so perfmodel can tell which predicate each one tests (perfmodel/branches.py). Each scope's
+# predicate is true on: a tick where the stage has forward (FWD) / backward (BWD) work; the first (FIRST)
+# / last (LAST) stage.
+SCOPE_FWD, SCOPE_BWD, SCOPE_FIRST, SCOPE_LAST = "pp_fwd_slot", "pp_bwd_slot", "pp_first_stage", "pp_last_stage"
 
 
 @dataclasses.dataclass(frozen=True)
@@ -216,7 +221,8 @@ def _body(params, inputs_BxT, targets_BxT, *, model, specs, sched: Schedule, n_t
 
   def stage_forward(prm, x_recv_BxTxD, tok_BxT):
     embed = lambda: model.apply({"params": prm}, tok_BxT, method="embed")  # noqa: E731
-    x = branch(is_first, embed, lambda: x_recv_BxTxD)
+    with jax.named_scope(SCOPE_FIRST):
+      x = branch(is_first, embed, lambda: x_recv_BxTxD)
     y, _ = model.apply({"params": prm}, x, pos_BxT, method="blocks")
     return y
 
@@ -225,7 +231,8 @@ def _body(params, inputs_BxT, targets_BxT, *, model, specs, sched: Schedule, n_t
       logits = model.apply({"params": prm}, y_BxTxD, method="head")
       loss = sms.token_loss_sum(model, logits, tgt_BxT) / n_tokens
       return sms.vary(loss, tuple(sms.varying_axes(loss_proto)))
-    return branch(is_last, head, lambda: loss_proto)
+    with jax.named_scope(SCOPE_LAST):
+      return branch(is_last, head, lambda: loss_proto)
 
   def tick(carry, row):
     recv_x, recv_dx, stash, gacc, loss_acc = carry
@@ -234,9 +241,11 @@ def _body(params, inputs_BxT, targets_BxT, *, model, specs, sched: Schedule, n_t
     # Forward slot. The last stage only stashes: its backward slot recomputes everything anyway.
     def fwd(stash):
       stash = jax.lax.dynamic_update_index_in_dim(stash, recv_x, fm % k, 0)
-      y = branch(is_last, lambda: x_proto, lambda: stage_forward(local, recv_x, tok_MxBxT[fm]))
+      with jax.named_scope(SCOPE_LAST):
+        y = branch(is_last, lambda: x_proto, lambda: stage_forward(local, recv_x, tok_MxBxT[fm]))
       return y, stash
-    y, stash = branch(fm >= 0, fwd, lambda st: (x_proto, st), stash)
+    with jax.named_scope(SCOPE_FWD):
+      y, stash = branch(fm >= 0, fwd, lambda st: (x_proto, st), stash)
     recv_x = jax.lax.ppermute(y, sms.PIPELINE_AXIS, [(i, i + 1) for i in range(p - 1)])
 
     # Backward slot: recompute the stage forward from its stashed input, pull back the cotangent.
@@ -252,7 +261,8 @@ def _body(params, inputs_BxT, targets_BxT, *, model, specs, sched: Schedule, n_t
       d_prm, d_x = pullback((dy, jnp.ones_like(loss_proto)))
       gacc = jax.tree.map(jnp.add, gacc, d_prm)
       return sms.vary(d_x, tuple(sms.varying_axes(x_proto))), gacc, loss_acc + loss
-    d_x, gacc, loss_acc = branch(bm >= 0, bwd, lambda g, l: (x_proto, g, l), gacc, loss_acc)
+    with jax.named_scope(SCOPE_BWD):
+      d_x, gacc, loss_acc = branch(bm >= 0, bwd, lambda g, l: (x_proto, g, l), gacc, loss_acc)
     recv_dx = jax.lax.ppermute(d_x, sms.PIPELINE_AXIS, [(i + 1, i) for i in range(p - 1)])
     return (recv_x, recv_dx, stash, gacc, loss_acc), None
 

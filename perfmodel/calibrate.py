@@ -193,6 +193,15 @@ def _node_stage(quick: bool, prof_path: str = None) -> dict:
   src = (f"python -m perfmodel calibrate on {platform.node()} {datetime.date.today().isoformat()}, "
          f"jax {jax.__version__}, load avg {os.getloadavg()[0]:.2f}, regime {bench.regime()}")
   step_times = _step_times_child(quick)
+  ref = None
+  if step_times:
+    # Host speed drifts during the run (perfmodel/speed.py): every program's step is taken at the run's
+    # median probe speed, which becomes the profile's reference speed.
+    from perfmodel import speed  # noqa: PLC0415
+    ref = speed.reference([v["probe_s"] for v in step_times.values() if v.get("probe_s")])
+    for v in step_times.values():
+      v["measured_raw_s"] = v["measured_s"]
+      v["measured_s"] = speed.normalise(v["measured_s"], v.get("probe_s"), ref)
   res = calibrate_nodes.run(hw, reps=3 if quick else 5, trace_reps=2, entries=None,
                             log=lambda m: print(m, file=sys.stderr, flush=True), step_times=step_times)
   spath = learned.samples_path(hw.name)
@@ -207,6 +216,12 @@ def _node_stage(quick: bool, prof_path: str = None) -> dict:
   cal["calibration_loo"] = [{k: (round(v, 6) if isinstance(v, float) else v) for k, v in c.items()}
                             for c in res["loo"]]
   cal["nodes_source"] = src
+  if ref:
+    cal["speed_probe_ref_s"] = ref
+    cal["speed_probe_source"] = (f"{src}: median of perfmodel.speed's probe timed around each calibration "
+                                 f"program ({len(step_times)} programs, probe "
+                                 f"{min(v['probe_s'] for v in step_times.values()) * 1e3:.2f}-"
+                                 f"{max(v['probe_s'] for v in step_times.values()) * 1e3:.2f} ms)")
   with open(prof_path, "w") as f:
     json.dump(base, f, indent=1)
   return {"profile": prof_path, "nodes": {"samples": len(res["samples"]), "composition": res["composition"],

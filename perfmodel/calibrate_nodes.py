@@ -17,6 +17,7 @@ time every instruction inside the program with XLA's TraceMe (perfmodel/trace_no
 """
 from __future__ import annotations
 
+import math
 import statistics
 import sys
 
@@ -29,7 +30,7 @@ from perfmodel import bench, capture, costs, graph as graph_lib, learned, suite,
 def _cfg(entry: dict, base: dict = None):
   from perfmodel.validate import _merge
   cfg = from_dict(_merge(base or suite.BASE, entry))
-  cfg = validate_cfg(cfg, cfg.mesh.data * cfg.mesh.fsdp * cfg.mesh.tensor)
+  cfg = validate_cfg(cfg, math.prod(cfg.mesh.sizes().values()))
   return cfg.__class__(**{**cfg.__dict__, "name": entry["name"]})
 
 
@@ -171,14 +172,16 @@ def measure_steps(path: str, reps: int = 7, entries: list = None, infer: bool = 
   programs) ran faster than in `validate`'s process (c_d192_b12: 62 ms vs 70-72 ms, four fresh processes),
   and a composition fitted on the former under-predicted every validation config."""
   import json  # noqa: PLC0415
+  from perfmodel import speed  # noqa: PLC0415
   from perfmodel.validate import _measure_infer_entry, _measure_train_entry  # noqa: PLC0415
+  probe = speed.Probe()  # timed around every program: calibrate stores the median as the reference speed
   out = {}
   for entry in (entries if entries is not None else suite.CALIBRATION):
-    m, _ = _measure_train_entry(_cfg(entry), reps)
-    out[entry["name"]] = {"measured_s": m["measured_s"], "noise_pct": m["noise_pct"]}
+    m, _ = _measure_train_entry(_cfg(entry), reps, probe)
+    out[entry["name"]] = {"measured_s": m["measured_s"], "noise_pct": m["noise_pct"], "probe_s": m["probe_s"]}
   for entry in (suite.CALIBRATION_INFER if infer else []):
-    m, _ = _measure_infer_entry(validate_cfg(_cfg_infer(entry), 1), entry, reps)
-    out[entry["name"]] = {"measured_s": m["measured_s"], "noise_pct": m["noise_pct"]}
+    m, _ = _measure_infer_entry(validate_cfg(_cfg_infer(entry), 1), entry, reps, probe)
+    out[entry["name"]] = {"measured_s": m["measured_s"], "noise_pct": m["noise_pct"], "probe_s": m["probe_s"]}
   with open(path, "w") as f:
     json.dump(out, f)
   return out
@@ -196,6 +199,7 @@ def run(hw, reps: int = 7, trace_reps: int = 3, entries: list = None, log=print,
     cfg = _cfg(entry)
     cap = capture.train_step(cfg, keep_compiled=True)
     g = graph_lib.from_hlo_text(cap.hlo_text, cap.n_devices)
+    _resolve_branches(g, cfg, hw)
     run_fn = train_runner(cap, cfg)
     given = (step_times or {}).get(entry["name"])
     if given:  # timed by the child process; only warm up before tracing
@@ -301,6 +305,13 @@ def refit(prof_path: str, hlo_dir: str, log=print) -> dict:
   with open(prof_path, "w") as f:
     json.dump(base, f, indent=1)
   return {"composition": coef, "loo_mape": cal["calibration_loo_mape"], "loo": cv}
+
+
+def _resolve_branches(g, cfg, hw) -> None:
+  """A pipelined program's slots as predict resolves them (stage average; perfmodel/branches.py), so its
+  composition row sees the work that runs, not the idle branches."""
+  from perfmodel import branches, predict  # noqa: PLC0415
+  branches.resolve(g, costs.make_chain(hw, "roofline"), predict._pipeline_schedule(cfg), stage=None)  # noqa: SLF001
 
 
 def _node_samples(g, traced: dict, prog: str, phys) -> list:

@@ -108,7 +108,8 @@ def cmd_validate(a, overrides):
   capture.ensure_devices(VALIDATE_DEVICES)
   from perfmodel import validate
   _print(validate.run(a.suite, reps=a.reps, backend=a.backend, png=a.png, results=not a.no_results,
-                      limit=a.limit, measurements=a.measurements, hlo_cache=a.hlo_cache))
+                      limit=a.limit, measurements=a.measurements, hlo_cache=a.hlo_cache,
+                      probe=not a.no_probe))
 
 
 def cmd_search(a, overrides):
@@ -162,6 +163,8 @@ def main(argv=None):
   va.add_argument("--measurements", default=None,
                   help="JSON cache of measured times by config name: reused if present, filled if not")
   va.add_argument("--hlo-cache", default=None, help="folder of compiled programs by config name (reused / filled)")
+  va.add_argument("--no-probe", action="store_true",
+                  help="do not time the host-speed probe around measurements (perfmodel/speed.py): raw errors only")
   se = sub.add_parser("search", help="rank layouts for a model on N devices under memory limits")
   se.add_argument("--config", required=True)
   se.add_argument("--hardware", default="cpu")

@@ -91,6 +91,10 @@ class Node:
   trip_count: int = 1
   start: int = -1  # wait: id of the matching start node
   fingerprint: str = ""  # shape/op signature for the profiled database
+  # conditional: every branch region, indexed like lax.switch (a pred conditional: [false, true]), and the
+  # expected executions of each per visit once resolved (perfmodel/branches.py); () = not resolved
+  branches: tuple = ()
+  branch_weights: tuple = ()
 
 
 @dataclasses.dataclass
@@ -106,11 +110,17 @@ class ExecGraph:
   n_devices: int
   module_name: str = ""
 
-  def walk(self, region: Optional[str] = None, mult: int = 1) -> Iterator:
-    """Yields (node, multiplicity) over every node, descending into loops (multiplicity = trip product)."""
+  def walk(self, region: Optional[str] = None, mult: float = 1) -> Iterator:
+    """Yields (node, multiplicity) over every node, descending into loops (multiplicity = trip product).
+    A resolved conditional contributes each branch times its expected executions (a float); an unresolved
+    one its first branch."""
     for n in self.regions[region or self.entry].nodes:
       yield n, mult
-      if n.kind == "loop":
+      if n.kind == "loop" and n.branch_weights:
+        for br, w in zip(n.branches, n.branch_weights):
+          if w:
+            yield from self.walk(br, mult * n.trip_count * w)
+      elif n.kind == "loop":
         yield from self.walk(n.body, mult * n.trip_count)
 
   def totals(self) -> dict:
@@ -133,6 +143,15 @@ class ExecGraph:
   def to_dict(self) -> dict:
     return {"entry": self.entry, "n_devices": self.n_devices, "module": self.module_name,
             "regions": {r: [dataclasses.asdict(n) for n in reg.nodes] for r, reg in self.regions.items()}}
+
+
+def conditional_branches(module: hp.Module, ins: hp.Instruction) -> list:
+  """Branch computations of a conditional, indexed like ``lax.switch`` (pred form: [false, true])."""
+  a = ins.attrs
+  if "true_computation" in a:
+    strip = lambda v: v.strip().lstrip("%")  # noqa: E731
+    return [strip(a["false_computation"]), strip(a["true_computation"])]
+  return [c for c in ins.called() if c in module.computations]
 
 
 # ---------------------------------------------------------------- costs of HLO instructions
@@ -313,9 +332,16 @@ class _Builder:
       return Node(id=self.new_id(), name=ins.name, kind="loop", opcode=op, deps=deps, attribution=attr, body=body,
                   trip_count=trips if trips is not None else 1,
                   fingerprint="" if trips is not None else "unknown_trip_count")
-    if op in ("call", "conditional"):
-      # Inline-able control flow: price the first called computation as a loop of one trip (a
-      # conditional takes its most expensive branch later in the cost model; the first is a bound).
+    if op == "conditional":
+      # Every branch becomes a region; which one runs is decided at run time, so pricing needs the branch
+      # weights perfmodel/branches.py resolves (costliest branch when nothing better is known).
+      branches = conditional_branches(m, ins)
+      if branches:
+        for c in branches:
+          self.region(c)
+        return Node(id=self.new_id(), name=ins.name, kind="loop", opcode=op, deps=deps, attribution=attr,
+                    body=branches[0], trip_count=1, branches=tuple(branches))
+    if op == "call":
       called = [c for c in ins.called() if c in m.computations]
       if called:
         self.region(called[0])

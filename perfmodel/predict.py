@@ -12,6 +12,8 @@ from __future__ import annotations
 
 import time
 
+import numpy as np
+
 from framework import flops as flops_lib
 from framework.config import Config
 from perfmodel import capture, costs, graph as graph_lib, memory, timeline
@@ -59,17 +61,52 @@ def _breakdown(tl: timeline.Timeline, scale: float) -> dict:
   }
 
 
+def _pipeline_schedule(cfg: Config):
+  if cfg.mesh.pipeline <= 1:
+    return None
+  from parallelism.pipeline import make_schedule  # noqa: PLC0415
+  return make_schedule(cfg.mesh.schedule, cfg.mesh.pipeline, cfg.mesh.microbatches)
+
+
+def _resolve_and_schedule(g: graph_lib.ExecGraph, chain, hw: HardwareProfile, cfg: Config):
+  """(timeline, lock-step idle seconds, how conditionals were resolved) of a training step.
+
+  Pipelined programs decide their slots at run time (perfmodel/branches.py). On the ``cpu`` profile the N
+  virtual devices run in series on one core, so the step is their *summed* work: branches weighted by the
+  stage-average schedule, no lock-step idle. On parallel hardware each stage's own program is priced, plus
+  the ticks it idles waiting for the busiest stage; the slowest stage is the step."""
+  from perfmodel import branches  # noqa: PLC0415
+  sched = _pipeline_schedule(cfg)
+  if sched is None or hw.name == "cpu":
+    info = branches.resolve(g, chain, sched, stage=None)
+    info["stages"] = "average over stages (N devices in series)" if sched is not None else None
+    return timeline.schedule(g, chain), 0.0, info
+  per_stage, slots = [], []
+  for s in range(sched.n_stages):
+    info = branches.resolve(g, chain, sched, stage=s)
+    per_stage.append(timeline.schedule(g, chain))
+    slots.append(branches.slot_work(g, chain))
+  f, b = [x[0] for x in slots], [x[1] for x in slots]
+  totals = [tl.makespan + branches.lockstep_extra(sched, f, b, s) for s, tl in enumerate(per_stage)]
+  worst = int(np.argmax(totals))
+  branches.resolve(g, chain, sched, stage=worst)  # leave the graph priced as the step's stage
+  info["stages"] = f"stage {worst} of {sched.n_stages} (slowest, lock-step ticks)"
+  info["lockstep_idle_s"] = totals[worst] - per_stage[worst].makespan
+  return per_stage[worst], totals[worst] - per_stage[worst].makespan, info
+
+
 def predict_train(cfg: Config, hw: HardwareProfile, backend: str = "auto", captured=None) -> dict:
   t0 = time.perf_counter()
   cap = captured or capture.train_step(cfg)
   t1 = time.perf_counter()
   g = graph_lib.from_hlo_text(cap.hlo_text, cap.n_devices)
-  tl, chain = price_graph(g, hw, backend)
+  chain = costs.make_chain(hw, backend)
+  tl, lockstep, cond_info = _resolve_and_schedule(g, chain, hw, cfg)
   scale = _host_factor(hw, cap.n_devices)
   step = composed(g, chain, hw, cap.n_devices, temp_bytes=cap.memory.get("temp_size_in_bytes", 0.0))
   composition = step is not None
   if step is None:
-    step = tl.makespan * scale + hw.calibration.get("step_overhead_s", 0.0)
+    step = (tl.makespan + lockstep) * scale + hw.calibration.get("step_overhead_s", 0.0)
   else:
     scale = step / tl.makespan if tl.makespan else 1.0  # breakdown shares scaled to the composed step
   t2 = time.perf_counter()
@@ -90,6 +127,7 @@ def predict_train(cfg: Config, hw: HardwareProfile, backend: str = "auto", captu
       "model_flops_per_step": model_flops, "collective_bytes_per_device": tot["collective_bytes"],
       "node_counts": tot["node_counts"], "breakdown": _breakdown(tl, scale), "host_device_factor": scale,
       "composition": "calibrated (one pinned core, N devices in series)" if composition else "timeline",
+      "conditionals": cond_info,
       "compile_s": cap.lower_s + cap.compile_s, "predict_s": t2 - t1, "total_s": t2 - t0,
   }
 
@@ -100,6 +138,8 @@ def predict_infer(cfg: Config, hw: HardwareProfile, batch: int, prompt_len: int,
   cap = captured or capture.sampler(cfg, batch, prompt_len, gen_len)
   g = graph_lib.from_hlo_text(cap.hlo_text, 1)
   chain = costs.make_chain(hw, backend)
+  from perfmodel import branches  # noqa: PLC0415
+  branches.resolve(g, chain)  # the sampler's conditionals (if any): costliest branch
   cache = {}
   entry = g.regions[g.entry]
   loops = [n for n in entry.nodes if n.kind == "loop" and n.trip_count == gen_len]

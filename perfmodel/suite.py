@@ -26,12 +26,13 @@ SUITE = [
     dict(name="dp2", mesh=dict(data=2)),
     dict(name="tp2", mesh=dict(tensor=2)),
     dict(name="dp2_tp2", mesh=dict(data=2, tensor=2), data=dict(global_batch=16)),
+    dict(name="pp2", mesh=dict(pipeline=2, microbatches=4, schedule="gpipe", form="shard_map")),
 ]
 
 INFER = [
-    dict(name="decode_b1", batch=1, prompt_len=32, gen_lens=(8, 24)),
-    dict(name="decode_b4", batch=4, prompt_len=32, gen_lens=(8, 24)),
-    dict(name="decode_b8_wide", batch=8, prompt_len=64, gen_lens=(8, 24), model=dict(d_model=256, d_ff=768,
+    dict(name="decode_b1", batch=1, prompt_len=32, gen_lens=(8, 56)),
+    dict(name="decode_b4", batch=4, prompt_len=32, gen_lens=(8, 56)),
+    dict(name="decode_b8_wide", batch=8, prompt_len=64, gen_lens=(8, 56), model=dict(d_model=256, d_ff=768,
                                                                                      n_heads=8, n_kv_heads=4)),
 ]
 
@@ -75,6 +76,11 @@ CALIBRATION = [
          data=dict(seq_len=56)),
     dict(name="c_tp2_d144", model=dict(d_model=144, n_heads=4, n_kv_heads=2, d_ff=416), data=dict(seq_len=56),
          mesh=dict(tensor=2)),
+    # pipelined programs (shard_map form: idle slots skipped with lax.cond, resolved by perfmodel/branches.py)
+    dict(name="c_pp2_d96", model=dict(d_model=96, n_heads=4, n_kv_heads=2, d_ff=256), data=dict(seq_len=48),
+         mesh=dict(pipeline=2, microbatches=4, schedule="gpipe", form="shard_map")),
+    dict(name="c_pp2_1f1b_d160", model=dict(d_model=160, n_layers=4, n_heads=4, n_kv_heads=2, d_ff=448),
+         data=dict(seq_len=40), mesh=dict(pipeline=2, microbatches=4, schedule="1f1b", form="shard_map")),
 ]
 
 # Calibration decode programs (KV-cached sampler), shapes disjoint from INFER.

@@ -6,7 +6,8 @@ List scheduling in program order (the module is scheduled, so text order is the 
   * async start: issues on the comm stream when its inputs exist; compute continues; the matching
     ``wait`` node stalls compute until the transfer is done (that stall is the *exposed* communication);
   * loop: blocks both streams for trip_count x the makespan of its body region (bodies are
-    scheduled once and cached).
+    scheduled once and cached); a conditional: its branches weighted by their expected executions
+    (perfmodel/branches.py), or its costliest branch when unresolved.
 Compute that runs while a transfer is in flight is slowed by ``hw.overlap_slowdown`` (Echo's
 interference term). The result carries per-kind busy times, exposed communication and which
 backend priced how many nodes, so every prediction can be audited.
@@ -45,20 +46,21 @@ def schedule(graph: ExecGraph, chain: Chain, region: str = None, _cache=None) ->
   for n in graph.regions[name].nodes:
     ready = max((end[d] for d in n.deps if d in end), default=0.0)
     if n.kind == "loop":
-      sub = schedule(graph, chain, n.body, cache)
-      dur = sub.makespan * n.trip_count
+      dur = 0.0
       start = max(t_comp, t_comm, ready)
+      for sub, times in _bodies(graph, chain, n, cache):
+        dur += sub.makespan * times
+        for k, v in sub.busy_by_kind.items():
+          busy[k] += v * times
+        for k, v in sub.backend_counts.items():
+          backends[k] += v * times
+        for k, v in sub.by_layer.items():
+          layers[k] += v * times
+        for k, v in sub.by_phase.items():
+          phases[k] += v * times
+        exposed += sub.exposed_comm * times
+        per_node += [(s * times, nm, kd, b, op) for s, nm, kd, b, op in sub.top_nodes]
       t_comp = t_comm = end[n.id] = start + dur
-      for k, v in sub.busy_by_kind.items():
-        busy[k] += v * n.trip_count
-      for k, v in sub.backend_counts.items():
-        backends[k] += v * n.trip_count
-      for k, v in sub.by_layer.items():
-        layers[k] += v * n.trip_count
-      for k, v in sub.by_phase.items():
-        phases[k] += v * n.trip_count
-      exposed += sub.exposed_comm * n.trip_count
-      per_node += [(s * n.trip_count, nm, kd, b, op) for s, nm, kd, b, op in sub.top_nodes]
       continue
     if n.kind == "wait":
       s_end = end.get(n.start, ready)
@@ -93,3 +95,14 @@ def schedule(graph: ExecGraph, chain: Chain, region: str = None, _cache=None) ->
                 backend_counts=dict(backends), top_nodes=per_node[:20], by_layer=dict(layers), by_phase=dict(phases))
   cache[name] = tl
   return tl
+
+
+def _bodies(graph: ExecGraph, chain: Chain, n, cache) -> list:
+  """[(timeline, executions)] of a loop node's body: a while/call body x trip count; a conditional's branches
+  x their resolved weights (perfmodel/branches.py), or its costliest branch once when unresolved."""
+  if not n.branches:
+    return [(schedule(graph, chain, n.body, cache), n.trip_count)]
+  subs = [schedule(graph, chain, b, cache) for b in n.branches]
+  if n.branch_weights:
+    return [(sub, n.trip_count * w) for sub, w in zip(subs, n.branch_weights) if w]
+  return [(max(subs, key=lambda t: t.makespan), n.trip_count)]

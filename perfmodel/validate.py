@@ -14,6 +14,7 @@ import importlib.util
 import json
 import os
 import platform
+import math
 import statistics
 import sys
 
@@ -98,26 +99,33 @@ def decode_loop(g, gen_len: int):
   return max(loops, key=lambda n: len(g.regions[n.body].nodes)) if loops else None
 
 
-def _measure_train_entry(cfg, reps):
+def _measure_train_entry(cfg, reps, probe=None):
+  """Two rounds of ``reps`` steps; with a speed.Probe, the probe is timed just before and after (``probe_s``)."""
   cap = capture.train_step(cfg, keep_compiled=True)
-  r1 = measure_train(cap, cfg, reps)
-  r2 = measure_train(cap, cfg, reps)
+
+  def rounds():
+    return measure_train(cap, cfg, reps), measure_train(cap, cfg, reps)
+  (r1, r2), probe_s = probe.around(rounds) if probe else (rounds(), None)
   s1, s2 = bench.seconds(r1), bench.seconds(r2)
   meas = (s1 + s2) / 2
   # noise = the larger of the within-round spread and the half drift between the two rounds
   noise = max(bench.spread_pct(bench.view(r1)), bench.spread_pct(bench.view(r2)), 50 * abs(s1 - s2) / meas)
   return {"measured_s": meas, "noise_pct": noise, "wall_s": (r1["median"] + r2["median"]) / 2,
-          "rounds_s": [s1, s2]}, cap
+          "rounds_s": [s1, s2], "probe_s": probe_s}, cap
 
 
-def _measure_infer_entry(cfg, entry, reps):
+def _measure_infer_entry(cfg, entry, reps, probe=None):
   g1, g2 = entry["gen_lens"]
-  m1, _ = measure_infer(cfg, entry["batch"], entry["prompt_len"], g1, reps)
-  m2, cap2 = measure_infer(cfg, entry["batch"], entry["prompt_len"], g2, reps)
+
+  def both():
+    m1, _ = measure_infer(cfg, entry["batch"], entry["prompt_len"], g1, reps)
+    m2, cap2 = measure_infer(cfg, entry["batch"], entry["prompt_len"], g2, reps)
+    return m1, m2, cap2
+  (m1, m2, cap2), probe_s = probe.around(both) if probe else (both(), None)
   tpot = (bench.seconds(m2) - bench.seconds(m1)) / (g2 - g1)
   noise = (max(bench.spread_pct(bench.view(m1)), bench.spread_pct(bench.view(m2))) * bench.seconds(m2)
            / max(1e-12, bench.seconds(m2) - bench.seconds(m1)))
-  return {"measured_s": tpot, "noise_pct": noise}, cap2
+  return {"measured_s": tpot, "noise_pct": noise, "probe_s": probe_s}, cap2
 
 
 def _clock(cache: dict, pinned_now: bool) -> str:
@@ -147,11 +155,23 @@ def _cached_capture(hlo_cache, name, compile_fn):
 
 
 def run(suite_path=None, reps: int = 7, backend: str = "auto", png: str = None, results: bool = True,
-        limit: int = 0, hardware_name: str = "cpu", measurements: str = None, hlo_cache: str = None) -> dict:
+        limit: int = 0, hardware_name: str = "cpu", measurements: str = None, hlo_cache: str = None,
+        probe: bool = True) -> dict:
   """measurements: a JSON file of measured step times by config name. Entries found there are not re-run
   (predictions are recomputed from a fresh compile); new measurements are added to it. Lets the slow
-  measuring and a recalibration proceed separately on a loaded host."""
+  measuring and a recalibration proceed separately on a loaded host.
+
+  probe: time perfmodel.speed's probe around every measurement; the headline errors compare with the raw
+  measurements, and ``mape_speed_normalised`` also reports them at the calibration's host speed."""
+  from perfmodel import speed
   hw = hardware.load(hardware_name)
+  ref = hw.calibration.get("speed_probe_ref_s") if hw.name == "cpu" else None
+  prober = []  # the Probe, built on the first measurement that needs it
+
+  def get_probe():
+    if probe and not prober:
+      prober.append(speed.Probe())
+    return prober[0] if prober else None
   suite = _load_suite(suite_path)
   cache = {}
   if measurements and os.path.exists(measurements):
@@ -166,27 +186,30 @@ def run(suite_path=None, reps: int = 7, backend: str = "auto", png: str = None, 
   entries = suite.SUITE[:limit] if limit else suite.SUITE
   for entry in entries:
     cfg = from_dict(_merge(suite.BASE, entry))
-    n = cfg.mesh.data * cfg.mesh.fsdp * cfg.mesh.tensor
+    n = math.prod(cfg.mesh.sizes().values())
     cfg = validate_cfg(cfg, n)
     cfg = cfg.__class__(**{**cfg.__dict__, "name": entry["name"]})
     if entry["name"] in cache:
       m, cap = cache[entry["name"]], _cached_capture(hlo_cache, entry["name"], lambda: capture.train_step(cfg))
     else:
-      m, cap = _measure_train_entry(cfg, reps)
+      m, cap = _measure_train_entry(cfg, reps, get_probe())
       m["regime"] = bench.regime()
       cache[entry["name"]] = m
       save()
     if backend == "profiled":
       profiler.profile_dots(graph_lib.from_hlo_text(cap.hlo_text), hw.name)
     pred = predict.predict_train(cfg, hw, backend, captured=cap)
-    meas, noise, wall = m["measured_s"], m["noise_pct"], m["wall_s"]
+    raw, noise, wall = m["measured_s"], m["noise_pct"], m["wall_s"]
+    meas = raw
     err = 100 * (pred["step_time_s"] - meas) / meas
     rows.append(dict(name=entry["name"], kind="train", measured_s=meas, predicted_s=pred["step_time_s"], err_pct=err,
+                     probe_s=m.get("probe_s"),
                      noise_pct=noise, n_devices=n, predict_s=pred["predict_s"], wall_s=wall,
                      mem_pred=pred["peak_memory_bytes"], mem_xla=cap.memory["peak_bytes"],
                      mem_analytic=pred["memory_analytic"]["total"], priced_by=pred["breakdown"]["priced_by"]))
     print(f"{entry['name']:>16}  measured {meas * 1e3:9.2f} ms  predicted {pred['step_time_s'] * 1e3:9.2f} ms  "
-          f"err {err:+6.1f}%  noise ±{noise:4.1f}%  ({n} dev)", file=sys.stderr, flush=True)
+          f"err {err:+6.1f}%  noise ±{noise:4.1f}%  ({n} dev)",
+          file=sys.stderr, flush=True)
   inf_rows = []
   for entry in getattr(suite, "INFER", []) if not limit else []:
     cfg = validate_cfg(from_dict(_merge(suite.BASE, entry)), 1)
@@ -195,7 +218,7 @@ def run(suite_path=None, reps: int = 7, backend: str = "auto", png: str = None, 
       m, cap2 = cache[entry["name"]], _cached_capture(
           hlo_cache, entry["name"], lambda: capture.sampler(cfg, entry["batch"], entry["prompt_len"], g2))
     else:
-      m, cap2 = _measure_infer_entry(cfg, entry, reps)
+      m, cap2 = _measure_infer_entry(cfg, entry, reps, get_probe())
       m["regime"] = bench.regime()
       cache[entry["name"]] = m
       save()
@@ -206,7 +229,7 @@ def run(suite_path=None, reps: int = 7, backend: str = "auto", png: str = None, 
     err = 100 * (pred["tpot_s"] - tpot_meas) / tpot_meas if tpot_meas > 0 else float("nan")
     noise = m["noise_pct"]
     inf_rows.append(dict(name=entry["name"], kind="infer", measured_s=tpot_meas, predicted_s=pred["tpot_s"],
-                         err_pct=err, noise_pct=noise))
+                         err_pct=err, probe_s=m.get("probe_s"), noise_pct=noise))
     print(f"{entry['name']:>16}  TPOT measured {tpot_meas * 1e3:8.3f} ms  predicted {pred['tpot_s'] * 1e3:8.3f} ms  "
           f"err {err:+6.1f}%  noise ±{noise:4.1f}%", file=sys.stderr, flush=True)
   meas = [r["measured_s"] for r in rows]
@@ -217,7 +240,17 @@ def run(suite_path=None, reps: int = 7, backend: str = "auto", png: str = None, 
   regret = 100 * (1 - tps_m[best_pred] / max(tps_m))
   mem_err = float(np.max([abs(r["mem_pred"] - r["mem_xla"]) / r["mem_xla"] * 100 for r in rows]))
   mem_ana = float(np.mean([abs(r["mem_analytic"] - r["mem_xla"]) / r["mem_xla"] * 100 for r in rows]))
+  normalised = _speed_normalise(rows + inf_rows, ref)
+  probes = [r["probe_s"] for r in rows + inf_rows if r.get("probe_s")]
   out = {"mape": mape, "kendall_tau": kendall_tau(meas, prd), "n_configs": len(rows),
+         "mape_speed_normalised": (float(np.mean([abs(r["err_at_ref_pct"]) for r in rows]))
+                                   if normalised else None),
+         "tpot_mape_speed_normalised": (float(np.mean([abs(r["err_at_ref_pct"]) for r in inf_rows]))
+                                        if normalised and inf_rows else None),
+         "host_speed": ({"probe": speed.PROBE_NAME, "reference_s": ref, "probe_median_s": statistics.median(probes),
+                         "probe_range_s": [min(probes), max(probes)],
+                         "speed_vs_calibration": ref / statistics.median(probes)} if normalised else
+                        "not normalised: measurements without probe times or a profile without speed_probe_ref_s"),
          "noise_pct": float(np.median([r["noise_pct"] for r in rows])),
          "top1_regret_pct": regret, "signed_err_pct": {r["name"]: round(r["err_pct"], 2) for r in rows},
          "tpot_mape": float(np.mean([abs(r["err_pct"]) for r in inf_rows])) if inf_rows else None,
@@ -236,6 +269,24 @@ def run(suite_path=None, reps: int = 7, backend: str = "auto", png: str = None, 
   if results:
     _append_results(out)
   return out
+
+
+SPEED_WINDOW = 4  # probe times of this many measurements either side are pooled (median) per measurement
+
+
+def _speed_normalise(rows: list, ref) -> bool:
+  """Adds ``measured_at_ref_s`` / ``err_at_ref_pct`` to every row: the measurement at the calibration's
+  reference speed (perfmodel/speed.py), using the median probe time of the rows measured around it (in
+  row order = measurement order). The drift being corrected is slow (minutes); one probe pair is as noisy
+  as any single measurement (+-6-10%), so pooling neighbours keeps the correction from adding noise."""
+  if not ref or not rows or not all(r.get("probe_s") for r in rows):
+    return False
+  probes = [r["probe_s"] for r in rows]
+  for i, r in enumerate(rows):
+    pooled = statistics.median(probes[max(0, i - SPEED_WINDOW):i + SPEED_WINDOW + 1])
+    r["measured_at_ref_s"] = r["measured_s"] * ref / pooled
+    r["err_at_ref_pct"] = 100 * (r["predicted_s"] - r["measured_at_ref_s"]) / r["measured_at_ref_s"]
+  return True
 
 
 def _plot(rows, path):
@@ -268,7 +319,10 @@ def _append_results(out):
       f.write("# Benchmark results\n\n| date | command | machine | numbers |\n|---|---|---|---|\n")
   nums = {k: (round(v, 3) if isinstance(v, float) else v) for k, v in out.items()
           if k in ("mape", "kendall_tau", "n_configs", "noise_pct", "top1_regret_pct", "tpot_mape", "tpot_noise_pct",
-                   "peak_memory_max_err_pct_vs_memory_analysis", "load_avg", "clock", "calibration_loo_mape")}
+                   "peak_memory_max_err_pct_vs_memory_analysis", "load_avg", "clock", "calibration_loo_mape",
+                   "mape_speed_normalised", "tpot_mape_speed_normalised")}
+  if isinstance(out.get("host_speed"), dict):
+    nums["speed_vs_calibration"] = round(out["host_speed"]["speed_vs_calibration"], 3)
   with open(path, "a") as f:
     f.write(f"| {datetime.datetime.now().isoformat(timespec='minutes')} | python -m perfmodel validate | "
             f"{platform.node()} {os.cpu_count()} cores (shared) | {json.dumps(nums)} |\n")

@@ -27,6 +27,8 @@ def parse(argv):
                       "N-1 shadow processes replay their load on the other cores; 'auto' = min(cores, ranks) for "
                       "a cpu target on a cpu device, else 1")
   p.add_argument("--compile-only", action="store_true", help="slice and compute memory; do not execute")
+  p.add_argument("--no-stragglers", action="store_true",
+                 help="do not add the wait for the slowest rank (peers varying like the measured rank's steps)")
   p.add_argument("--exact-memory", action="store_true",
                  help="also compile the real N-device program on N virtual CPU devices (N <= 1024) for exact memory")
   args, rest = p.parse_known_args(argv)
@@ -74,7 +76,8 @@ def main(argv=None) -> int:
   colocated = _colocated(args.colocated, n, args.hardware, args.local_hardware)
   res = emulator.emulate(cfg, ranks=ranks, colocated=colocated, hardware=args.hardware, local_hardware=args.local_hardware,
                          out_dir=args.out, repeats=args.repeats, warmup=args.warmup, execute=not args.compile_only,
-                         exact_memory=(args.config, overrides) if args.exact_memory else None, notes=notes)
+                         exact_memory=(args.config, overrides) if args.exact_memory else None, notes=notes,
+                         stragglers=not args.no_stragglers)
   print(json.dumps(res, default=str))
   return 0
 

@@ -10,6 +10,7 @@ from __future__ import annotations
 import contextlib
 import json
 import os
+import statistics
 import subprocess
 import sys
 import time
@@ -71,7 +72,7 @@ def emulate(cfg: Config, ranks: Optional[Sequence[int]] = None, hardware: str = 
             out_dir: Optional[str] = None, repeats: int = 5, warmup: int = 1, execute: bool = True,
             exact_memory: Optional[tuple] = None, notes: Sequence[str] = (), algorithm: str = "auto",
             host_data: bool = True, combine: bool = True, gloo_calibration: Optional[str] = "auto",
-            colocated: int = 1) -> dict:
+            colocated: int = 1, stragglers: bool = True) -> dict:
   """Emulates one training step of ``cfg`` (validated at its target mesh). ``ranks``: None = one per
   class of distinct programs; else these ranks run for real (plus one per class they leave uncovered).
   ``exact_memory``: (config_spec, overrides) to also compile the real N-device program for its
@@ -79,7 +80,9 @@ def emulate(cfg: Config, ranks: Optional[Sequence[int]] = None, hardware: str = 
   target, price collectives by the measured 2-process gloo curves (perfmodel/emulate/gloo_calibration.py;
   'auto' = the stored file when present, None = the profile's own curves). ``colocated``: how many of the
   target job's ranks share one host's memory system (CPU hosts); the real rank is then timed while
-  ``colocated - 1`` shadow processes replay its peers' load on the other cores (perfmodel/emulate/shadow.py)."""
+  ``colocated - 1`` shadow processes replay its peers' load on the other cores (perfmodel/emulate/shadow.py).
+  ``stragglers``: when the rank runs on the target's device kind, add the wait for the slowest of the job's
+  ranks, with the peers varying like the measured rank's steps (``straggler_wait_s``)."""
   t0 = time.perf_counter()
   target_hw, local_hw = hw_lib.load(hardware), hw_lib.load(local_hardware)
   notes = list(notes)
@@ -117,6 +120,15 @@ def emulate(cfg: Config, ranks: Optional[Sequence[int]] = None, hardware: str = 
   composed = tl_lib.compose({lab: tls[r] for lab, r in reps.items()}, sl.structural)
   for lab, r in reps.items():
     tls[r] = composed[lab]
+  straggle = {}
+  if stragglers and execute and target_hw.device_kind == local_hw.device_kind:
+    # A synchronous step lasts as long as its slowest rank. Virtual peers are taken to vary from step to step
+    # like the measured rank does: the wait is E[max over the job's ranks] - median of its measured steps.
+    for r in to_run:
+      xs = runs[r].step_times_s
+      if len(xs) >= 3:
+        straggle[r] = max(0.0, tl_lib.expected_max(xs, space.n) - statistics.median(xs))
+        tls[r] = tl_lib.add_straggler_wait(tls[r], straggle[r])
   exact = None
   if exact_memory is not None and space.n <= EXACT_MEMORY_MAX_DEVICES:
     exact = target_compile_memory(exact_memory[0], exact_memory[1], space.n)
@@ -132,6 +144,7 @@ def emulate(cfg: Config, ranks: Optional[Sequence[int]] = None, hardware: str = 
         "branches_taken": tl.branches, "untraced_branch_executions": tl.untraced_branches,
         "cond_sites": run.n_cond_sites, "host_data": run.host_data,
         "compute_s": tl.compute_s, "comm_s": tl.comm_s, "wait_s": tl.wait_s,
+        "straggler_wait_s": straggle.get(r),
         "measured_standin_program_s": run.compute_s if execute else None,
         "standin_local_s": tl.standin_local_s, "noise_p10_p90": run.noise, "step_times_s": run.step_times_s,
         "step_cpu_s": run.step_cpu_s,

@@ -65,34 +65,38 @@ class RankTimeline:
     return max((e.start + e.dur for e in self.events), default=0.0)
 
 
+def expected_max(samples, k: int) -> float:
+  """E[max of k independent draws] from the empirical distribution of ``samples`` (order statistics:
+  the i-th smallest of n is the max with probability (i/n)^k - ((i-1)/n)^k)."""
+  xs = sorted(samples)
+  n = len(xs)
+  return float(sum(x * ((i / n) ** k - ((i - 1) / n) ** k) for i, x in enumerate(xs, 1)))
+
+
+def add_straggler_wait(tl: RankTimeline, seconds: float) -> RankTimeline:
+  """The rank waits ``seconds`` for its slowest peer before the step's last collective (the gradient
+  reduction every layout ends with); that collective and everything after it shift by ``seconds``."""
+  if seconds <= 0 or not tl.events:
+    return tl
+  comm = [i for i, e in enumerate(tl.events) if e.cat == "comm"]
+  at = comm[-1] if comm else len(tl.events)
+  start = tl.events[at].start if at < len(tl.events) else tl.iteration_s
+  events = (tl.events[:at] + [Event("wait (straggling peers)", "wait", start, seconds)]
+            + [dataclasses.replace(e, start=e.start + seconds) for e in tl.events[at:]])
+  return dataclasses.replace(tl, events=events, wait_s=tl.wait_s + seconds)
+
+
 def build_graph(module):
-  """``perfmodel.graph``'s execution graph of the module, plus a region for *every* branch of every
-  ``conditional`` (the shared builder keeps only the first branch, as a bound for prediction;
-  emulation walks the branch that really ran)."""
-  b = graph_lib._Builder(module, 1)  # noqa: SLF001 - same builder, more regions (see README: hooks)
+  """``perfmodel.graph``'s execution graph of the module (it has a region for every branch of every
+  ``conditional``; emulation walks the branch that really ran)."""
+  b = graph_lib._Builder(module, 1)  # noqa: SLF001 - the shared builder (see README: hooks)
   b.region(module.entry)
-  todo = True
-  while todo:
-    todo = False
-    for reg in list(b.regions.values()):
-      for n in reg.nodes:
-        if n.opcode != "conditional":
-          continue
-        for c in _branches(module, reg.name, n.name):
-          if c not in b.regions:
-            b.region(c)
-            todo = True
   return graph_lib.ExecGraph(regions=b.regions, entry=module.entry, n_devices=1, module_name=module.name)
 
 
 def _branches(module, region: str, name: str) -> list:
   """Branch computations of a conditional, indexed like ``lax.switch`` (pred form: [false, true])."""
-  ins = module.computations[region].by_name[name]
-  a = ins.attrs
-  if "true_computation" in a:
-    strip = lambda v: v.strip().lstrip("%")  # noqa: E731
-    return [strip(a["false_computation"]), strip(a["true_computation"])]
-  return [c for c in ins.called() if c in module.computations]
+  return graph_lib.conditional_branches(module, module.computations[region].by_name[name])
 
 
 class _Walker:

@@ -78,3 +78,19 @@ def test_permute_receiver_takes_part_and_gloo_curves_hook_into_the_collective_mo
   assert c.algorithm == "measured" and np.isclose(c.seconds, 1e-3)
   s, _ = tl_lib.collective_seconds(fwd, space, 1, hw)
   assert s > 0
+
+
+def test_straggler_wait_is_the_expected_max_over_ranks_and_lands_before_the_last_collective():
+  xs = [1.0, 2.0, 3.0, 4.0]
+  assert tl_lib.expected_max(xs, 1) == np.mean(xs)
+  # two draws from {1,2,3,4}: P(max = i) = (2i - 1) / 16
+  assert np.isclose(tl_lib.expected_max(xs, 2), sum(i * (2 * i - 1) for i in range(1, 5)) / 16)
+  assert np.isclose(tl_lib.expected_max(xs, 8192), 4.0)
+  ev = [tl_lib.Event("fwd", "compute", 0.0, 1.0), tl_lib.Event("all-reduce", "comm", 1.0, 0.5),
+        tl_lib.Event("opt", "compute", 1.5, 0.2), tl_lib.Event("all-reduce", "comm", 1.7, 0.3)]
+  tl = tl_lib.RankTimeline(rank=0, events=ev, compute_s=1.2, standin_local_s=0.0, comm_s=0.8)
+  out = tl_lib.add_straggler_wait(tl, 0.25)
+  assert out.iteration_s == tl.iteration_s + 0.25 and out.wait_s == 0.25
+  waits = [e for e in out.events if e.cat == "wait"]
+  assert len(waits) == 1 and waits[0].start == 1.7
+  assert [e.start for e in out.events if e.name == "opt"] == [1.5]  # events before it do not move

@@ -176,3 +176,17 @@ def test_fresh_temp_buffer_feature_only_above_the_mmap_threshold():
   assert cn.compose({"train": {"a": 1.0, "g": 1e-9}}, big, "train") == pytest.approx(1e-9 * big[5])
   # the decode loop body of a sampler allocates nothing per token
   assert 5 in cn.TYPE_FEATURES["train"] and 5 not in cn.TYPE_FEATURES["decode"]
+
+
+def test_speed_normalisation_pools_neighbouring_probes_and_scales_to_the_reference():
+  from perfmodel import speed, validate
+  assert speed.normalise(2.0, 0.05, 0.04) == pytest.approx(1.6)
+  assert speed.normalise(2.0, None, 0.04) == 2.0 and speed.normalise(2.0, 0.05, None) == 2.0
+  # a host 25% slower than at calibration, plus one outlier probe: the outlier does not move its row
+  rows = [{"measured_s": 1.25, "predicted_s": 1.0, "probe_s": 0.05} for _ in range(9)]
+  rows[4]["probe_s"] = 0.09
+  assert validate._speed_normalise(rows, ref=0.04)
+  for r in rows:
+    assert r["measured_at_ref_s"] == pytest.approx(1.0) and r["err_at_ref_pct"] == pytest.approx(0.0, abs=1e-9)
+  rows[0].pop("probe_s")
+  assert not validate._speed_normalise(rows, ref=0.04)  # a row without a probe: no normalised figure
