@@ -57,6 +57,14 @@ def true_fraction(r: str, sched, stage: Optional[int]) -> float:
   raise ValueError(r)
 
 
+def schedule_of(cfg):
+  """The pipeline schedule a config's step runs (parallelism/pipeline.py), or None when not pipelined."""
+  if cfg.mesh.pipeline <= 1:
+    return None
+  from parallelism.pipeline import make_schedule  # noqa: PLC0415
+  return make_schedule(cfg.mesh.schedule, cfg.mesh.pipeline, cfg.mesh.microbatches)
+
+
 def _conditionals(g: ExecGraph):
   for reg in g.regions.values():
     for i, n in enumerate(reg.nodes):

@@ -310,8 +310,8 @@ def refit(prof_path: str, hlo_dir: str, log=print) -> dict:
 def _resolve_branches(g, cfg, hw) -> None:
   """A pipelined program's slots as predict resolves them (stage average; perfmodel/branches.py), so its
   composition row sees the work that runs, not the idle branches."""
-  from perfmodel import branches, predict  # noqa: PLC0415
-  branches.resolve(g, costs.make_chain(hw, "roofline"), predict._pipeline_schedule(cfg), stage=None)  # noqa: SLF001
+  from perfmodel import branches  # noqa: PLC0415
+  branches.resolve(g, costs.make_chain(hw, "roofline"), branches.schedule_of(cfg), stage=None)
 
 
 def _node_samples(g, traced: dict, prog: str, phys) -> list:

@@ -61,13 +61,6 @@ def _breakdown(tl: timeline.Timeline, scale: float) -> dict:
   }
 
 
-def _pipeline_schedule(cfg: Config):
-  if cfg.mesh.pipeline <= 1:
-    return None
-  from parallelism.pipeline import make_schedule  # noqa: PLC0415
-  return make_schedule(cfg.mesh.schedule, cfg.mesh.pipeline, cfg.mesh.microbatches)
-
-
 def _resolve_and_schedule(g: graph_lib.ExecGraph, chain, hw: HardwareProfile, cfg: Config):
   """(timeline, lock-step idle seconds, how conditionals were resolved) of a training step.
 
@@ -76,7 +69,7 @@ def _resolve_and_schedule(g: graph_lib.ExecGraph, chain, hw: HardwareProfile, cf
   stage-average schedule, no lock-step idle. On parallel hardware each stage's own program is priced, plus
   the ticks it idles waiting for the busiest stage; the slowest stage is the step."""
   from perfmodel import branches  # noqa: PLC0415
-  sched = _pipeline_schedule(cfg)
+  sched = branches.schedule_of(cfg)
   if sched is None or hw.name == "cpu":
     info = branches.resolve(g, chain, sched, stage=None)
     info["stages"] = "average over stages (N devices in series)" if sched is not None else None

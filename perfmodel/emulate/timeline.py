@@ -94,11 +94,6 @@ def build_graph(module):
   return graph_lib.ExecGraph(regions=b.regions, entry=module.entry, n_devices=1, module_name=module.name)
 
 
-def _branches(module, region: str, name: str) -> list:
-  """Branch computations of a conditional, indexed like ``lax.switch`` (pred form: [false, true])."""
-  return graph_lib.conditional_branches(module, module.computations[region].by_name[name])
-
-
 class _Walker:
   """Flattens the graph into (node, instance path) in execution order: loops expanded trip by trip,
   each ``conditional`` into the branch that ran (from the branch trace), else its costliest branch."""
@@ -121,7 +116,7 @@ class _Walker:
         if n.kind == "loop" and n.opcode != "conditional":
           tot += self.region_cost(n.body) * n.trip_count
         elif n.opcode == "conditional":
-          tot += max((self.region_cost(c) for c in _branches(self.module, region, n.name)), default=0.0)
+          tot += max((self.region_cost(c) for c in n.branches), default=0.0)
         else:
           tot += self.price(n)
       self._cost[region] = tot
@@ -130,7 +125,7 @@ class _Walker:
   def walk(self, region: str, path: tuple, out: list, budget: list):
     for n in self.graph.regions[region].nodes:
       if n.opcode == "conditional":
-        comps = _branches(self.module, region, n.name)
+        comps = n.branches
         site = self.marker(n.attribution.op_name)
         seq = self.trace.get(site) if site is not None else None
         if seq is not None and self.cursor[site] < len(seq) and seq[self.cursor[site]] < len(comps):
@@ -157,7 +152,6 @@ class _Walker:
 def _marker_map(module) -> dict:
   """(computation, instruction name) -> (sorted stand-in indices inside it, pure): ``pure`` when every
   real instruction of the node (descending into fusions) belongs to a stand-in."""
-  from perfmodel import hlo_parse as hp  # noqa: PLC0415
   cache = {}
 
   def scan(comp_name):

@@ -37,7 +37,7 @@ def test_pipeline_conditionals_are_weighted_by_the_schedule(piped):
   assert conds, "the pipelined step has no conditionals"
   chain = costs.make_chain(hardware.load("h100"), "roofline")
   unresolved = _dot_flops(g)  # first (idle) branch of every slot: almost no matmuls
-  info = branches.resolve(g, chain, predict._pipeline_schedule(cfg), stage=None)
+  info = branches.resolve(g, chain, branches.schedule_of(cfg), stage=None)
   assert info["pipeline_schedule"] >= 2 and info["costliest_branch"] == 0
   # Both stages together do the whole model's matmuls once forward and once backward, plus the backward
   # slot's recompute of the stage forward (the last stage only stashes in its forward slot): between 1x and
