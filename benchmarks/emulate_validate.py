@@ -13,7 +13,9 @@ Per round and layout, interleaved (real, then emulated, layouts rotated between 
     process on core 1 (perfmodel/emulate/shadow.py); side by side, the same emulation with the rank timed
     alone (`--colocated 1`, column "alone"); collectives priced by the 2-process gloo calibration
     (perfmodel/emulate/gloo_calibration.py, re-measured at the start of every round so it sees the
-    host's current load); memory from the real 2-device program compiled on 2 virtual devices.
+    host's current load); with `--replay`, each of the program's own 2-rank calls is replayed between 2 gloo
+    processes instead (`emulate --replay-collectives`; the curve-priced result is kept beside it); memory
+    from the real 2-device program compiled on 2 virtual devices.
   * predict / roofline: `python -m perfmodel predict` (compile method) once per layout.
 Prints one JSON object, writes benchmarks/emulate_validate.json and .png, appends a row to RESULTS.md.
 """
@@ -114,7 +116,8 @@ def run_real(layout: str, steps: int, warmup_steps: int) -> dict:
           "load_avg_1m": [load0, os.getloadavg()[0]]}
 
 
-def run_emulated(layout: str, repeats: int, warmup: int, exact_memory: bool, colocated: int = 2) -> dict:
+def run_emulated(layout: str, repeats: int, warmup: int, exact_memory: bool, colocated: int = 2,
+                 replay: bool = False) -> dict:
   from perfmodel.emulate import localrun  # noqa: PLC0415
   out = tempfile.mkdtemp(prefix=f"ev_emu_{layout}_")
   cmd = localrun.python("-m", "perfmodel.emulate", "--config", f"{CONFIG}:layout={layout}", "--hardware", "cpu",
@@ -122,6 +125,8 @@ def run_emulated(layout: str, repeats: int, warmup: int, exact_memory: bool, col
                         "--colocated", str(colocated))
   if exact_memory:
     cmd.append("--exact-memory")
+  if replay:
+    cmd.append("--replay-collectives")
   load0 = os.getloadavg()[0]
   done = localrun.run_pinned([cmd], localrun.cores()[:1], timeout_s=900)
   if done.rc != [0]:
@@ -195,6 +200,8 @@ def aggregate(rounds: list, layouts: list, predict: bool = True, previous: Optio
             e["iteration_time_s"] - max(rk.get("straggler_wait_s") or 0.0 for rk in e["ranks"]) for e in emus)
             / real_med - 1),
         "emulated_collective_calls": e0["ranks"][0]["collective_calls_per_step"],
+        # the same emulation with the collectives priced by the calibrated curves instead of replayed
+        "error_curves_pct": _curves_error(emus, real_med),
         "predict_s": _pred_time(pred), "roofline_s": _pred_time(roof),
         "predict_error_pct": 100 * (_pred_time(pred) / real_med - 1) if _pred_time(pred) else None,
         # predict on the cpu profile is the N-device program in series on one pinned core (its calibration
@@ -212,6 +219,12 @@ def aggregate(rounds: list, layouts: list, predict: bool = True, previous: Optio
         "predict_raw": {k: pred.get(k) for k in ("step_time_s", "backend", "method", "error") if k in pred},
     }
   return per
+
+
+def _curves_error(emus: list, real_med: float):
+  its = [max(rk["iteration_time_s_curves"] for rk in e["ranks"]) for e in emus
+         if all(rk.get("iteration_time_s_curves") for rk in e["ranks"])]
+  return 100 * (statistics.median(its) / real_med - 1) if its else None
 
 
 def _cpu_view(reals: list, emus: list) -> dict:
@@ -237,6 +250,9 @@ def main(argv=None) -> int:
   ap.add_argument("--no-alone", action="store_true",
                   help="skip the side-by-side emulation that times the rank alone (no shadow of its co-located peer)")
   ap.add_argument("--no-calibrate", action="store_true", help="use the stored gloo calibration as is")
+  ap.add_argument("--replay", action="store_true",
+                  help="emulate with --replay-collectives (the program's own 2-rank calls timed between 2 gloo "
+                       "processes); the curve-priced iteration is reported beside it")
   ap.add_argument("--json", default=os.path.join(ROOT, "benchmarks", "emulate_validate.json"))
   ap.add_argument("--no-predict", action="store_true", help="skip the predict / roofline columns")
   ap.add_argument("--reaggregate", default=None, help="recompute the summary from a saved JSON (no runs)")
@@ -258,10 +274,11 @@ def main(argv=None) -> int:
     row = {"round": r, "order": order, "calibration_load": cal and cal["load_avg_1m"], "layouts": {}}
     for lay in order:
       real = run_real(lay, a.steps, a.warmup_steps)
-      emu = run_emulated(lay, a.repeats, 2, exact_memory=(r == 0), colocated=2)
+      emu = run_emulated(lay, a.repeats, 2, exact_memory=(r == 0), colocated=2, replay=a.replay)
       row["layouts"][lay] = {"real": real, "emulated": emu}
       if not a.no_alone:
-        row["layouts"][lay]["emulated_alone"] = run_emulated(lay, a.repeats, 2, exact_memory=False, colocated=1)
+        row["layouts"][lay]["emulated_alone"] = run_emulated(lay, a.repeats, 2, exact_memory=False, colocated=1,
+                                                             replay=a.replay)
       print(f"round {r} {lay}: real {real['median']:.4f}s emulated {emu['iteration_time_s']:.4f}s (alone "
             f"{row['layouts'][lay].get('emulated_alone', {}).get('iteration_time_s', float('nan')):.4f}s)",
             file=sys.stderr)
@@ -274,10 +291,13 @@ def _finish(rounds, layouts, a, t0, previous=None) -> int:
                   previous=previous)
   mean_abs = statistics.mean(abs(v["error_pct"]) for v in per.values())
   mean_abs_no_straggler = statistics.mean(abs(v["error_no_straggler_pct"]) for v in per.values())
+  curves = [v.get("error_curves_pct") for v in per.values()]
+  mean_abs_curves = statistics.mean(abs(c) for c in curves) if all(c is not None for c in curves) else None
   out = {"benchmark": "emulate_validate", "date": datetime.datetime.now().isoformat(timespec="minutes"),
          "machine": f"{platform.node()} {os.cpu_count()} cores (shared)", "processes": 2,
          "four_processes": "not run: the host has 2 cores, and each process needs its own core",
          "mean_abs_error_pct": mean_abs, "mean_abs_error_no_straggler_pct": mean_abs_no_straggler,
+         "mean_abs_error_curves_pct": mean_abs_curves,
          "target_pct": 2.0, "layouts": per, "rounds": len(rounds),
          "wall_s": time.perf_counter() - t0, "load_avg_1m_end": os.getloadavg()[0]}
   with open(a.json, "w") as f:
@@ -308,7 +328,9 @@ def _append(out: dict, a) -> None:
            f"(diff {v['memory_error_bytes']} B), stand-in program {v['memory_standin_error_pct']:+.2f}%")
     cells.append(f"{lay}: real {v['real_s'] * 1e3:.1f} ms (noise p10-p90 {v['real_noise_p10_p90_pct']:.0f}%, across rounds "
                  f"{v['real_across_rounds_pct']:.0f}%), emulate {v['emulated_s'] * 1e3:.1f} ms ({v['error_pct']:+.1f}%; without the "
-                 f"straggler wait {v['error_no_straggler_pct']:+.1f}%), "
+                 f"straggler wait {v['error_no_straggler_pct']:+.1f}%"
+                 + (f", collectives priced by the curves {_fmtp(v['error_curves_pct'])}" if v.get("error_curves_pct")
+                    is not None else "") + "), "
                  f"predict per rank {_fmt(v.get('predict_per_rank_s'))} vs real CPU per rank "
                  f"({_fmtp(v.get('predict_per_rank_vs_real_cpu_pct'))}), roofline {_fmt(v['roofline_s'])} "
                  f"({_fmtp(v['roofline_error_pct'])}); rank timed alone (no peer shadow) {_fmt(v.get('emulated_alone_s'))} "
@@ -317,7 +339,9 @@ def _append(out: dict, a) -> None:
   row = (f"| {out['date']} | `PYTHONPATH=. python benchmarks/emulate_validate.py --rounds {out['rounds']}` | {out['machine']}, "
          f"load {out['load_avg_1m_end']:.0f} | emulate_validate, 2 processes gloo vs 1 real rank + virtual peer: mean "
          f"abs iteration-time error {out['mean_abs_error_pct']:.1f}% (target 2%; without the straggler wait "
-         f"{out['mean_abs_error_no_straggler_pct']:.1f}%); " + "; ".join(cells) + " |\n")
+         f"{out['mean_abs_error_no_straggler_pct']:.1f}%" + (
+             f"; collectives priced by the curves instead of replayed {out['mean_abs_error_curves_pct']:.1f}%"
+             if out.get("mean_abs_error_curves_pct") is not None else "") + "); " + "; ".join(cells) + " |\n")
   with open(path, "a") as f:
     f.write(row)
 

@@ -12,6 +12,7 @@ group size, B the per-device one-direction bandwidth of the level, alpha its per
   hierarchical         groups spanning several domains of the innermost level: reduce-scatter inside
                        the domain, all-reduce of S/n_inner across domains, all-gather inside.
 Torus levels run bidirectional rings on every torus dimension: effective B = 2 * dims * link B.
+A combined (tuple) call of several buffers: :func:`combined_cost` (per buffer on XLA:CPU, one launch elsewhere).
 
 Which devices share a domain: device ids are assumed numbered so that ``id // level.size`` is the
 domain (meshes put the tensor axis innermost, so tensor groups land inside NVLink islands).
@@ -114,6 +115,42 @@ def cost(kind: str, S: float, group: tuple, hw: HardwareProfile, algorithm: str 
   else:
     t = _flat(kind, S, n, outer, algorithm)[0]  # a2a / permute across domains: bound by the outer level
   return CollectiveCost(t, "hierarchical", f"{inner.name}+{outer.name}")
+
+
+def call_key(kind: str, sizes) -> str:
+  """Key of one (possibly combined) call in ``HardwareProfile.collective_calls``."""
+  return kind + "|" + ",".join(str(int(s)) for s in sizes)
+
+
+def combined_cost(kind: str, sizes, group: tuple, hw: HardwareProfile, algorithm: str = "auto") -> CollectiveCost:
+  """One combined call: several collectives of one kind over one group issued together (XLA's combiners
+  merge them into one tuple instruction). Payloads ``sizes`` in the :func:`cost` convention.
+
+  XLA:CPU runs a tuple collective as one call of its CPU collectives library (gloo) per operand buffer
+  (the all-reduce / all-gather / permute thunks loop over their buffers), so each operand pays its own
+  latency. With a measured per-further-operand curve (``collective_next_curve``, from the 2-process
+  gloo calibration) the first operand is priced as a lone call (it pays the hand-off between the
+  processes) and each further one by that curve; without it, on CPU, each operand as a lone call. NCCL
+  and the TPU runtime group a tuple into one launch: priced as one call of the summed payload.
+  A call measured as such on this host (``collective_calls``, n=2) takes precedence."""
+  sizes = [s for s in sizes if s > 0]
+  if not sizes:
+    return CollectiveCost(0.0, "none", "")
+  exact = hw.collective_calls.get(call_key(kind, sizes)) if hw.collective_calls else None
+  if exact is not None and len(group) == 2:
+    return CollectiveCost(float(exact), "replayed", "loopback")
+  if len(sizes) == 1:
+    return cost(kind, sizes[0], group, hw, algorithm)
+  if hw.device_kind != "cpu":
+    return cost(kind, sum(sizes), group, hw, algorithm)
+  first = cost(kind, sizes[0], group, hw, algorithm)
+  nxt = hw.collective_next_curve.get(kind) if hw.collective_next_curve else None
+  if nxt and first.algorithm == "measured":
+    scale = first.seconds / max(interp_log(hw.collective_curve[kind], sizes[0]), 1e-12)  # the n>2 scaling of cost()
+    rest = sum(interp_log(nxt, s) * scale for s in sizes[1:])
+    return CollectiveCost(first.seconds + rest, "measured-combined", first.level)
+  return CollectiveCost(first.seconds + sum(cost(kind, s, group, hw, algorithm).seconds for s in sizes[1:]),
+                        first.algorithm, first.level)
 
 
 def node_cost(info, hw: HardwareProfile, algorithm: str = "auto", group: Optional[tuple] = None) -> CollectiveCost:

@@ -43,6 +43,10 @@ class HardwareProfile:
   dot_curve: tuple = ()  # [flops, achieved FLOP/s]
   stream_curve: tuple = ()  # [bytes, achieved bytes/s]
   collective_curve: dict = dataclasses.field(default_factory=dict)  # kind -> [[bytes, seconds], ...] (n=2)
+  # Each further operand of a combined (tuple) call of that kind, issued together with the first (n=2).
+  collective_next_curve: dict = dataclasses.field(default_factory=dict)
+  # Exact calls measured on this host (n=2): call_key(kind, sizes) -> seconds (emulate --replay-collectives).
+  collective_calls: dict = dataclasses.field(default_factory=dict)
   calibration: dict = dataclasses.field(default_factory=dict)  # date, machine, jax version, method
   sources: dict = dataclasses.field(default_factory=dict)  # field -> source text
 

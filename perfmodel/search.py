@@ -60,12 +60,13 @@ def run(cfg: Config, hw: HardwareProfile, n: int, top: int = 10, run_top: bool =
 
 
 def _distinct(ranked, k: int) -> list:
-  """The first k layouts that differ in what runs (effective mesh, rules where they matter, remat)."""
+  """The first k layouts that differ in what runs (effective mesh, rules where they matter, remat, micro-batches).
+  Pipelined layouts included: their conditionals are priced per schedule (perfmodel/branches.py)."""
   picks, seen = [], set()
   for t, c, p in ranked:
     rules = c.mesh.rules if (c.mesh.data > 1 or c.mesh.fsdp > 1) else "-"
     key = (tuple(sorted(p["mesh"].items())), rules, c.model.remat, c.mesh.microbatches)
-    if key in seen or c.mesh.pipeline > 1:
+    if key in seen:
       continue
     seen.add(key)
     picks.append(c)

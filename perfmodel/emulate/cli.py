@@ -29,6 +29,9 @@ def parse(argv):
   p.add_argument("--compile-only", action="store_true", help="slice and compute memory; do not execute")
   p.add_argument("--no-stragglers", action="store_true",
                  help="do not add the wait for the slowest rank (peers varying like the measured rank's steps)")
+  p.add_argument("--replay-collectives", action="store_true",
+                 help="cpu target: time the program's own 2-rank collective calls between 2 real gloo processes on "
+                      "this host (needs 2 free cores) instead of pricing them from the calibrated curves")
   p.add_argument("--exact-memory", action="store_true",
                  help="also compile the real N-device program on N virtual CPU devices (N <= 1024) for exact memory")
   args, rest = p.parse_known_args(argv)
@@ -77,7 +80,7 @@ def main(argv=None) -> int:
   res = emulator.emulate(cfg, ranks=ranks, colocated=colocated, hardware=args.hardware, local_hardware=args.local_hardware,
                          out_dir=args.out, repeats=args.repeats, warmup=args.warmup, execute=not args.compile_only,
                          exact_memory=(args.config, overrides) if args.exact_memory else None, notes=notes,
-                         stragglers=not args.no_stragglers)
+                         stragglers=not args.no_stragglers, replay_collectives=args.replay_collectives)
   print(json.dumps(res, default=str))
   return 0
 

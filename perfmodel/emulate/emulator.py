@@ -8,6 +8,7 @@
 from __future__ import annotations
 
 import contextlib
+import dataclasses
 import json
 import os
 import statistics
@@ -17,7 +18,9 @@ import time
 from typing import Optional, Sequence
 
 from framework.config import Config
+from perfmodel import collectives as coll_model
 from perfmodel import hardware as hw_lib
+from perfmodel.emulate import gloo_calibration as gc
 from perfmodel.emulate import measure, rank_program, shadow, slicing, trace
 from perfmodel.emulate import timeline as tl_lib
 
@@ -68,11 +71,23 @@ def shrunk_branch_traces(cfg: Config, ranks: Sequence[int], n_cond_sites: dict) 
   return out, notes
 
 
+def _calls_to_replay(timelines) -> list:
+  """Distinct 2-rank collective calls of the timelines, each with the median compute before it."""
+  by_key = {}
+  for tl in timelines:
+    for e in tl.events:
+      if e.cat != "comm" or e.args.get("group_size") != 2 or "sizes" not in e.args:
+        continue
+      key = coll_model.call_key(e.args["kind"], e.args["sizes"])
+      by_key.setdefault(key, (e.args["kind"], e.args["sizes"], []))[2].append(e.args["compute_before_s"])
+  return [{"kind": k, "sizes": s, "burst_s": statistics.median(b)} for k, s, b in by_key.values()]
+
+
 def emulate(cfg: Config, ranks: Optional[Sequence[int]] = None, hardware: str = "cpu", local_hardware: str = "cpu",
             out_dir: Optional[str] = None, repeats: int = 5, warmup: int = 1, execute: bool = True,
             exact_memory: Optional[tuple] = None, notes: Sequence[str] = (), algorithm: str = "auto",
             host_data: bool = True, combine: bool = True, gloo_calibration: Optional[str] = "auto",
-            colocated: int = 1, stragglers: bool = True) -> dict:
+            colocated: int = 1, stragglers: bool = True, replay_collectives: bool = False) -> dict:
   """Emulates one training step of ``cfg`` (validated at its target mesh). ``ranks``: None = one per
   class of distinct programs; else these ranks run for real (plus one per class they leave uncovered).
   ``exact_memory``: (config_spec, overrides) to also compile the real N-device program for its
@@ -82,13 +97,14 @@ def emulate(cfg: Config, ranks: Optional[Sequence[int]] = None, hardware: str = 
   target job's ranks share one host's memory system (CPU hosts); the real rank is then timed while
   ``colocated - 1`` shadow processes replay its peers' load on the other cores (perfmodel/emulate/shadow.py).
   ``stragglers``: when the rank runs on the target's device kind, add the wait for the slowest of the job's
-  ranks, with the peers varying like the measured rank's steps (``straggler_wait_s``)."""
+  ranks, with the peers varying like the measured rank's steps (``straggler_wait_s``).
+  ``replay_collectives``: for the ``cpu`` target, time the program's own 2-rank collective calls between 2
+  real gloo processes on this host (``gloo_calibration.replay``) instead of pricing them from the curves."""
   t0 = time.perf_counter()
   target_hw, local_hw = hw_lib.load(hardware), hw_lib.load(local_hardware)
   notes = list(notes)
   coll_source = "profile %s" % target_hw.name
   if gloo_calibration and target_hw.device_kind == "cpu":
-    from perfmodel.emulate import gloo_calibration as gc  # noqa: PLC0415
     target_hw, cal = gc.with_gloo_curves(target_hw, gc.DEFAULT_PATH if gloo_calibration == "auto" else gloo_calibration)
     if cal is not None:
       coll_source = cal["source"]
@@ -96,7 +112,7 @@ def emulate(cfg: Config, ranks: Optional[Sequence[int]] = None, hardware: str = 
   space = prog.space
   sl = slicing.slice_ranks(prog.body, space, ranks)
   to_run = list(dict.fromkeys(list(ranks or []) + [c.representative for c in sl.classes]))
-  runs, tls = {}, {}
+  runs = {}
   shadow_cores = shadow.colocated_cores(colocated) if execute and colocated > 1 else []
   if execute and colocated > 1 and len(shadow_cores) < colocated - 1:
     notes.append(f"{colocated} co-located ranks requested but only {len(shadow_cores)} other cores: "
@@ -111,15 +127,6 @@ def emulate(cfg: Config, ranks: Optional[Sequence[int]] = None, hardware: str = 
     for r, tr in traces.items():
       runs[r].branch_trace = tr
     branch_source = "counted on a shrunk copy (same mesh, schedule, layers; tiny widths)"
-  for r in to_run:
-    measured = runs[r].compute_s if execute else 0.0
-    tls[r] = tl_lib.rank_timeline(r, runs[r].hlo_text, runs[r].records, measured if measured == measured else 0.0,
-                                  space, target_hw, local_hw, algorithm, branch_trace=runs[r].branch_trace,
-                                  combine=combine, compute_hw=None if execute else target_hw)
-  reps = {c.label: c.representative for c in sl.classes}
-  composed = tl_lib.compose({lab: tls[r] for lab, r in reps.items()}, sl.structural)
-  for lab, r in reps.items():
-    tls[r] = composed[lab]
   straggle = {}
   if stragglers and execute and target_hw.device_kind == local_hw.device_kind:
     # A synchronous step lasts as long as its slowest rank. Virtual peers are taken to vary from step to step
@@ -128,7 +135,32 @@ def emulate(cfg: Config, ranks: Optional[Sequence[int]] = None, hardware: str = 
       xs = runs[r].step_times_s
       if len(xs) >= 3:
         straggle[r] = max(0.0, tl_lib.expected_max(xs, space.n) - statistics.median(xs))
-        tls[r] = tl_lib.add_straggler_wait(tls[r], straggle[r])
+  reps = {c.label: c.representative for c in sl.classes}
+
+  def timelines(hw) -> dict:
+    out = {}
+    for r in to_run:
+      measured = runs[r].compute_s if execute else 0.0
+      out[r] = tl_lib.rank_timeline(r, runs[r].hlo_text, runs[r].records, measured if measured == measured else 0.0,
+                                    space, hw, local_hw, algorithm, branch_trace=runs[r].branch_trace,
+                                    combine=combine, compute_hw=None if execute else hw)
+    composed = tl_lib.compose({lab: out[r] for lab, r in reps.items()}, sl.structural)
+    for lab, r in reps.items():
+      out[r] = composed[lab]
+    for r, w in straggle.items():
+      out[r] = tl_lib.add_straggler_wait(out[r], w)
+    return out
+  tls = timelines(target_hw)
+  replayed, curve_iteration = None, {}
+  if replay_collectives and execute and target_hw.device_kind == "cpu":
+    calls = _calls_to_replay(tls.values())
+    t_replay = time.perf_counter()
+    table = gc.replay(calls)
+    curve_iteration = {r: tl.iteration_s for r, tl in tls.items()}
+    target_hw = dataclasses.replace(target_hw, collective_calls=table)
+    tls = timelines(target_hw)
+    replayed = {"calls": len(table), "wall_s": time.perf_counter() - t_replay, "seconds": dict(table)}
+    coll_source += f"; {len(table)} 2-rank call(s) replayed between 2 gloo processes (gloo_calibration.replay)"
   exact = None
   if exact_memory is not None and space.n <= EXACT_MEMORY_MAX_DEVICES:
     exact = target_compile_memory(exact_memory[0], exact_memory[1], space.n)
@@ -145,6 +177,7 @@ def emulate(cfg: Config, ranks: Optional[Sequence[int]] = None, hardware: str = 
         "cond_sites": run.n_cond_sites, "host_data": run.host_data,
         "compute_s": tl.compute_s, "comm_s": tl.comm_s, "wait_s": tl.wait_s,
         "straggler_wait_s": straggle.get(r),
+        "iteration_time_s_curves": curve_iteration.get(r),  # with replay: the same rank priced by the curves
         "measured_standin_program_s": run.compute_s if execute else None,
         "standin_local_s": tl.standin_local_s, "noise_p10_p90": run.noise, "step_times_s": run.step_times_s,
         "step_cpu_s": run.step_cpu_s,
@@ -164,7 +197,7 @@ def emulate(cfg: Config, ranks: Optional[Sequence[int]] = None, hardware: str = 
                   "classes": [{"class": c.label, "representative": c.representative, "ranks": c.count,
                                "chosen_by": c.chosen_by} for c in sl.classes]},
       "per_rank_params": prog.n_params_local, "trace_s": prog.trace_s, "executed": execute,
-      "exact_memory": exact, "collective_model": coll_source,
+      "exact_memory": exact, "collective_model": coll_source, "replayed_collectives": replayed,
       "colocated_ranks": colocated, "interference": (f"{len(shadow_cores)} shadow process(es) on cores {shadow_cores}"
                                                      if shadow_cores else "none (rank timed alone)"), "branch_trace_source": branch_source, "combine_collectives": combine,
       "notes": notes + ([] if execute else [

@@ -13,12 +13,19 @@ hot in cache, one issued after compute pays the hand-off between the two process
 payload written by compute) - measured here, that makes a real step's collectives 20-60% dearer than
 back-to-back ones. ``burst_dim=0`` gives the back-to-back curves.
 
-  python -m perfmodel.emulate.gloo_calibration            # ~1-2 min; writes perfmodel/emulate/calibration/cpu_gloo.json
+Beside each lone call, the same kind is timed with ``MANY`` buffers issued together (XLA combines them into
+one tuple instruction, which XLA:CPU runs as one gloo call per buffer): ``next_curves`` is the cost of each
+further buffer of such a combined call.
+
+  python -m perfmodel.emulate.gloo_calibration            # ~1 min; writes perfmodel/emulate/calibration/cpu_gloo.json
 
 The result is data (``[[payload bytes, seconds], ...]`` per kind, n=2, payload in the
 ``perfmodel.collectives`` convention). The hook into the shared collective model is
-:func:`with_gloo_curves`: it returns the profile with this ``collective_curve`` (the field
-``perfmodel.collectives.cost`` already prices from), so ``perfmodel/collectives.py`` is unchanged.
+:func:`with_gloo_curves`: it returns the profile with ``collective_curve`` / ``collective_next_curve`` set,
+the fields ``perfmodel.collectives.cost`` / ``combined_cost`` price from.
+
+:func:`replay` times a program's own calls (kind and every buffer's size) the same way, after compute as long
+as the program's: ``emulate --replay-collectives``.
 """
 from __future__ import annotations
 
@@ -34,6 +41,7 @@ import time
 DEFAULT_PATH = os.path.join(os.path.dirname(__file__), "calibration", "cpu_gloo.json")
 KINDS = ("all-reduce", "all-gather", "reduce-scatter", "collective-permute")
 SIZES = tuple(4 ** p for p in range(5, 13))  # 1 KB .. 16 MB
+MANY = 4  # buffers issued together for the further-operand curve (a combined tuple collective)
 BURST_DIM = 384  # compute burst before each collective: a 384^3 matmul + tanh, ~1 ms on one core here
 
 
@@ -43,7 +51,9 @@ def with_gloo_curves(hw, path: str = DEFAULT_PATH):
     return hw, None
   with open(path) as f:
     cal = json.load(f)
-  return dataclasses.replace(hw, collective_curve={k: [tuple(p) for p in v] for k, v in cal["curves"].items()}), cal
+  return dataclasses.replace(
+      hw, collective_curve={k: [tuple(p) for p in v] for k, v in cal["curves"].items()},
+      collective_next_curve={k: [tuple(p) for p in v] for k, v in cal.get("next_curves", {}).items()}), cal
 
 
 def _child(coord: str, pid: int, reps: int, k: int, burst_dim: int = 0) -> None:
@@ -55,8 +65,9 @@ def _child(coord: str, pid: int, reps: int, k: int, burst_dim: int = 0) -> None:
   from jax.sharding import NamedSharding, PartitionSpec as P  # noqa: PLC0415
   mesh = jax.make_mesh((2,), ("x",), axis_types=(jax.sharding.AxisType.Explicit,))
 
-  def make(kind: str, local_elems: int, real: bool):
-    def one(v):
+  def make(kind: str, local_elems: int, n_coll: int):
+    """M buffers; the first ``n_coll`` go through the collective, the rest through local work."""
+    def one(v, real):
       if not real:
         return v * 0.5 + 1.0
       if kind == "all-reduce":
@@ -69,17 +80,18 @@ def _child(coord: str, pid: int, reps: int, k: int, burst_dim: int = 0) -> None:
       return jax.lax.ppermute(v, "x", [(0, 1), (1, 0)]) * 0.5
 
     def step(i, carry):
-      x, m = carry
+      xs, m = carry
       if burst_dim:
-        # compute burst; its result feeds the payload (x + 0*m) so the collective waits for it
+        # compute burst; its result feeds the payloads (x + 0*m) so the collectives wait for it
         m = jnp.tanh(m @ m) * 0.5
-        x = x + 0.0 * m[0, 0]
-      return one(x), m
+        xs = tuple(x + 0.0 * m[0, 0] for x in xs)
+      return tuple(one(x, j < n_coll) for j, x in enumerate(xs)), m
 
-    def body(v):
+    def body(*vs):
       m0 = jnp.full((max(1, burst_dim),) * 2, 0.01, jnp.float32) + jax.lax.axis_index("x").astype(jnp.float32)
-      return jax.lax.fori_loop(0, k, step, (v, m0))[0]
-    return jax.jit(jax.shard_map(body, mesh=mesh, in_specs=P("x"), out_specs=P("x"), check_vma=False))
+      return jax.lax.fori_loop(0, k, step, (vs, m0))[0]
+    spec = (P("x"),) * MANY
+    return jax.jit(jax.shard_map(body, mesh=mesh, in_specs=spec, out_specs=spec, check_vma=False))
 
   out = {}
   for kind in KINDS:
@@ -87,21 +99,118 @@ def _child(coord: str, pid: int, reps: int, k: int, burst_dim: int = 0) -> None:
     for size in SIZES:
       # payload S (perfmodel convention): AR/permute operand, AG result, RS operand; all f32
       local = {"all-gather": size // 8, "reduce-scatter": size // 8}.get(kind, size // 4)
-      x = jax.device_put(np.ones((2 * local,), np.float32), NamedSharding(mesh, P("x")))
-      per = []
-      for real in (True, False):
-        f = make(kind, local, real)
-        jax.block_until_ready(f(x))
-        ts = []
-        for _ in range(reps):
+      xs = [jax.device_put(np.ones((2 * local,), np.float32), NamedSharding(mesh, P("x"))) for _ in range(MANY)]
+      fns = [make(kind, local, n) for n in (1, 0, MANY)]  # one collective, none, MANY issued together
+      for f in fns:
+        jax.block_until_ready(f(*xs))
+      ts = [[] for _ in fns]
+      for _ in range(reps):  # interleaved: a drift of the host hits the three variants alike
+        for f, t in zip(fns, ts):
           t0 = time.perf_counter()
-          jax.block_until_ready(f(x))
-          ts.append(time.perf_counter() - t0)
-        per.append(statistics.median(ts))
-      pts.append([float(size), max(per[0] - per[1], 1e-7) / k, per[0] / k, per[1] / k])
+          jax.block_until_ready(f(*xs))
+          t.append(time.perf_counter() - t0)
+      one_s, none_s, many_s = (statistics.median(t) for t in ts)
+      pts.append([float(size), max(one_s - none_s, 1e-7) / k, one_s / k, none_s / k,
+                  max(many_s - one_s, 1e-7) / k / (MANY - 1)])
     out[kind] = pts
   if pid == 0:
     print("@@" + json.dumps(out))
+
+
+REPLAY_MAX_BURST_S = 0.25  # longer compute before a call is replayed as this much (the call's cost has levelled off)
+
+
+def _replay_child(coord: str, pid: int, spec_path: str) -> None:
+  """Times each call of ``spec_path`` (a JSON list of {kind, sizes, burst_s}) as it runs in the program:
+  the buffers written by a compute burst as long as the compute before it, then issued together."""
+  import jax  # noqa: PLC0415
+  jax.config.update("jax_cpu_collectives_implementation", "gloo")
+  jax.distributed.initialize(coordinator_address=coord, num_processes=2, process_id=pid)
+  import jax.numpy as jnp  # noqa: PLC0415
+  import numpy as np  # noqa: PLC0415
+  from jax.sharding import NamedSharding, PartitionSpec as P  # noqa: PLC0415
+  with open(spec_path) as f:
+    spec = json.load(f)
+  mesh = jax.make_mesh((2,), ("x",), axis_types=(jax.sharding.AxisType.Explicit,))
+  dim = BURST_DIM
+
+  def burst(iters, m):
+    return jax.lax.fori_loop(0, iters, lambda i, m: jnp.tanh(m @ m) * 0.5, m)
+
+  def make(kind, locals_, iters, real):
+    def body(*vs):
+      m = burst(iters, jnp.full((dim, dim), 0.01, jnp.float32) + jax.lax.axis_index("x").astype(jnp.float32))
+      vs = tuple(v + 0.0 * m[0, 0] for v in vs)  # the payload is written after the compute, as in a step
+      if not real:
+        return tuple(v * 0.5 for v in vs)
+      if kind == "all-reduce":
+        return tuple(v * 0.5 for v in jax.lax.psum(vs, "x"))  # one multi-operand psum, as the program's
+      if kind == "all-gather":
+        return tuple(jax.lax.all_gather(v, "x", tiled=True)[:n] * 0.5 for v, n in zip(vs, locals_))
+      if kind == "reduce-scatter":
+        return tuple(jax.lax.psum_scatter(jnp.concatenate([v, v]), "x", tiled=True) * 0.5 for v in vs)
+      return tuple(v * 0.5 for v in jax.lax.ppermute(vs, "x", [(0, 1), (1, 0)]))
+    sp = (P("x"),) * len(locals_)
+    return jax.jit(jax.shard_map(body, mesh=mesh, in_specs=sp, out_specs=sp, check_vma=False))
+
+  # seconds per burst iteration on this core
+  probe = make("all-reduce", [1], 40, False)
+  xs1 = [jax.device_put(np.ones((2,), np.float32), NamedSharding(mesh, P("x")))]
+  jax.block_until_ready(probe(*xs1))
+  t0 = time.perf_counter()
+  jax.block_until_ready(probe(*xs1))
+  per_iter = (time.perf_counter() - t0) / 40
+  out = []
+  for call in spec:
+    kind, sizes = call["kind"], call["sizes"]
+    locals_ = [max(1, int(s) // (8 if kind in ("all-gather", "reduce-scatter") else 4)) for s in sizes]
+    xs = [jax.device_put(np.ones((2 * n,), np.float32), NamedSharding(mesh, P("x"))) for n in locals_]
+    iters = max(1, int(round(min(call["burst_s"], REPLAY_MAX_BURST_S) / per_iter)))
+    fns = [make(kind, locals_, iters, real) for real in (True, False)]
+    for f in fns:
+      jax.block_until_ready(f(*xs))
+    ts = [[], []]
+    for _ in range(call.get("reps", 5)):
+      for f, t in zip(fns, ts):
+        t0 = time.perf_counter()
+        jax.block_until_ready(f(*xs))
+        t.append(time.perf_counter() - t0)
+    out.append(max(statistics.median(ts[0]) - statistics.median(ts[1]), 1e-7))
+  if pid == 0:
+    print("@@" + json.dumps({"seconds": out, "burst_iter_s": per_iter}))
+
+
+def replay(calls, reps: int = 5, timeout_s: float = 600.0) -> dict:
+  """Measures the given calls ({kind, sizes, burst_s}) between 2 real processes over gloo, each as the program
+  issues it (one combined call of all its buffers, after compute as long as the program's before it, capped at
+  ``REPLAY_MAX_BURST_S``). Returns ``{perfmodel.collectives.call_key(kind, sizes): seconds}`` for
+  ``HardwareProfile.collective_calls``. The faithful choice when the target is this host's own 2-rank gloo
+  job: no curve, no interpolation between sizes, no model of how a tuple's buffers add up."""
+  import tempfile  # noqa: PLC0415
+
+  from parallelism.distributed import free_port  # noqa: PLC0415
+  from perfmodel import collectives  # noqa: PLC0415
+  from perfmodel.emulate import localrun  # noqa: PLC0415
+  calls = list(calls)
+  if not calls:
+    return {}
+  cores = localrun.machine_cores()  # the emulator itself may be pinned to one core
+  if len(cores) < 2:
+    raise RuntimeError("replaying collectives needs 2 cores (one per process)")
+  with tempfile.NamedTemporaryFile("w", suffix=".json", delete=False) as f:
+    json.dump([dict(c, reps=reps) for c in calls], f)
+    spec_path = f.name
+  try:
+    coord = f"127.0.0.1:{free_port()}"
+    cmds = [localrun.python("-m", "perfmodel.emulate.gloo_calibration", "--replay", coord, str(i), spec_path)
+            for i in range(2)]
+    done = localrun.run_pinned(cmds, cores[:2], timeout_s=timeout_s)
+  finally:
+    os.unlink(spec_path)
+  if done.rc != [0, 0]:
+    raise RuntimeError(f"collective replay failed rc={done.rc}: {done.stderr[0][-3000:]}{done.stderr[1][-2000:]}")
+  res = json.loads([l for l in done.stdout[0].splitlines() if l.startswith("@@")][0][2:])
+  return {collectives.call_key(c["kind"], c["sizes"]): s for c, s in zip(calls, res["seconds"])}
 
 
 def calibrate(path: str = DEFAULT_PATH, reps: int = 7, k: int = 8, timeout_s: float = 600.0,
@@ -120,12 +229,14 @@ def calibrate(path: str = DEFAULT_PATH, reps: int = 7, k: int = 8, timeout_s: fl
     raise RuntimeError(f"gloo calibration failed rc={done.rc}: {done.stderr[0][-3000:]}{done.stderr[1][-2000:]}")
   raw = json.loads([l for l in done.stdout[0].splitlines() if l.startswith("@@")][0][2:])
   res = {"curves": {k_: [[p[0], p[1]] for p in v] for k_, v in raw.items()},
+         "next_curves": {k_: [[p[0], p[4]] for p in v] for k_, v in raw.items()},
          "raw_with_collective_s": {k_: [[p[0], p[2]] for p in v] for k_, v in raw.items()},
          "raw_local_only_s": {k_: [[p[0], p[3]] for p in v] for k_, v in raw.items()},
          "source": (f"python -m perfmodel.emulate.gloo_calibration on {platform.node()} "
                     f"{datetime.datetime.now().isoformat(timespec='minutes')}: 2 processes pinned one per core, "
                     f"jax.distributed + gloo over 127.0.0.1, shard_map over 2 devices, {k} collectives per jit call, "
-                    f"each after a {burst_dim}^3 matmul burst, minus the same loop without the collective, "
+                    f"each after a {burst_dim}^3 matmul burst, minus the same loop without the collective "
+                    f"(next_curves: {MANY} buffers issued together, minus one, per further buffer), "
                     f"median of {reps}"),
          "burst_dim": burst_dim,
          "n": 2, "load_avg_1m": [load0, os.getloadavg()[0]], "wall_s": done.wall_s}
@@ -136,9 +247,11 @@ def calibrate(path: str = DEFAULT_PATH, reps: int = 7, k: int = 8, timeout_s: fl
 
 
 if __name__ == "__main__":
-  if len(sys.argv) > 1 and sys.argv[1] == "--child":
+  if len(sys.argv) > 1 and sys.argv[1] == "--replay":
+    _replay_child(sys.argv[2], int(sys.argv[3]), sys.argv[4])
+  elif len(sys.argv) > 1 and sys.argv[1] == "--child":
     _child(sys.argv[2], int(sys.argv[3]), int(sys.argv[4]), int(sys.argv[5]),
            int(sys.argv[6]) if len(sys.argv) > 6 else 0)
   else:
     r = calibrate()
-    print(json.dumps({"curves": r["curves"], "load_avg_1m": r["load_avg_1m"], "wall_s": r["wall_s"]}))
+    print(json.dumps({"curves": r["curves"], "next_curves": r["next_curves"], "load_avg_1m": r["load_avg_1m"], "wall_s": r["wall_s"]}))

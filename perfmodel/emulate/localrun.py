@@ -24,6 +24,11 @@ def cores() -> list:
   return sorted(os.sched_getaffinity(0))
 
 
+def machine_cores() -> list:
+  """Every online core, also from a process pinned to fewer (children may be pinned anywhere)."""
+  return list(range(os.cpu_count() or 1))
+
+
 @dataclasses.dataclass
 class Done:
   rc: list

@@ -63,6 +63,11 @@ class CollectiveRecord:
   trips: int  # executions per step (product of enclosing scan lengths)
   scope: str  # enclosing control flow, e.g. 'scan[5]/checkpoint'
   perm: tuple = ()  # ppermute (src, dst) positions along the axes
+  operand_bytes: tuple = ()  # per-operand payloads when one equation moves several buffers (sum = bytes)
+
+  def sizes(self) -> list:
+    """Payload of each buffer the call moves (a multi-operand psum is a tuple collective)."""
+    return list(self.operand_bytes) if len(self.operand_bytes) > 1 else [self.bytes]
 
   def group(self, space: RankSpace, rank: int) -> tuple:
     """Global rank ids taking part with ``rank`` (for a permute: this rank and its destination)."""
@@ -184,15 +189,14 @@ class Interpreter:
       return self._sites[key]
     n = math.prod(self.space.axis_sizes.get(a, 1) for a in axes)
     a_in = operand_avals[0]
-    if kind == "all-gather":
-      payload = sum(_nbytes(a) for a in out_avals)
-    else:
-      payload = sum(_nbytes(a) for a in operand_avals)
+    per = tuple(float(_nbytes(a)) for a in (out_avals if kind == "all-gather" else operand_avals))
+    payload = sum(per)
     trips = math.prod(t for _, t in self._scope)
     perm = tuple(tuple(p) for p in eqn.params.get("perm", ()))
     rec = CollectiveRecord(index=len(self.records), kind=kind, primitive=eqn.primitive.name, axes=axes,
                            group_size=n, bytes=payload, shape=tuple(a_in.shape), dtype=str(a_in.dtype),
-                           trips=trips, scope="/".join(l for l, _ in self._scope), perm=perm)
+                           trips=trips, scope="/".join(l for l, _ in self._scope), perm=perm,
+                           operand_bytes=per)
     self.records.append(rec)
     self._sites[key] = rec.index
     return rec.index

@@ -190,11 +190,14 @@ def _marker_map(module) -> dict:
   return out
 
 
-def collective_seconds(rec, space: RankSpace, rank: int, hw: HardwareProfile, algorithm: str = "auto") -> tuple:
+def collective_seconds(rec, space: RankSpace, rank: int, hw: HardwareProfile, algorithm: str = "auto",
+                       sizes=None) -> tuple:
+  """``sizes``: the operand payloads when ``rec`` stands for a combined call (priced by
+  ``perfmodel.collectives.combined_cost``)."""
   group = rec.group(space, rank)
   if len(group) <= 1 or rec.bytes <= 0:
     return 0.0, "none"
-  c = coll_model.cost(rec.kind, rec.bytes, group, hw, algorithm)
+  c = coll_model.combined_cost(rec.kind, sizes or [rec.bytes], group, hw, algorithm)
   return c.seconds + hw.launch_overhead, c.algorithm
 
 
@@ -267,6 +270,7 @@ def rank_timeline(rank: int, hlo_text: str, records: list, measured_s: float, sp
   by_kind = defaultdict(float)
   calls = 0
   seg = None  # open compute segment
+  last_comm_end = 0.0
 
   def close():
     nonlocal seg
@@ -290,22 +294,18 @@ def rank_timeline(rank: int, hlo_text: str, records: list, measured_s: float, sp
       recs = [rec_by_index[i] for i in members]
       head = recs[0]
       merged = dataclasses.replace(head, bytes=sum(r.bytes for r in recs))
-      if target_hw.device_kind == "cpu" and len(recs) > 1:
-        # XLA:CPU runs a combined (tuple) collective as one call of the CPU collectives (gloo) per operand
-        # buffer (the all-reduce / all-gather / permute thunks loop over their buffers), so each operand
-        # pays its own latency: price the members one by one. NCCL groups them into one launch: merged.
-        parts = [collective_seconds(r, space, rank, target_hw, algorithm) for r in recs]
-        secs, alg = sum(p[0] for p in parts), parts[0][1]
-      else:
-        secs, alg = collective_seconds(merged, space, rank, target_hw, algorithm)
+      sizes = [b for r in recs for b in r.sizes()]
+      secs, alg = collective_seconds(merged, space, rank, target_hw, algorithm, sizes=sizes)
       if secs <= 0:
         continue
       close()
       events.append(Event(f"{head.kind} {'x'.join(head.axes)}" + (f" ({len(recs)} combined)" if len(recs) > 1 else ""),
                           "comm", t, secs,
                           {"bytes": merged.bytes, "group_size": head.group_size, "axes": list(head.axes),
-                           "algorithm": alg, "sites": members, "scope": head.scope}))
+                           "algorithm": alg, "sites": members, "scope": head.scope, "kind": head.kind,
+                           "sizes": sizes, "compute_before_s": t - last_comm_end}))
       t += secs
+      last_comm_end = t
       comm += secs
       calls += 1
       by_kind[head.kind] += secs
@@ -328,7 +328,7 @@ def rank_timeline(rank: int, hlo_text: str, records: list, measured_s: float, sp
   for rec in records:  # collectives XLA left without a node of their own (e.g. a fused stand-in)
     if rec.index in in_program:
       continue  # walked where it ran (or never ran: its branch was not taken)
-    secs, alg = collective_seconds(rec, space, rank, target_hw, algorithm)
+    secs, alg = collective_seconds(rec, space, rank, target_hw, algorithm, sizes=rec.sizes())
     if secs <= 0:
       continue
     unplaced += 1

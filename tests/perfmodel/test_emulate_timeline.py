@@ -1,8 +1,10 @@
 """Emulation timeline: runtime branches counted per stage, collective combining, permute receivers, gloo hook."""
+import dataclasses
 import json
 
 import jax
 import numpy as np
+import pytest
 
 from framework import config as config_lib
 from framework import config_file
@@ -94,3 +96,68 @@ def test_straggler_wait_is_the_expected_max_over_ranks_and_lands_before_the_last
   waits = [e for e in out.events if e.cat == "wait"]
   assert len(waits) == 1 and waits[0].start == 1.7
   assert [e.start for e in out.events if e.name == "opt"] == [1.5]  # events before it do not move
+
+
+def _gloo_hw(tmp_path, first=1e-3, nxt=None):
+  path = tmp_path / "gloo.json"
+  curves = {k: [[1024.0, first], [1048576.0, 4 * first]] for k in gloo_calibration.KINDS}
+  data = {"curves": curves, "source": "test"}
+  if nxt is not None:
+    data["next_curves"] = {k: [[1024.0, nxt], [1048576.0, 4 * nxt]] for k in gloo_calibration.KINDS}
+  path.write_text(json.dumps(data))
+  return gloo_calibration.with_gloo_curves(hardware.load("cpu"), str(path))[0]
+
+
+def test_combined_call_prices_each_buffer_on_cpu_and_one_launch_elsewhere(tmp_path):
+  """XLA:CPU loops a tuple collective over its buffers (one gloo call each); NCCL groups them."""
+  sizes = [1024.0, 1048576.0, 1048576.0]
+  lone = _gloo_hw(tmp_path)
+  # no further-buffer curve: every buffer priced as a lone call
+  c = collectives.combined_cost("all-reduce", sizes, (0, 1), lone)
+  assert np.isclose(c.seconds, 1e-3 + 4e-3 + 4e-3)
+  with_next = _gloo_hw(tmp_path, nxt=0.5e-3)
+  c = collectives.combined_cost("all-reduce", sizes, (0, 1), with_next)
+  assert c.algorithm == "measured-combined" and np.isclose(c.seconds, 1e-3 + 2e-3 + 2e-3)
+  # a group of 4 scales the further buffers like the first (ring all-reduce factor 2(n-1)/n = 1.5)
+  c4 = collectives.combined_cost("all-reduce", sizes, (0, 1, 2, 3), with_next)
+  assert np.isclose(c4.seconds, 1.5 * c.seconds)
+  # a call measured as such wins, for its own sizes and a 2-rank group only
+  key = collectives.call_key("all-reduce", sizes)
+  hw = dataclasses.replace(with_next, collective_calls={key: 7e-3})
+  assert collectives.combined_cost("all-reduce", sizes, (0, 1), hw).seconds == 7e-3
+  assert collectives.combined_cost("all-reduce", sizes, (0, 1, 2, 3), hw).seconds == c4.seconds
+  assert collectives.combined_cost("all-reduce", sizes[:2], (0, 1), hw).seconds != 7e-3
+  gpu = hardware.load("h100")
+  merged = collectives.combined_cost("all-reduce", sizes, tuple(range(8)), gpu)
+  assert np.isclose(merged.seconds, collectives.cost("all-reduce", sum(sizes), tuple(range(8)), gpu).seconds)
+
+
+def test_multi_operand_psum_is_recorded_per_buffer_and_replay_calls_are_distinct(tmp_path):
+  from perfmodel.emulate import emulator
+  cfg = _cfg("experiments/configs/emulate_validate.py:layout=data,runlocal=True", [], 2)
+  prog = rank_program.build(cfg)
+  run = measure.run_rank(prog, 0, execute=False)
+  assert all(sum(r.sizes()) == r.bytes for r in run.records)
+  hw = _gloo_hw(tmp_path, nxt=0.5e-3)
+  tl = tl_lib.rank_timeline(0, run.hlo_text, run.records, 0.0, prog.space, hw, hw, compute_hw=hw)
+  comm = [e for e in tl.events if e.cat == "comm"]
+  assert len(comm) == 1  # the gradient psums + loss psum: one combined call
+  sizes = comm[0].args["sizes"]
+  assert len(sizes) == sum(len(r.sizes()) for r in run.records) and comm[0].args["compute_before_s"] > 0
+  calls = emulator._calls_to_replay([tl, tl])
+  assert calls == [{"kind": "all-reduce", "sizes": sizes, "burst_s": comm[0].args["compute_before_s"]}]
+  replayed = dataclasses.replace(hw, collective_calls={collectives.call_key("all-reduce", sizes): 0.123})
+  tl2 = tl_lib.rank_timeline(0, run.hlo_text, run.records, 0.0, prog.space, replayed, hw, compute_hw=hw)
+  assert np.isclose(tl2.comm_s, 0.123 + hw.launch_overhead)
+
+
+@pytest.mark.multiprocess
+def test_replay_times_the_programs_own_calls_between_two_gloo_processes():
+  from perfmodel.emulate import localrun
+  if len(localrun.cores()) < 2:
+    pytest.skip("replay needs 2 cores")
+  calls = [{"kind": "all-reduce", "sizes": [4096.0, 4.0], "burst_s": 0.002},
+           {"kind": "collective-permute", "sizes": [65536.0], "burst_s": 0.002}]
+  table = gloo_calibration.replay(calls, reps=3, timeout_s=300)
+  assert set(table) == {collectives.call_key(c["kind"], c["sizes"]) for c in calls}
+  assert all(0 < s < 1.0 for s in table.values())
