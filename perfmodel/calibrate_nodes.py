@@ -53,7 +53,8 @@ def composition_features(g: graph_lib.ExecGraph, price, n_devices: int, region: 
   a: sum of node prices x N devices      b: node executions x N      c: N (per-step constant)
   e: collectives - with ``hw``, their modelled seconds (the profile's curves, x groups); else bytes x N
   f: collective executions x N          g: fresh temp bytes (fresh_bytes)
-  h: bytes the priced nodes move x N (decode steps stream the weights and the KV cache)."""
+  h: bytes the priced nodes move x N (decode steps stream the weights and the KV cache; :func:`compose` splits
+     it at the type's knee into h and i)."""
   from perfmodel import collectives  # noqa: PLC0415
   t, execs, cb, ce, nb = 0.0, 0, 0.0, 0, 0.0
   for n, k in g.walk(region):
@@ -76,12 +77,25 @@ def composition_features(g: graph_lib.ExecGraph, price, n_devices: int, region: 
 # step inside the sampler's while loop (hot caches, tiny thunks). Each type has its own coefficients; which
 # features a type may use is fixed here (few calibration programs per type: keep the forms small).
 LEARNED_K = (4, 8, 16)  # neighbour counts tried by calibration
-TYPE_FEATURES = {"train": (0, 1, 2, 5), "multi": (0, 3, 5), "decode": (0, 1, 6)}
-COEF_NAMES = ("a", "b", "c", "e", "f", "g", "h")
+TYPE_FEATURES = {"train": (0, 1, 2, 5), "multi": (0, 3, 5), "decode": (0, 6, 7)}
+COEF_NAMES = ("a", "b", "c", "e", "f", "g", "h", "i")
+# A decode step streams its weights and KV cache. Measured with long generations (8 vs 56 tokens, ±2%): its time
+# per byte grows with the bytes it moves, 26 ps/B at 1.7 MB to 47 ps/B at 40+ MB, as the step falls out of the
+# core's cache. So decode prices bytes piecewise: h per byte up to a knee, i per byte beyond it. The knee is
+# picked from this grid by the decode programs' own leave-one-program-out error (never by validation).
+KNEES = tuple(float(k) * 2 ** 20 for k in (1, 2, 3, 4, 6, 8, 12, 16))
 
 
 def program_type(n_devices: int, decode: bool = False) -> str:
   return "decode" if decode else ("multi" if n_devices > 1 else "train")
+
+
+def split_bytes(feats: list, knee) -> list:
+  """Features with the bytes feature h split at ``knee``: h = bytes up to it, i = bytes beyond (none: i = 0)."""
+  f = list(feats) + [0.0] * (len(COEF_NAMES) - len(feats))
+  if knee:
+    f[6], f[7] = min(f[6], knee), max(0.0, f[6] - knee)
+  return f
 
 
 def compose(coef: dict, feats: list, ptype: str = None) -> float:
@@ -89,22 +103,46 @@ def compose(coef: dict, feats: list, ptype: str = None) -> float:
     coef = coef[ptype]
   elif "train" in coef:  # typed coefficients but no type given: a single-device step
     coef = coef["train"]
-  return sum(coef.get(k, 0.0) * v for k, v in zip(COEF_NAMES, feats))
+  return sum(coef.get(k, 0.0) * v for k, v in zip(COEF_NAMES, split_bytes(feats, coef.get("knee"))))
+
+
+def _fit_cols(rows, y, cols, knee=None) -> dict:
+  x = _nnls([[split_bytes(r, knee)[c] for c in cols] for r in rows], y)
+  full = [0.0] * len(COEF_NAMES)
+  for c, v in zip(cols, x):
+    full[c] = float(v)
+  out = _coef(full)
+  if knee:
+    out["knee"] = knee
+  return out
+
+
+def _pick_knee(rows, y, cols):
+  """The knee with the lowest leave-one-out error over these rows (all knees tie below 3 rows)."""
+  if len(rows) < 3:
+    return KNEES[len(KNEES) // 2]
+  best = None
+  for knee in KNEES:
+    errs = []
+    for i in range(len(rows)):
+      c = _fit_cols(rows[:i] + rows[i + 1:], y[:i] + y[i + 1:], cols, knee)
+      errs.append(abs(compose(c, rows[i]) / y[i] - 1))
+    if best is None or np.mean(errs) < best[0]:
+      best = (float(np.mean(errs)), knee)
+  return best[1]
 
 
 def fit_typed(rows: list, y: list, types: list) -> dict:
-  """Per-type NNLS over the type's allowed features; a type without rows falls back to 'train'."""
+  """Per-type NNLS over the type's allowed features; a type without rows falls back to 'train'. A type
+  using the split bytes feature (i) also gets its knee, chosen by leave-one-out over its own rows."""
   out = {}
   for t, cols in TYPE_FEATURES.items():
     idx = [i for i, tt in enumerate(types) if tt == t]
     if not idx:
       continue
-    sub = [[rows[i][c] for c in cols] for i in idx]
-    x = _nnls(sub, [y[i] for i in idx])
-    full = [0.0] * len(COEF_NAMES)
-    for c, v in zip(cols, x):
-      full[c] = float(v)
-    out[t] = _coef(full)
+    sub, ys = [rows[i] for i in idx], [y[i] for i in idx]
+    knee = _pick_knee(sub, ys, cols) if 7 in cols else None
+    out[t] = _fit_cols(sub, ys, cols, knee)
   for t in TYPE_FEATURES:
     out.setdefault(t, out.get("train", _coef([1.0, 0, 0, 0, 0])))
   return out

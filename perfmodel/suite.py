@@ -43,6 +43,10 @@ INFER = [
 CALIBRATION = [
     dict(name="c_d48_l1", model=dict(d_model=48, n_layers=1, n_heads=2, n_kv_heads=2, d_ff=96),
          data=dict(seq_len=24, global_batch=3)),
+    # a second latency-bound program: with one alone, leaving it out makes the composition extrapolate (measured:
+    # the fit without c_d48_l1 took a 7 ms per-step constant from the 24+ ms programs and missed it by +673%)
+    dict(name="c_d24_l2", model=dict(d_model=24, n_layers=2, n_heads=2, n_kv_heads=2, d_ff=64),
+         data=dict(seq_len=20, global_batch=2)),
     dict(name="c_d96_l3", model=dict(d_model=96, n_layers=3, n_heads=4, n_kv_heads=2, d_ff=256),
          data=dict(seq_len=48, global_batch=6)),
     dict(name="c_d160", model=dict(d_model=160, n_heads=4, n_kv_heads=2, d_ff=448), data=dict(seq_len=96)),
@@ -83,16 +87,22 @@ CALIBRATION = [
          data=dict(seq_len=40), mesh=dict(pipeline=2, microbatches=4, schedule="1f1b", form="shard_map")),
 ]
 
-# Calibration decode programs (KV-cached sampler), shapes disjoint from INFER.
+# Calibration decode programs (KV-cached sampler), shapes disjoint from INFER. Generation lengths 8 and 56 as in
+# INFER: the TPOT slope over 48 tokens repeats within ±2% on this host, over 12 tokens (6 vs 18) within ±17-30%.
 CALIBRATION_INFER = [
-    dict(name="c_decode_b2", batch=2, prompt_len=24, gen_lens=(6, 18), model=dict(d_model=96, n_heads=4, n_kv_heads=2,
+    dict(name="c_decode_b2", batch=2, prompt_len=24, gen_lens=(8, 56), model=dict(d_model=96, n_heads=4, n_kv_heads=2,
                                                                                  d_ff=256)),
-    dict(name="c_decode_b6", batch=6, prompt_len=48, gen_lens=(6, 18), model=dict(d_model=192, n_heads=6, n_kv_heads=3,
+    dict(name="c_decode_b6", batch=6, prompt_len=48, gen_lens=(8, 56), model=dict(d_model=192, n_heads=6, n_kv_heads=3,
                                                                                  d_ff=512)),
-    dict(name="c_decode_b1_d64", batch=1, prompt_len=16, gen_lens=(6, 18), model=dict(d_model=64, n_heads=4,
+    dict(name="c_decode_b1_d64", batch=1, prompt_len=16, gen_lens=(8, 56), model=dict(d_model=64, n_heads=4,
                                                                                      n_kv_heads=2, d_ff=160)),
-    dict(name="c_decode_b3_d320", batch=3, prompt_len=40, gen_lens=(6, 18), model=dict(d_model=320, n_heads=8,
+    dict(name="c_decode_b3_d320", batch=3, prompt_len=40, gen_lens=(8, 56), model=dict(d_model=320, n_heads=8,
                                                                                       n_kv_heads=4, d_ff=896)),
-    dict(name="c_decode_b10_d224", batch=10, prompt_len=56, gen_lens=(6, 18), model=dict(d_model=224, n_heads=8,
+    dict(name="c_decode_b10_d224", batch=10, prompt_len=56, gen_lens=(8, 56), model=dict(d_model=224, n_heads=8,
                                                                                         n_kv_heads=4, d_ff=640)),
+    # between 4 and 24 MB moved per step, where the validation decode configs sit
+    dict(name="c_decode_b2_d160_l3", batch=2, prompt_len=40, gen_lens=(8, 56), model=dict(
+        d_model=160, n_layers=3, n_heads=4, n_kv_heads=2, d_ff=448)),
+    dict(name="c_decode_b5_d112", batch=5, prompt_len=24, gen_lens=(8, 56), model=dict(d_model=112, n_heads=4,
+                                                                                      n_kv_heads=2, d_ff=320)),
 ]

@@ -190,3 +190,19 @@ def test_speed_normalisation_pools_neighbouring_probes_and_scales_to_the_referen
     assert r["measured_at_ref_s"] == pytest.approx(1.0) and r["err_at_ref_pct"] == pytest.approx(0.0, abs=1e-9)
   rows[0].pop("probe_s")
   assert not validate._speed_normalise(rows, ref=0.04)  # a row without a probe: no normalised figure
+
+
+def test_decode_bytes_are_priced_piecewise_and_the_knee_is_recovered_by_leave_one_out():
+  """Decode time per byte rises once the step's bytes leave the core's cache: h per byte below the knee,
+  i per byte above; the fit picks the knee from its grid by leave-one-out over the decode rows alone."""
+  from perfmodel import calibrate_nodes as cn
+  knee = cn.KNEES[3]
+  true = {"h": 2.5e-11, "i": 5e-11, "knee": knee}
+  rows = [[1e-4, 120, 0.0, 0.0, 0, 0.0, b] for b in (0.4 * knee, 0.8 * knee, 1.5 * knee, 3 * knee, 6 * knee, 11 * knee)]
+  y = [cn.compose(true, r) for r in rows]
+  assert y[0] == pytest.approx(2.5e-11 * 0.4 * knee) and y[-1] == pytest.approx(2.5e-11 * knee + 5e-11 * 10 * knee)
+  coef = cn.fit_typed(rows, y, ["decode"] * len(rows))["decode"]
+  assert coef["knee"] == knee
+  assert coef["h"] == pytest.approx(2.5e-11, rel=1e-3) and coef["i"] == pytest.approx(5e-11, rel=1e-3)
+  # a profile fitted before the split (no knee) prices all bytes by h, as it did
+  assert cn.compose({"decode": {"h": 3e-11}}, rows[-1], "decode") == pytest.approx(3e-11 * rows[-1][6])
