@@ -89,8 +89,10 @@ class ParallelCtx:
   def gather(self, w, logical):
     """All-gathers every dim sharded over non-tensor mesh axes (FSDP / ZeRO-3 style)."""
     for dim, l in enumerate(logical):
-      axes = tuple(a for a in self.mesh_axes(l) if a != self.tensor_axis)
-      if axes and self.size(axes) > 1:
+      # size-1 axes are left out (as parallelism.shard_map_step.strip_trivial leaves them out of the specs): a
+      # gather over one would type the weight, and everything computed from it, as varying over that axis
+      axes = tuple(a for a in self.mesh_axes(l) if a != self.tensor_axis and self.size((a,)) > 1)
+      if axes:
         w = jax.lax.all_gather(w, axes, axis=dim, tiled=True)
     return w
 

@@ -76,7 +76,10 @@ def _distinct(ranked, k: int) -> list:
 
 
 def _layout(c: Config) -> dict:
-  return {"mesh": {k: v for k, v in c.mesh.sizes().items() if v != 1}, "rules": c.mesh.rules, "remat": c.model.remat}
+  out = {"mesh": {k: v for k, v in c.mesh.sizes().items() if v != 1}, "rules": c.mesh.rules, "remat": c.model.remat}
+  if c.mesh.pipeline > 1:
+    out.update(microbatches=c.mesh.microbatches, schedule=c.mesh.schedule)
+  return out
 
 
 def _run_check(default_cfg: Config, ranked: list, n: int, hw: HardwareProfile, refine: int) -> dict:
@@ -90,7 +93,11 @@ def _run_check(default_cfg: Config, ranked: list, n: int, hw: HardwareProfile, r
   cands = [c for c in cands if _layout(c) != _layout(default)] + [default]
   rows = []
   for c in cands:
-    cap = capture.train_step(c, keep_compiled=True)
+    try:
+      cap = capture.train_step(c, keep_compiled=True)
+    except Exception as e:  # noqa: BLE001 - one layout that cannot be built must not hide the others' results
+      rows.append({**_layout(c), "is_default": c is default, "error": f"{type(e).__name__}: {str(e)[:300]}"})
+      continue
     pred = predict.predict_train(c, hw, captured=cap)
     r1 = measure_train(cap, c, reps=5)
     r2 = measure_train(cap, c, reps=5)
@@ -101,9 +108,13 @@ def _run_check(default_cfg: Config, ranked: list, n: int, hw: HardwareProfile, r
                  "analytic_rank_s": next((t for t, cc, _ in ranked if cc is c), None), "measured_s": meas,
                  "noise_pct": noise, "clock": "cpu" if bench.pinned() else "wall"})
     del cap
+  failed = [r for r in rows if "error" in r]
+  rows = [r for r in rows if "error" not in r]
   best = min((r for r in rows if not r["is_default"]), key=lambda r: r["predicted_s"], default=None)
-  dflt = rows[-1]
-  res = {"layouts": rows, "top": best, "default": dflt}
+  dflt = next((r for r in rows if r["is_default"]), None)
+  if dflt is None:
+    return {"layouts": rows, "failed": failed, "error": "the config's own layout could not be built"}
+  res = {"layouts": rows, "failed": failed, "top": best, "default": dflt}
   if best is not None:
     res["top_beats_default"] = best["measured_s"] < dflt["measured_s"]
     res["speedup_measured"] = dflt["measured_s"] / best["measured_s"]
