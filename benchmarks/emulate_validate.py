@@ -117,7 +117,7 @@ def run_real(layout: str, steps: int, warmup_steps: int) -> dict:
 
 
 def run_emulated(layout: str, repeats: int, warmup: int, exact_memory: bool, colocated: int = 2,
-                 replay: bool = False) -> dict:
+                 replay: bool = False, trace_nodes: bool = False) -> dict:
   from perfmodel.emulate import localrun  # noqa: PLC0415
   out = tempfile.mkdtemp(prefix=f"ev_emu_{layout}_")
   cmd = localrun.python("-m", "perfmodel.emulate", "--config", f"{CONFIG}:layout={layout}", "--hardware", "cpu",
@@ -127,6 +127,8 @@ def run_emulated(layout: str, repeats: int, warmup: int, exact_memory: bool, col
     cmd.append("--exact-memory")
   if replay:
     cmd.append("--replay-collectives")
+  if trace_nodes:
+    cmd.append("--trace-nodes")
   load0 = os.getloadavg()[0]
   done = localrun.run_pinned([cmd], localrun.cores()[:1], timeout_s=900)
   if done.rc != [0]:
@@ -250,6 +252,8 @@ def main(argv=None) -> int:
   ap.add_argument("--no-alone", action="store_true",
                   help="skip the side-by-side emulation that times the rank alone (no shadow of its co-located peer)")
   ap.add_argument("--no-calibrate", action="store_true", help="use the stored gloo calibration as is")
+  ap.add_argument("--trace-nodes", action="store_true",
+                  help="emulate with --trace-nodes (the measured step split by traced instruction times, not roofline)")
   ap.add_argument("--replay", action="store_true",
                   help="emulate with --replay-collectives (the program's own 2-rank calls timed between 2 gloo "
                        "processes); the curve-priced iteration is reported beside it")
@@ -274,11 +278,12 @@ def main(argv=None) -> int:
     row = {"round": r, "order": order, "calibration_load": cal and cal["load_avg_1m"], "layouts": {}}
     for lay in order:
       real = run_real(lay, a.steps, a.warmup_steps)
-      emu = run_emulated(lay, a.repeats, 2, exact_memory=(r == 0), colocated=2, replay=a.replay)
+      emu = run_emulated(lay, a.repeats, 2, exact_memory=(r == 0), colocated=2, replay=a.replay,
+                         trace_nodes=a.trace_nodes)
       row["layouts"][lay] = {"real": real, "emulated": emu}
       if not a.no_alone:
         row["layouts"][lay]["emulated_alone"] = run_emulated(lay, a.repeats, 2, exact_memory=False, colocated=1,
-                                                             replay=a.replay)
+                                                             replay=a.replay, trace_nodes=a.trace_nodes)
       print(f"round {r} {lay}: real {real['median']:.4f}s emulated {emu['iteration_time_s']:.4f}s (alone "
             f"{row['layouts'][lay].get('emulated_alone', {}).get('iteration_time_s', float('nan')):.4f}s)",
             file=sys.stderr)
@@ -299,6 +304,8 @@ def _finish(rounds, layouts, a, t0, previous=None) -> int:
          "mean_abs_error_pct": mean_abs, "mean_abs_error_no_straggler_pct": mean_abs_no_straggler,
          "mean_abs_error_curves_pct": mean_abs_curves,
          "target_pct": 2.0, "layouts": per, "rounds": len(rounds),
+         "flags": " ".join(f for f, on in (("--trace-nodes", getattr(a, "trace_nodes", False)),
+                                           ("--replay", getattr(a, "replay", False))) if on),
          "wall_s": time.perf_counter() - t0, "load_avg_1m_end": os.getloadavg()[0]}
   with open(a.json, "w") as f:
     json.dump({**out, "raw_rounds": rounds}, f, indent=1, default=str)
@@ -336,7 +343,7 @@ def _append(out: dict, a) -> None:
                  f"({_fmtp(v['roofline_error_pct'])}); rank timed alone (no peer shadow) {_fmt(v.get('emulated_alone_s'))} "
                  f"({_fmtp(v.get('error_alone_pct'))}); process CPU per step real {_fmt(v.get('real_cpu_s'))} vs emulated "
                  f"compute {_fmt(v.get('emulated_cpu_compute_s'))}; {mem}")
-  row = (f"| {out['date']} | `PYTHONPATH=. python benchmarks/emulate_validate.py --rounds {out['rounds']}` | {out['machine']}, "
+  row = (f"| {out['date']} | `PYTHONPATH=. python benchmarks/emulate_validate.py --rounds {out['rounds']}{(' ' + out['flags']) if out.get('flags') else ''}` | {out['machine']}, "
          f"load {out['load_avg_1m_end']:.0f} | emulate_validate, 2 processes gloo vs 1 real rank + virtual peer: mean "
          f"abs iteration-time error {out['mean_abs_error_pct']:.1f}% (target 2%; without the straggler wait "
          f"{out['mean_abs_error_no_straggler_pct']:.1f}%" + (

@@ -32,6 +32,9 @@ def parse(argv):
   p.add_argument("--replay-collectives", action="store_true",
                  help="cpu target: time the program's own 2-rank collective calls between 2 real gloo processes on "
                       "this host (needs 2 free cores) instead of pricing them from the calibrated curves")
+  p.add_argument("--trace-nodes", action="store_true",
+                 help="split the rank's measured step over its instructions by their traced in-program times "
+                      "(XLA TraceMe) instead of roofline shares: measured per-tick/per-segment timing")
   p.add_argument("--exact-memory", action="store_true",
                  help="also compile the real N-device program on N virtual CPU devices (N <= 1024) for exact memory")
   args, rest = p.parse_known_args(argv)
@@ -64,6 +67,9 @@ def _colocated(spec: str, n: int, hardware: str, local_hardware: str) -> int:
 
 def main(argv=None) -> int:
   args, overrides = parse(sys.argv[1:] if argv is None else argv)
+  if args.trace_nodes:
+    from perfmodel import trace_nodes  # noqa: PLC0415
+    trace_nodes.enable()  # XLA reads its flags when the backend starts: before anything touches a device
   from framework import config as config_lib  # noqa: PLC0415
   from framework import config_file  # noqa: PLC0415
   from perfmodel.emulate import emulator, topology  # noqa: PLC0415
@@ -80,7 +86,8 @@ def main(argv=None) -> int:
   res = emulator.emulate(cfg, ranks=ranks, colocated=colocated, hardware=args.hardware, local_hardware=args.local_hardware,
                          out_dir=args.out, repeats=args.repeats, warmup=args.warmup, execute=not args.compile_only,
                          exact_memory=(args.config, overrides) if args.exact_memory else None, notes=notes,
-                         stragglers=not args.no_stragglers, replay_collectives=args.replay_collectives)
+                         stragglers=not args.no_stragglers, replay_collectives=args.replay_collectives,
+                         trace_nodes=args.trace_nodes)
   print(json.dumps(res, default=str))
   return 0
 

@@ -87,7 +87,8 @@ def emulate(cfg: Config, ranks: Optional[Sequence[int]] = None, hardware: str = 
             out_dir: Optional[str] = None, repeats: int = 5, warmup: int = 1, execute: bool = True,
             exact_memory: Optional[tuple] = None, notes: Sequence[str] = (), algorithm: str = "auto",
             host_data: bool = True, combine: bool = True, gloo_calibration: Optional[str] = "auto",
-            colocated: int = 1, stragglers: bool = True, replay_collectives: bool = False) -> dict:
+            colocated: int = 1, stragglers: bool = True, replay_collectives: bool = False,
+            trace_nodes: bool = False) -> dict:
   """Emulates one training step of ``cfg`` (validated at its target mesh). ``ranks``: None = one per
   class of distinct programs; else these ranks run for real (plus one per class they leave uncovered).
   ``exact_memory``: (config_spec, overrides) to also compile the real N-device program for its
@@ -99,7 +100,9 @@ def emulate(cfg: Config, ranks: Optional[Sequence[int]] = None, hardware: str = 
   ``stragglers``: when the rank runs on the target's device kind, add the wait for the slowest of the job's
   ranks, with the peers varying like the measured rank's steps (``straggler_wait_s``).
   ``replay_collectives``: for the ``cpu`` target, time the program's own 2-rank collective calls between 2
-  real gloo processes on this host (``gloo_calibration.replay``) instead of pricing them from the curves."""
+  real gloo processes on this host (``gloo_calibration.replay``) instead of pricing them from the curves.
+  ``trace_nodes``: split each rank's measured step over its instructions by their traced in-program times
+  (XLA TraceMe; ``perfmodel.trace_nodes.enable()`` must have run before jax started) instead of by roofline."""
   t0 = time.perf_counter()
   target_hw, local_hw = hw_lib.load(hardware), hw_lib.load(local_hardware)
   notes = list(notes)
@@ -119,7 +122,8 @@ def emulate(cfg: Config, ranks: Optional[Sequence[int]] = None, hardware: str = 
                  f"{len(shadow_cores)} shadow processes")
   for r in to_run:
     with (shadow.Shadows(cfg, r, shadow_cores) if shadow_cores else contextlib.nullcontext()):
-      runs[r] = measure.run_rank(prog, r, repeats=repeats, warmup=warmup, execute=execute, host_data=host_data)
+      runs[r] = measure.run_rank(prog, r, repeats=repeats, warmup=warmup, execute=execute, host_data=host_data,
+                                 trace_nodes=trace_nodes and execute)
   branch_source = "counted (execution)" if execute else "none"
   if not execute and any(runs[r].n_cond_sites for r in to_run):
     traces, extra = shrunk_branch_traces(cfg, to_run, {r: runs[r].n_cond_sites for r in to_run})
@@ -143,7 +147,8 @@ def emulate(cfg: Config, ranks: Optional[Sequence[int]] = None, hardware: str = 
       measured = runs[r].compute_s if execute else 0.0
       out[r] = tl_lib.rank_timeline(r, runs[r].hlo_text, runs[r].records, measured if measured == measured else 0.0,
                                     space, hw, local_hw, algorithm, branch_trace=runs[r].branch_trace,
-                                    combine=combine, compute_hw=None if execute else hw)
+                                    combine=combine, compute_hw=None if execute else hw,
+                                    node_times=runs[r].node_times)
     composed = tl_lib.compose({lab: out[r] for lab, r in reps.items()}, sl.structural)
     for lab, r in reps.items():
       out[r] = composed[lab]
@@ -198,6 +203,8 @@ def emulate(cfg: Config, ranks: Optional[Sequence[int]] = None, hardware: str = 
                                "chosen_by": c.chosen_by} for c in sl.classes]},
       "per_rank_params": prog.n_params_local, "trace_s": prog.trace_s, "executed": execute,
       "exact_memory": exact, "collective_model": coll_source, "replayed_collectives": replayed,
+      "compute_split": ("traced in-program instruction times (XLA TraceMe)" if any(runs[r].node_times for r in to_run)
+                        else "roofline shares of the measured step"),
       "colocated_ranks": colocated, "interference": (f"{len(shadow_cores)} shadow process(es) on cores {shadow_cores}"
                                                      if shadow_cores else "none (rank timed alone)"), "branch_trace_source": branch_source, "combine_collectives": combine,
       "notes": notes + ([] if execute else [

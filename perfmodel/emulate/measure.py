@@ -44,6 +44,7 @@ class RankRun:
   n_cond_sites: int = 0
   host_data: bool = False
   step_cpu_s: list = dataclasses.field(default_factory=list)  # process CPU time of each timed step (all threads)
+  node_times: Optional[dict] = None  # HLO instruction -> in-program seconds per execution (TraceMe), if traced
 
   @property
   def noise(self) -> float:
@@ -108,8 +109,11 @@ def _data_iterator(prog: rp.RankProgram, rank: int):
 
 def run_rank(prog: rp.RankProgram, rank: int, repeats: int = 5, warmup: int = 1, execute: bool = True,
              seed: int = 0, batch: Optional[tuple] = None, state=None, host_data: bool = True,
-             count: bool = True) -> RankRun:
+             count: bool = True, trace_nodes: bool = False) -> RankRun:
+  """``trace_nodes``: after timing, run the step twice more under XLA's per-thunk TraceMe (needs
+  ``perfmodel.trace_nodes.enable()`` before jax started) and keep each instruction's median in-program time."""
   compiled, interp, compile_s = compile_rank(prog, rank)
+  node_times = None
   times, loss = [], float("nan")
   trace, n_conds = None, interp.n_conds
   if execute:
@@ -137,9 +141,19 @@ def run_rank(prog: rp.RankProgram, rank: int, repeats: int = 5, warmup: int = 1,
         cpu.append(time.process_time() - c0)
     loss = float(l)
     host_data = nxt is not None
+    if trace_nodes:
+      from perfmodel import trace_nodes as tn  # noqa: PLC0415
+      box = [state]
+
+      def one():
+        box[0], l_ = compiled(box[0], inputs, targets)
+        float(l_)
+      traced = tn.traced_times(one, reps=2)
+      node_times = {k: statistics.median(v) for k, v in traced.items()}
+      state = box[0]
     del state
   return RankRun(rank=rank, compile_s=compile_s, step_times_s=times,
                  compute_s=statistics.median(times) if times else float("nan"), memory=memory_of(compiled),
                  hlo_text=compiled.as_text(), records=list(interp.records), loss=loss,
                  device=str(jax.devices()[0].device_kind), branch_trace=trace, n_cond_sites=n_conds,
-                 host_data=bool(execute and host_data), step_cpu_s=cpu if execute else [])
+                 host_data=bool(execute and host_data), step_cpu_s=cpu if execute else [], node_times=node_times)

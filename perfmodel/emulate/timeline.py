@@ -238,20 +238,35 @@ def _combine_groups(flat, markers, node_region, rec_by_index, combine: bool) -> 
 def rank_timeline(rank: int, hlo_text: str, records: list, measured_s: float, space: RankSpace,
                   target_hw: HardwareProfile, local_hw: HardwareProfile, algorithm: str = "auto",
                   branch_trace: Optional[dict] = None, combine: bool = True,
-                  compute_hw: Optional[HardwareProfile] = None) -> RankTimeline:
+                  compute_hw: Optional[HardwareProfile] = None, node_times: Optional[dict] = None) -> RankTimeline:
   """``measured_s``: the measured step of the stand-in program (spread over the executed nodes).
   ``compute_hw``: when nothing was measured (compile only), compute nodes are priced by the roofline
   of this profile instead (then the compute time is modelled, and the result says so).
   ``combine``: consecutive collectives of one kind over the same axes with no compute between them
   run as one (what XLA's collective combiners do to the real program: measured on the validation
-  configs, the 13 gradient psums of the data-parallel step compile to 1 all-reduce)."""
+  configs, the 13 gradient psums of the data-parallel step compile to 1 all-reduce).
+  ``node_times``: in-program seconds per execution of each instruction, traced on the real rank
+  (``measure.run_rank(trace_nodes=True)``): the measured total is then spread over the nodes by these
+  instead of by roofline shares (nodes the trace missed keep their roofline cost, scaled like the traced
+  ones), so the split inside the step (which pipeline tick, before or after which collective) is measured too."""
   from perfmodel import hlo_parse as hp  # noqa: PLC0415
   module = hp.parse_module(hlo_text)
   graph = build_graph(module)
   node_region = {n.id: r for r, reg in graph.regions.items() for n in reg.nodes}
   markers = _marker_map(module)
   chain = costs_lib.make_chain(compute_hw or local_hw, "roofline")
-  price = lambda n: 0.0 if n.kind == "wait" else chain.price(n).seconds  # noqa: E731
+  roof = lambda n: 0.0 if n.kind == "wait" else chain.price(n).seconds  # noqa: E731
+  price = roof
+  if node_times:
+    nodes = [n for reg in graph.regions.values() for n in reg.nodes if n.kind in ("dot", "fusion", "other")]
+    hit = [n for n in nodes if n.name in node_times]
+    ratio = (sum(node_times[n.name] for n in hit) / max(sum(roof(n) for n in hit), 1e-30)) if hit else 1.0
+
+    def price(n):
+      if n.kind in ("dot", "fusion", "other"):
+        t = node_times.get(n.name)
+        return t if t is not None else roof(n) * ratio
+      return roof(n) * ratio
   walker = _Walker(graph, module, branch_trace, price)
   flat = []
   walker.walk(graph.entry, (), flat, [MAX_EVENTS])

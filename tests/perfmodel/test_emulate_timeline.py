@@ -161,3 +161,27 @@ def test_replay_times_the_programs_own_calls_between_two_gloo_processes():
   table = gloo_calibration.replay(calls, reps=3, timeout_s=300)
   assert set(table) == {collectives.call_key(c["kind"], c["sizes"]) for c in calls}
   assert all(0 < s < 1.0 for s in table.values())
+
+
+def test_traced_node_times_split_the_measured_step():
+  """With traced in-program times the measured step is spread by them, not by roofline shares: all the
+  time on the step's last instruction puts all compute after the gradient all-reduce."""
+  from perfmodel import hlo_parse as hp
+  cfg = _cfg("experiments/configs/emulate_validate.py:layout=data,runlocal=True", [], 2)
+  prog = rank_program.build(cfg)
+  run = measure.run_rank(prog, 0, execute=False)
+  hw = hardware.load("cpu")
+  g = tl_lib.build_graph(hp.parse_module(run.hlo_text))
+  entry = [n for n in g.regions[g.entry].nodes if n.kind in ("dot", "fusion", "other")]
+  times = {n.name: 0.0 for reg in g.regions.values() for n in reg.nodes}
+  times[entry[-1].name] = 1.0
+  by_roof = tl_lib.rank_timeline(0, run.hlo_text, run.records, 1.0, prog.space, hw, hw)
+  traced = tl_lib.rank_timeline(0, run.hlo_text, run.records, 1.0, prog.space, hw, hw, node_times=times)
+
+  def split(tl):
+    comm = next(e for e in tl.events if e.cat == "comm")
+    before = sum(e.dur for e in tl.events if e.cat == "compute" and e.start < comm.start)
+    return before, sum(e.dur for e in tl.events if e.cat == "compute" and e.start > comm.start)
+  assert split(by_roof)[0] > 0.1  # roofline: the forward and backward passes come before the all-reduce
+  before, after = split(traced)
+  assert before == pytest.approx(0.0, abs=1e-9) and after == pytest.approx(1.0, rel=1e-6)
