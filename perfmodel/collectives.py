@@ -87,6 +87,12 @@ def domains_spanned(group, level_size: int) -> tuple:
   return max(doms.values()), len(doms)
 
 
+def _measured_scale(kind: str, n: int) -> float:
+  """Curves are calibrated on this host for n=2; scale them like a ring's bandwidth term for larger groups."""
+  return {"all-reduce": (2 * (n - 1) / n) / 1.0, "all-gather": ((n - 1) / n) / 0.5,
+          "reduce-scatter": ((n - 1) / n) / 0.5}.get(kind, 1.0)
+
+
 def cost(kind: str, S: float, group: tuple, hw: HardwareProfile, algorithm: str = "auto") -> CollectiveCost:
   """Time of one collective for one group (all groups of a node run in parallel on disjoint devices)."""
   n = len(group)
@@ -94,11 +100,7 @@ def cost(kind: str, S: float, group: tuple, hw: HardwareProfile, algorithm: str 
     return CollectiveCost(0.0, "none", "")
   measured = hw.collective_curve.get(kind) if hw.collective_curve else None
   if measured:
-    # Calibrated on this host for n=2; scale the bandwidth part like a ring for larger groups.
-    t2 = interp_log(measured, S)
-    scale = {"all-reduce": (2 * (n - 1) / n) / 1.0, "all-gather": ((n - 1) / n) / 0.5,
-             "reduce-scatter": ((n - 1) / n) / 0.5}.get(kind, 1.0)
-    return CollectiveCost(t2 * scale, "measured", "loopback")
+    return CollectiveCost(interp_log(measured, S) * _measured_scale(kind, n), "measured", "loopback")
   levels = list(hw.links) or [LinkLevel("none", 0, float("inf"), 0.0)]
   inner = levels[0]
   per_dom, n_dom = domains_spanned(group, inner.size)
@@ -146,8 +148,7 @@ def combined_cost(kind: str, sizes, group: tuple, hw: HardwareProfile, algorithm
   first = cost(kind, sizes[0], group, hw, algorithm)
   nxt = hw.collective_next_curve.get(kind) if hw.collective_next_curve else None
   if nxt and first.algorithm == "measured":
-    scale = first.seconds / max(interp_log(hw.collective_curve[kind], sizes[0]), 1e-12)  # the n>2 scaling of cost()
-    rest = sum(interp_log(nxt, s) * scale for s in sizes[1:])
+    rest = sum(interp_log(nxt, s) for s in sizes[1:]) * _measured_scale(kind, len(group))
     return CollectiveCost(first.seconds + rest, "measured-combined", first.level)
   return CollectiveCost(first.seconds + sum(cost(kind, s, group, hw, algorithm).seconds for s in sizes[1:]),
                         first.algorithm, first.level)

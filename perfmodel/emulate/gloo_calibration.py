@@ -56,36 +56,67 @@ def with_gloo_curves(hw, path: str = DEFAULT_PATH):
       collective_next_curve={k: [tuple(p) for p in v] for k, v in cal.get("next_curves", {}).items()}), cal
 
 
-def _child(coord: str, pid: int, reps: int, k: int, burst_dim: int = 0) -> None:
+def _init_child(coord: str, pid: int):
+  """One of the 2 gloo processes: jax.distributed up, a 1-D mesh 'x' over the 2 processes' devices."""
   import jax  # noqa: PLC0415
   jax.config.update("jax_cpu_collectives_implementation", "gloo")
   jax.distributed.initialize(coordinator_address=coord, num_processes=2, process_id=pid)
+  return jax.make_mesh((2,), ("x",), axis_types=(jax.sharding.AxisType.Explicit,))
+
+
+def _local_elems(kind: str, size: float) -> int:
+  """f32 elements per process for payload ``size`` (perfmodel convention: AR/permute operand, AG result,
+  RS operand)."""
+  return max(1, int(size) // (8 if kind in ("all-gather", "reduce-scatter") else 4))
+
+
+def _issue(kind: str, vs: tuple, locals_) -> tuple:
+  """The collective ``kind`` over axis 'x' on buffers ``vs``, issued together (one multi-operand psum /
+  ppermute, as a program's combined call)."""
+  import jax  # noqa: PLC0415
+  import jax.numpy as jnp  # noqa: PLC0415
+  if not vs:
+    return ()
+  if kind == "all-reduce":
+    return tuple(v * 0.5 for v in jax.lax.psum(vs, "x"))
+  if kind == "all-gather":
+    return tuple(jax.lax.all_gather(v, "x", tiled=True)[:n] * 0.5 for v, n in zip(vs, locals_))
+  if kind == "reduce-scatter":
+    return tuple(jax.lax.psum_scatter(jnp.concatenate([v, v]), "x", tiled=True) * 0.5 for v in vs)
+  return tuple(v * 0.5 for v in jax.lax.ppermute(vs, "x", [(0, 1), (1, 0)]))
+
+
+def _interleaved_medians(fns, args, reps: int) -> list:
+  """Median seconds of each of ``fns(*args)`` (compiled first), run in turn ``reps`` times: a drift of the host
+  hits every variant alike."""
+  import jax  # noqa: PLC0415
+  for f in fns:
+    jax.block_until_ready(f(*args))
+  ts = [[] for _ in fns]
+  for _ in range(reps):
+    for f, t in zip(fns, ts):
+      t0 = time.perf_counter()
+      jax.block_until_ready(f(*args))
+      t.append(time.perf_counter() - t0)
+  return [statistics.median(t) for t in ts]
+
+
+def _child(coord: str, pid: int, reps: int, k: int, burst_dim: int = 0) -> None:
+  mesh = _init_child(coord, pid)
+  import jax  # noqa: PLC0415
   import jax.numpy as jnp  # noqa: PLC0415
   import numpy as np  # noqa: PLC0415
   from jax.sharding import NamedSharding, PartitionSpec as P  # noqa: PLC0415
-  mesh = jax.make_mesh((2,), ("x",), axis_types=(jax.sharding.AxisType.Explicit,))
 
   def make(kind: str, local_elems: int, n_coll: int):
-    """M buffers; the first ``n_coll`` go through the collective, the rest through local work."""
-    def one(v, real):
-      if not real:
-        return v * 0.5 + 1.0
-      if kind == "all-reduce":
-        return jax.lax.psum(v, "x") * 0.5
-      if kind == "all-gather":
-        return jax.lax.all_gather(v, "x", tiled=True)[:local_elems] * 0.5
-      if kind == "reduce-scatter":
-        w = jnp.concatenate([v, v])
-        return jax.lax.psum_scatter(w, "x", tiled=True) * 0.5
-      return jax.lax.ppermute(v, "x", [(0, 1), (1, 0)]) * 0.5
-
+    """MANY buffers; the first ``n_coll`` go through the collective, the rest through local work."""
     def step(i, carry):
       xs, m = carry
       if burst_dim:
         # compute burst; its result feeds the payloads (x + 0*m) so the collectives wait for it
         m = jnp.tanh(m @ m) * 0.5
         xs = tuple(x + 0.0 * m[0, 0] for x in xs)
-      return tuple(one(x, j < n_coll) for j, x in enumerate(xs)), m
+      return _issue(kind, xs[:n_coll], [local_elems] * n_coll) + tuple(x * 0.5 + 1.0 for x in xs[n_coll:]), m
 
     def body(*vs):
       m0 = jnp.full((max(1, burst_dim),) * 2, 0.01, jnp.float32) + jax.lax.axis_index("x").astype(jnp.float32)
@@ -97,19 +128,10 @@ def _child(coord: str, pid: int, reps: int, k: int, burst_dim: int = 0) -> None:
   for kind in KINDS:
     pts = []
     for size in SIZES:
-      # payload S (perfmodel convention): AR/permute operand, AG result, RS operand; all f32
-      local = {"all-gather": size // 8, "reduce-scatter": size // 8}.get(kind, size // 4)
+      local = _local_elems(kind, size)
       xs = [jax.device_put(np.ones((2 * local,), np.float32), NamedSharding(mesh, P("x"))) for _ in range(MANY)]
-      fns = [make(kind, local, n) for n in (1, 0, MANY)]  # one collective, none, MANY issued together
-      for f in fns:
-        jax.block_until_ready(f(*xs))
-      ts = [[] for _ in fns]
-      for _ in range(reps):  # interleaved: a drift of the host hits the three variants alike
-        for f, t in zip(fns, ts):
-          t0 = time.perf_counter()
-          jax.block_until_ready(f(*xs))
-          t.append(time.perf_counter() - t0)
-      one_s, none_s, many_s = (statistics.median(t) for t in ts)
+      # one collective, none, MANY issued together
+      one_s, none_s, many_s = _interleaved_medians([make(kind, local, n) for n in (1, 0, MANY)], xs, reps)
       pts.append([float(size), max(one_s - none_s, 1e-7) / k, one_s / k, none_s / k,
                   max(many_s - one_s, 1e-7) / k / (MANY - 1)])
     out[kind] = pts
@@ -123,33 +145,20 @@ REPLAY_MAX_BURST_S = 0.25  # longer compute before a call is replayed as this mu
 def _replay_child(coord: str, pid: int, spec_path: str) -> None:
   """Times each call of ``spec_path`` (a JSON list of {kind, sizes, burst_s}) as it runs in the program:
   the buffers written by a compute burst as long as the compute before it, then issued together."""
+  mesh = _init_child(coord, pid)
   import jax  # noqa: PLC0415
-  jax.config.update("jax_cpu_collectives_implementation", "gloo")
-  jax.distributed.initialize(coordinator_address=coord, num_processes=2, process_id=pid)
   import jax.numpy as jnp  # noqa: PLC0415
   import numpy as np  # noqa: PLC0415
   from jax.sharding import NamedSharding, PartitionSpec as P  # noqa: PLC0415
   with open(spec_path) as f:
     spec = json.load(f)
-  mesh = jax.make_mesh((2,), ("x",), axis_types=(jax.sharding.AxisType.Explicit,))
-  dim = BURST_DIM
-
-  def burst(iters, m):
-    return jax.lax.fori_loop(0, iters, lambda i, m: jnp.tanh(m @ m) * 0.5, m)
 
   def make(kind, locals_, iters, real):
     def body(*vs):
-      m = burst(iters, jnp.full((dim, dim), 0.01, jnp.float32) + jax.lax.axis_index("x").astype(jnp.float32))
+      m = jnp.full((BURST_DIM, BURST_DIM), 0.01, jnp.float32) + jax.lax.axis_index("x").astype(jnp.float32)
+      m = jax.lax.fori_loop(0, iters, lambda i, m: jnp.tanh(m @ m) * 0.5, m)
       vs = tuple(v + 0.0 * m[0, 0] for v in vs)  # the payload is written after the compute, as in a step
-      if not real:
-        return tuple(v * 0.5 for v in vs)
-      if kind == "all-reduce":
-        return tuple(v * 0.5 for v in jax.lax.psum(vs, "x"))  # one multi-operand psum, as the program's
-      if kind == "all-gather":
-        return tuple(jax.lax.all_gather(v, "x", tiled=True)[:n] * 0.5 for v, n in zip(vs, locals_))
-      if kind == "reduce-scatter":
-        return tuple(jax.lax.psum_scatter(jnp.concatenate([v, v]), "x", tiled=True) * 0.5 for v in vs)
-      return tuple(v * 0.5 for v in jax.lax.ppermute(vs, "x", [(0, 1), (1, 0)]))
+      return _issue(kind, vs, locals_) if real else tuple(v * 0.5 for v in vs)
     sp = (P("x"),) * len(locals_)
     return jax.jit(jax.shard_map(body, mesh=mesh, in_specs=sp, out_specs=sp, check_vma=False))
 
@@ -162,20 +171,13 @@ def _replay_child(coord: str, pid: int, spec_path: str) -> None:
   per_iter = (time.perf_counter() - t0) / 40
   out = []
   for call in spec:
-    kind, sizes = call["kind"], call["sizes"]
-    locals_ = [max(1, int(s) // (8 if kind in ("all-gather", "reduce-scatter") else 4)) for s in sizes]
+    kind = call["kind"]
+    locals_ = [_local_elems(kind, s_) for s_ in call["sizes"]]
     xs = [jax.device_put(np.ones((2 * n,), np.float32), NamedSharding(mesh, P("x"))) for n in locals_]
     iters = max(1, int(round(min(call["burst_s"], REPLAY_MAX_BURST_S) / per_iter)))
-    fns = [make(kind, locals_, iters, real) for real in (True, False)]
-    for f in fns:
-      jax.block_until_ready(f(*xs))
-    ts = [[], []]
-    for _ in range(call.get("reps", 5)):
-      for f, t in zip(fns, ts):
-        t0 = time.perf_counter()
-        jax.block_until_ready(f(*xs))
-        t.append(time.perf_counter() - t0)
-    out.append(max(statistics.median(ts[0]) - statistics.median(ts[1]), 1e-7))
+    with_s, without_s = _interleaved_medians([make(kind, locals_, iters, real) for real in (True, False)], xs,
+                                             call.get("reps", 5))
+    out.append(max(with_s - without_s, 1e-7))
   if pid == 0:
     print("@@" + json.dumps({"seconds": out, "burst_iter_s": per_iter}))
 
