@@ -4,7 +4,10 @@ experiments/configs/emulate_validate.py.
 
   PYTHONPATH=. python benchmarks/emulate_validate.py [--rounds 3] [--layouts data,tensor,pipeline] [--no-results]
 
-Per round and layout, interleaved (real, then emulated, layouts rotated between rounds):
+Per round and layout, interleaved (real, emulated, real again; layouts rotated between rounds). The host's
+speed drifts by up to ~35% within an hour and 5-15% between consecutive minutes (README), so the emulation is
+compared with the mean of the real runs just before and just after it (`--no-bracket`: the one before only);
+a linear drift then cancels instead of landing on the error:
   * real: `experiments.run` as 2 processes (jax.distributed, gloo over loopback), process i pinned to core
     i, single-threaded XLA; time = median of metrics.jsonl `step_time_s` after the warm-up steps. Each
     process also reports `memory_analysis()` of the step it compiled (the real per-rank program).
@@ -167,14 +170,19 @@ def aggregate(rounds: list, layouts: list, predict: bool = True, previous: Optio
   for lay in layouts:
     reals = [rd["layouts"][lay]["real"] for rd in rounds]
     emus = [rd["layouts"][lay]["emulated"] for rd in rounds]
-    real_med = statistics.median(x["median"] for x in reals)
+    afters = [rd["layouts"][lay].get("real_after") for rd in rounds]
+    # every real run measures the same job: the real value is the median over all of them (before and after)
+    real_med = statistics.median([x["median"] for x in reals] + [x["median"] for x in afters if x])
     emu_med = statistics.median(x["iteration_time_s"] for x in emus)
-    paired = [e["iteration_time_s"] / x["median"] - 1 for e, x in zip(emus, reals)]
+    paired = [e["iteration_time_s"] / _bracket(x, y) - 1 for e, x, y in zip(emus, reals, afters)]
+    before_only = [e["iteration_time_s"] / x["median"] - 1 for e, x in zip(emus, reals)]
+    drift = [100 * (y["median"] / x["median"] - 1) for x, y in zip(reals, afters) if y]
     alone = [rd["layouts"][lay].get("emulated_alone") for rd in rounds]
     alone = [a_["iteration_time_s"] for a_ in alone if a_]
     alone_med = statistics.median(alone) if alone else None
-    real_noise = statistics.median(100 * (x["p90"] - x["p10"]) / x["median"] for x in reals)
-    across = 100 * (max(x["median"] for x in reals) - min(x["median"] for x in reals)) / real_med
+    all_reals = reals + [x for x in afters if x]
+    real_noise = statistics.median(100 * (x["p90"] - x["p10"]) / x["median"] for x in all_reals)
+    across = 100 * (max(x["median"] for x in all_reals) - min(x["median"] for x in all_reals)) / real_med
     mem_real = reals[0]["memory_per_rank"]
     e0 = emus[0]
     exact = (e0.get("exact_memory") or {}).get("peak_bytes")
@@ -190,6 +198,11 @@ def aggregate(rounds: list, layouts: list, predict: bool = True, previous: Optio
         "emulated_alone_s": alone_med,
         "error_alone_pct": 100 * (alone_med / real_med - 1) if alone_med else None,
         "paired_error_pct": [100 * p for p in paired], "real_noise_p10_p90_pct": real_noise,
+        # per round: emulated vs the real run before it only (the design before bracketing), and how far the
+        # real job moved between the run before and the run after the emulation (the drift bracketing removes)
+        "paired_error_before_only_pct": [100 * p for p in before_only],
+        "paired_error_median_pct": 100 * statistics.median(paired),
+        "real_drift_across_emulation_pct": drift,
         "real_across_rounds_pct": across,
         "emulated_noise_p10_p90_pct": statistics.median(100 * max(rk["noise_p10_p90"] for rk in e["ranks"])
                                                          for e in emus),
@@ -223,6 +236,11 @@ def aggregate(rounds: list, layouts: list, predict: bool = True, previous: Optio
   return per
 
 
+def _bracket(before: dict, after) -> float:
+  """The real job's step time around an emulation: the mean of the real runs before and after it."""
+  return before["median"] if not after else 0.5 * (before["median"] + after["median"])
+
+
 def _curves_error(emus: list, real_med: float):
   its = [max(rk["iteration_time_s_curves"] for rk in e["ranks"]) for e in emus
          if all(rk.get("iteration_time_s_curves") for rk in e["ranks"])]
@@ -252,6 +270,8 @@ def main(argv=None) -> int:
   ap.add_argument("--no-alone", action="store_true",
                   help="skip the side-by-side emulation that times the rank alone (no shadow of its co-located peer)")
   ap.add_argument("--no-calibrate", action="store_true", help="use the stored gloo calibration as is")
+  ap.add_argument("--no-bracket", action="store_true",
+                  help="compare each emulation with the real run before it only (no second real run after it)")
   ap.add_argument("--trace-nodes", action="store_true",
                   help="emulate with --trace-nodes (the measured step split by traced instruction times, not roofline)")
   ap.add_argument("--replay", action="store_true",
@@ -281,10 +301,14 @@ def main(argv=None) -> int:
       emu = run_emulated(lay, a.repeats, 2, exact_memory=(r == 0), colocated=2, replay=a.replay,
                          trace_nodes=a.trace_nodes)
       row["layouts"][lay] = {"real": real, "emulated": emu}
+      if not a.no_bracket:
+        row["layouts"][lay]["real_after"] = run_real(lay, a.steps, a.warmup_steps)
       if not a.no_alone:
         row["layouts"][lay]["emulated_alone"] = run_emulated(lay, a.repeats, 2, exact_memory=False, colocated=1,
                                                              replay=a.replay, trace_nodes=a.trace_nodes)
-      print(f"round {r} {lay}: real {real['median']:.4f}s emulated {emu['iteration_time_s']:.4f}s (alone "
+      after = row["layouts"][lay].get("real_after", {}).get("median", float("nan"))
+      print(f"round {r} {lay}: real {real['median']:.4f}s emulated {emu['iteration_time_s']:.4f}s real after "
+            f"{after:.4f}s (alone "
             f"{row['layouts'][lay].get('emulated_alone', {}).get('iteration_time_s', float('nan')):.4f}s)",
             file=sys.stderr)
     rounds.append(row)
@@ -295,6 +319,7 @@ def _finish(rounds, layouts, a, t0, previous=None) -> int:
   per = aggregate(rounds, layouts, predict=previous is None and not getattr(a, "no_predict", False),
                   previous=previous)
   mean_abs = statistics.mean(abs(v["error_pct"]) for v in per.values())
+  mean_abs_paired = statistics.mean(abs(v["paired_error_median_pct"]) for v in per.values())
   mean_abs_no_straggler = statistics.mean(abs(v["error_no_straggler_pct"]) for v in per.values())
   curves = [v.get("error_curves_pct") for v in per.values()]
   mean_abs_curves = statistics.mean(abs(c) for c in curves) if all(c is not None for c in curves) else None
@@ -303,9 +328,12 @@ def _finish(rounds, layouts, a, t0, previous=None) -> int:
          "four_processes": "not run: the host has 2 cores, and each process needs its own core",
          "mean_abs_error_pct": mean_abs, "mean_abs_error_no_straggler_pct": mean_abs_no_straggler,
          "mean_abs_error_curves_pct": mean_abs_curves,
+         # per round, emulated vs the real runs bracketing it; the median over rounds per layout, |.| averaged
+         "mean_abs_paired_error_pct": mean_abs_paired,
          "target_pct": 2.0, "layouts": per, "rounds": len(rounds),
          "flags": " ".join(f for f, on in (("--trace-nodes", getattr(a, "trace_nodes", False)),
-                                           ("--replay", getattr(a, "replay", False))) if on),
+                                           ("--replay", getattr(a, "replay", False)),
+                                           ("--no-bracket", getattr(a, "no_bracket", False))) if on),
          "wall_s": time.perf_counter() - t0, "load_avg_1m_end": os.getloadavg()[0]}
   with open(a.json, "w") as f:
     json.dump({**out, "raw_rounds": rounds}, f, indent=1, default=str)
@@ -334,7 +362,9 @@ def _append(out: dict, a) -> None:
     mem = (f"mem exact-compile {v['memory_emulated_exact_bytes']:,} B vs real {max(v['memory_real_per_rank_bytes']):,} B "
            f"(diff {v['memory_error_bytes']} B), stand-in program {v['memory_standin_error_pct']:+.2f}%")
     cells.append(f"{lay}: real {v['real_s'] * 1e3:.1f} ms (noise p10-p90 {v['real_noise_p10_p90_pct']:.0f}%, across rounds "
-                 f"{v['real_across_rounds_pct']:.0f}%), emulate {v['emulated_s'] * 1e3:.1f} ms ({v['error_pct']:+.1f}%; without the "
+                 f"{v['real_across_rounds_pct']:.0f}%, moved {_fmtl(v.get('real_drift_across_emulation_pct'))}% "
+                 f"between the real runs around each emulation), emulate {v['emulated_s'] * 1e3:.1f} ms "
+                 f"({v['error_pct']:+.1f}%; per round vs the real runs around it {_fmtl(v['paired_error_pct'])}%; without the "
                  f"straggler wait {v['error_no_straggler_pct']:+.1f}%"
                  + (f", collectives priced by the curves {_fmtp(v['error_curves_pct'])}" if v.get("error_curves_pct")
                     is not None else "") + "), "
@@ -345,7 +375,8 @@ def _append(out: dict, a) -> None:
                  f"compute {_fmt(v.get('emulated_cpu_compute_s'))}; {mem}")
   row = (f"| {out['date']} | `PYTHONPATH=. python benchmarks/emulate_validate.py --rounds {out['rounds']}{(' ' + out['flags']) if out.get('flags') else ''}` | {out['machine']}, "
          f"load {out['load_avg_1m_end']:.0f} | emulate_validate, 2 processes gloo vs 1 real rank + virtual peer: mean "
-         f"abs iteration-time error {out['mean_abs_error_pct']:.1f}% (target 2%; without the straggler wait "
+         f"abs iteration-time error {out['mean_abs_error_pct']:.1f}% (target 2%; per-round pairs, median over rounds "
+         f"{out['mean_abs_paired_error_pct']:.1f}%; without the straggler wait "
          f"{out['mean_abs_error_no_straggler_pct']:.1f}%" + (
              f"; collectives priced by the curves instead of replayed {out['mean_abs_error_curves_pct']:.1f}%"
              if out.get("mean_abs_error_curves_pct") is not None else "") + "); " + "; ".join(cells) + " |\n")
@@ -355,6 +386,10 @@ def _append(out: dict, a) -> None:
 
 def _fmt(x):
   return "n/a" if x is None else f"{x * 1e3:.1f} ms"
+
+
+def _fmtl(xs):
+  return "n/a" if not xs else "/".join(f"{x:+.1f}" for x in xs)
 
 
 def _fmtp(x):
