@@ -333,7 +333,8 @@ def _finish(rounds, layouts, a, t0, previous=None) -> int:
          "target_pct": 2.0, "layouts": per, "rounds": len(rounds),
          "flags": " ".join(f for f, on in (("--trace-nodes", getattr(a, "trace_nodes", False)),
                                            ("--replay", getattr(a, "replay", False)),
-                                           ("--no-bracket", getattr(a, "no_bracket", False))) if on),
+                                           ("--no-bracket", getattr(a, "no_bracket", False)),
+                                           ("--no-alone", getattr(a, "no_alone", False))) if on),
          "wall_s": time.perf_counter() - t0, "load_avg_1m_end": os.getloadavg()[0]}
   with open(a.json, "w") as f:
     json.dump({**out, "raw_rounds": rounds}, f, indent=1, default=str)
