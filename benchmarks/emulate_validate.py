@@ -15,8 +15,8 @@ a linear drift then cancels instead of landing on the error:
     real rank, the other a virtual peer whose load on the shared memory system is replayed by a shadow
     process on core 1 (perfmodel/emulate/shadow.py); side by side, the same emulation with the rank timed
     alone (`--colocated 1`, column "alone"); collectives priced by the 2-process gloo calibration
-    (perfmodel/emulate/gloo_calibration.py, re-measured at the start of every round so it sees the
-    host's current load); with `--replay`, each of the program's own 2-rank calls is replayed between 2 gloo
+    (perfmodel/emulate/gloo_calibration.py, re-measured right before each emulation for the kinds its
+    layout issues, so it sees the host's current load; `--gloo-when round`: once per round); with `--replay`, each of the program's own 2-rank calls is replayed between 2 gloo
     processes instead (`emulate --replay-collectives`; the curve-priced result is kept beside it); memory
     from the real 2-device program compiled on 2 virtual devices.
   * predict / roofline: `python -m perfmodel predict` (compile method) once per layout.
@@ -155,6 +155,8 @@ def run_predict(layout: str, backend: str) -> dict:
 
 
 N_RANKS = 2  # the real job's processes (one rank each)
+# the collective kinds each layout's program issues (its emulation's timeline, experiments/configs/emulate_validate.py)
+LAYOUT_KINDS = {"data": ("all-reduce",), "tensor": ("all-reduce",), "pipeline": ("all-reduce", "collective-permute")}
 
 
 def _pred_time(d: dict):
@@ -270,6 +272,10 @@ def main(argv=None) -> int:
   ap.add_argument("--no-alone", action="store_true",
                   help="skip the side-by-side emulation that times the rank alone (no shadow of its co-located peer)")
   ap.add_argument("--no-calibrate", action="store_true", help="use the stored gloo calibration as is")
+  ap.add_argument("--gloo-when", choices=("emulation", "round"), default="emulation",
+                  help="re-measure the gloo curves right before each emulation, only the kinds its layout uses "
+                       "(default), or once per round for every kind (the design before session 5)")
+  ap.add_argument("--gloo-reps", type=int, default=9, help="repetitions per gloo curve point (median)")
   ap.add_argument("--no-bracket", action="store_true",
                   help="compare each emulation with the real run before it only (no second real run after it)")
   ap.add_argument("--trace-nodes", action="store_true",
@@ -292,12 +298,16 @@ def main(argv=None) -> int:
   rounds = []
   for r in range(a.rounds):
     cal = None
-    if not a.no_calibrate:
-      cal = gloo_calibration.calibrate(reps=5, k=4)
+    if not a.no_calibrate and a.gloo_when == "round":
+      cal = gloo_calibration.calibrate(reps=a.gloo_reps, k=4)
     order = layouts[r % len(layouts):] + layouts[:r % len(layouts)]
     row = {"round": r, "order": order, "calibration_load": cal and cal["load_avg_1m"], "layouts": {}}
     for lay in order:
       real = run_real(lay, a.steps, a.warmup_steps)
+      if not a.no_calibrate and a.gloo_when == "emulation":
+        # the collective curves this emulation prices its calls with, measured a minute before it
+        cal = gloo_calibration.calibrate(reps=a.gloo_reps, k=4, kinds=LAYOUT_KINDS.get(lay, gloo_calibration.KINDS))
+        row.setdefault("calibration_load_per_layout", {})[lay] = cal["load_avg_1m"]
       emu = run_emulated(lay, a.repeats, 2, exact_memory=(r == 0), colocated=2, replay=a.replay,
                          trace_nodes=a.trace_nodes)
       row["layouts"][lay] = {"real": real, "emulated": emu}
@@ -331,6 +341,8 @@ def _finish(rounds, layouts, a, t0, previous=None) -> int:
          # per round, emulated vs the real runs bracketing it; the median over rounds per layout, |.| averaged
          "mean_abs_paired_error_pct": mean_abs_paired,
          "target_pct": 2.0, "layouts": per, "rounds": len(rounds),
+         "gloo": (f"curves re-measured {'before each emulation' if getattr(a, 'gloo_when', 'round') == 'emulation' else 'once per round'}, "
+                  f"median of {getattr(a, 'gloo_reps', 5)}"),
          "flags": " ".join(f for f, on in (("--trace-nodes", getattr(a, "trace_nodes", False)),
                                            ("--replay", getattr(a, "replay", False)),
                                            ("--no-bracket", getattr(a, "no_bracket", False)),

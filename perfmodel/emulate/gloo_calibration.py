@@ -101,7 +101,7 @@ def _interleaved_medians(fns, args, reps: int) -> list:
   return [statistics.median(t) for t in ts]
 
 
-def _child(coord: str, pid: int, reps: int, k: int, burst_dim: int = 0) -> None:
+def _child(coord: str, pid: int, reps: int, k: int, burst_dim: int = 0, kinds: tuple = KINDS) -> None:
   mesh = _init_child(coord, pid)
   import jax  # noqa: PLC0415
   import jax.numpy as jnp  # noqa: PLC0415
@@ -125,7 +125,7 @@ def _child(coord: str, pid: int, reps: int, k: int, burst_dim: int = 0) -> None:
     return jax.jit(jax.shard_map(body, mesh=mesh, in_specs=spec, out_specs=spec, check_vma=False))
 
   out = {}
-  for kind in KINDS:
+  for kind in kinds:
     pts = []
     for size in SIZES:
       local = _local_elems(kind, size)
@@ -216,7 +216,12 @@ def replay(calls, reps: int = 5, timeout_s: float = 600.0) -> dict:
 
 
 def calibrate(path: str = DEFAULT_PATH, reps: int = 7, k: int = 8, timeout_s: float = 600.0,
-              burst_dim: int = BURST_DIM) -> dict:
+              burst_dim: int = BURST_DIM, kinds: tuple = KINDS) -> dict:
+  """Measures the curves of ``kinds`` and writes them to ``path``. Kinds not measured keep the curves already
+  stored there (so a quick re-measure of the kinds one program uses leaves the others as they were)."""
+  unknown = set(kinds) - set(KINDS)
+  if unknown or not kinds:
+    raise ValueError(f"gloo calibration: unknown collective kinds {sorted(unknown)}; known: {KINDS}")
   from parallelism.distributed import free_port  # noqa: PLC0415
   from perfmodel.emulate import localrun  # noqa: PLC0415
   cores = localrun.cores()
@@ -225,7 +230,7 @@ def calibrate(path: str = DEFAULT_PATH, reps: int = 7, k: int = 8, timeout_s: fl
   coord = f"127.0.0.1:{free_port()}"
   load0 = os.getloadavg()[0]
   cmds = [localrun.python("-m", "perfmodel.emulate.gloo_calibration", "--child", coord, str(i), str(reps), str(k),
-                          str(burst_dim)) for i in range(2)]
+                          str(burst_dim), ",".join(kinds)) for i in range(2)]
   done = localrun.run_pinned(cmds, cores[:2], timeout_s=timeout_s)
   if done.rc != [0, 0]:
     raise RuntimeError(f"gloo calibration failed rc={done.rc}: {done.stderr[0][-3000:]}{done.stderr[1][-2000:]}")
@@ -242,6 +247,12 @@ def calibrate(path: str = DEFAULT_PATH, reps: int = 7, k: int = 8, timeout_s: fl
                     f"median of {reps}"),
          "burst_dim": burst_dim,
          "n": 2, "load_avg_1m": [load0, os.getloadavg()[0]], "wall_s": done.wall_s}
+  if set(kinds) != set(KINDS) and os.path.exists(path):
+    with open(path) as f:
+      old = json.load(f)
+    for key in ("curves", "next_curves", "raw_with_collective_s", "raw_local_only_s"):
+      res[key] = {**{k_: v for k_, v in old.get(key, {}).items() if k_ not in kinds}, **res[key]}
+    res["source"] += f" (kinds {', '.join(kinds)}; the others from: {old.get('source', '?')})"
   os.makedirs(os.path.dirname(path), exist_ok=True)
   with open(path, "w") as f:
     json.dump(res, f, indent=1)
@@ -253,7 +264,8 @@ if __name__ == "__main__":
     _replay_child(sys.argv[2], int(sys.argv[3]), sys.argv[4])
   elif len(sys.argv) > 1 and sys.argv[1] == "--child":
     _child(sys.argv[2], int(sys.argv[3]), int(sys.argv[4]), int(sys.argv[5]),
-           int(sys.argv[6]) if len(sys.argv) > 6 else 0)
+           int(sys.argv[6]) if len(sys.argv) > 6 else 0,
+           tuple(sys.argv[7].split(",")) if len(sys.argv) > 7 else KINDS)
   else:
     r = calibrate()
     print(json.dumps({"curves": r["curves"], "next_curves": r["next_curves"], "load_avg_1m": r["load_avg_1m"], "wall_s": r["wall_s"]}))

@@ -185,3 +185,27 @@ def test_traced_node_times_split_the_measured_step():
   assert split(by_roof)[0] > 0.1  # roofline: the forward and backward passes come before the all-reduce
   before, after = split(traced)
   assert before == pytest.approx(0.0, abs=1e-9) and after == pytest.approx(1.0, rel=1e-6)
+
+
+def test_gloo_calibration_of_some_kinds_keeps_the_stored_curves_of_the_others(tmp_path, monkeypatch):
+  from perfmodel.emulate import localrun
+  path = tmp_path / "gloo.json"
+  path.write_text(json.dumps({k: {kind: [[1024.0, 9.0]] for kind in gloo_calibration.KINDS}
+                              for k in ("curves", "next_curves", "raw_with_collective_s", "raw_local_only_s")}
+                             | {"source": "before"}))
+  seen = {}
+
+  def fake_run(cmds, cores, timeout_s=0):
+    seen["kinds"] = cmds[0][-1]
+    raw = {kind: [[1024.0, 1.0, 2.0, 3.0, 4.0]] for kind in cmds[0][-1].split(",")}
+    return localrun.Done(rc=[0, 0], stdout=["@@" + json.dumps(raw), ""], stderr=["", ""], wall_s=1.0)
+  monkeypatch.setattr(localrun, "run_pinned", fake_run)
+  monkeypatch.setattr(localrun, "cores", lambda: [0, 1])
+  res = gloo_calibration.calibrate(str(path), reps=3, k=2, kinds=("all-reduce",))
+  assert seen["kinds"] == "all-reduce"
+  stored = json.loads(path.read_text())
+  assert stored["curves"]["all-reduce"] == [[1024.0, 1.0]] and stored["next_curves"]["all-reduce"] == [[1024.0, 4.0]]
+  assert stored["curves"]["collective-permute"] == [[1024.0, 9.0]]  # not re-measured: kept
+  assert "before" in res["source"]
+  with pytest.raises(ValueError, match="unknown collective kinds"):
+    gloo_calibration.calibrate(str(path), kinds=("all-to-all",))
