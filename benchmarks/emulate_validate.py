@@ -120,7 +120,7 @@ def run_real(layout: str, steps: int, warmup_steps: int) -> dict:
 
 
 def run_emulated(layout: str, repeats: int, warmup: int, exact_memory: bool, colocated: int = 2,
-                 replay: bool = False, trace_nodes: bool = False) -> dict:
+                 replay: bool = False, trace_nodes: bool = False, lockstep: bool = False) -> dict:
   from perfmodel.emulate import localrun  # noqa: PLC0415
   out = tempfile.mkdtemp(prefix=f"ev_emu_{layout}_")
   cmd = localrun.python("-m", "perfmodel.emulate", "--config", f"{CONFIG}:layout={layout}", "--hardware", "cpu",
@@ -132,6 +132,8 @@ def run_emulated(layout: str, repeats: int, warmup: int, exact_memory: bool, col
     cmd.append("--replay-collectives")
   if trace_nodes:
     cmd.append("--trace-nodes")
+  if lockstep:
+    cmd.append("--lockstep-shadows")
   load0 = os.getloadavg()[0]
   done = localrun.run_pinned([cmd], localrun.cores()[:1], timeout_s=900)
   if done.rc != [0]:
@@ -178,6 +180,8 @@ def aggregate(rounds: list, layouts: list, predict: bool = True, previous: Optio
     emu_med = statistics.median(x["iteration_time_s"] for x in emus)
     paired = [e["iteration_time_s"] / _bracket(x, y) - 1 for e, x, y in zip(emus, reals, afters)]
     before_only = [e["iteration_time_s"] / x["median"] - 1 for e, x in zip(emus, reals)]
+    frees = [rd["layouts"][lay].get("emulated_free") for rd in rounds]
+    free_paired = [100 * (f["iteration_time_s"] / _bracket(x, y) - 1) for f, x, y in zip(frees, reals, afters) if f]
     drift = [100 * (y["median"] / x["median"] - 1) for x, y in zip(reals, afters) if y]
     alone = [rd["layouts"][lay].get("emulated_alone") for rd in rounds]
     alone = [a_["iteration_time_s"] for a_ in alone if a_]
@@ -203,6 +207,8 @@ def aggregate(rounds: list, layouts: list, predict: bool = True, previous: Optio
         # per round: emulated vs the real run before it only (the design before bracketing), and how far the
         # real job moved between the run before and the run after the emulation (the drift bracketing removes)
         "paired_error_before_only_pct": [100 * p for p in before_only],
+        # with --lockstep: the same bracket's emulation with the shadow running back to back
+        "paired_error_free_shadow_pct": free_paired,
         "paired_error_median_pct": 100 * statistics.median(paired),
         "real_drift_across_emulation_pct": drift,
         "real_across_rounds_pct": across,
@@ -280,6 +286,8 @@ def main(argv=None) -> int:
                   help="compare each emulation with the real run before it only (no second real run after it)")
   ap.add_argument("--trace-nodes", action="store_true",
                   help="emulate with --trace-nodes (the measured step split by traced instruction times, not roofline)")
+  ap.add_argument("--lockstep", action="store_true",
+                  help="emulate with --lockstep-shadows (the peer's shadow starts each step with the measured rank)")
   ap.add_argument("--replay", action="store_true",
                   help="emulate with --replay-collectives (the program's own 2-rank calls timed between 2 gloo "
                        "processes); the curve-priced iteration is reported beside it")
@@ -309,8 +317,11 @@ def main(argv=None) -> int:
         cal = gloo_calibration.calibrate(reps=a.gloo_reps, k=4, kinds=LAYOUT_KINDS.get(lay, gloo_calibration.KINDS))
         row.setdefault("calibration_load_per_layout", {})[lay] = cal["load_avg_1m"]
       emu = run_emulated(lay, a.repeats, 2, exact_memory=(r == 0), colocated=2, replay=a.replay,
-                         trace_nodes=a.trace_nodes)
+                         trace_nodes=a.trace_nodes, lockstep=a.lockstep)
       row["layouts"][lay] = {"real": real, "emulated": emu}
+      if a.lockstep:  # side by side inside the same bracket: the shadow running back to back (the default)
+        row["layouts"][lay]["emulated_free"] = run_emulated(lay, a.repeats, 2, exact_memory=False, colocated=2,
+                                                            replay=a.replay, trace_nodes=a.trace_nodes)
       if not a.no_bracket:
         row["layouts"][lay]["real_after"] = run_real(lay, a.steps, a.warmup_steps)
       if not a.no_alone:
@@ -346,7 +357,8 @@ def _finish(rounds, layouts, a, t0, previous=None) -> int:
          "flags": " ".join(f for f, on in (("--trace-nodes", getattr(a, "trace_nodes", False)),
                                            ("--replay", getattr(a, "replay", False)),
                                            ("--no-bracket", getattr(a, "no_bracket", False)),
-                                           ("--no-alone", getattr(a, "no_alone", False))) if on),
+                                           ("--no-alone", getattr(a, "no_alone", False)),
+                                           ("--lockstep", getattr(a, "lockstep", False))) if on),
          "wall_s": time.perf_counter() - t0, "load_avg_1m_end": os.getloadavg()[0]}
   with open(a.json, "w") as f:
     json.dump({**out, "raw_rounds": rounds}, f, indent=1, default=str)
@@ -377,7 +389,9 @@ def _append(out: dict, a) -> None:
     cells.append(f"{lay}: real {v['real_s'] * 1e3:.1f} ms (noise p10-p90 {v['real_noise_p10_p90_pct']:.0f}%, across rounds "
                  f"{v['real_across_rounds_pct']:.0f}%, moved {_fmtl(v.get('real_drift_across_emulation_pct'))}% "
                  f"between the real runs around each emulation), emulate {v['emulated_s'] * 1e3:.1f} ms "
-                 f"({v['error_pct']:+.1f}%; per round vs the real runs around it {_fmtl(v['paired_error_pct'])}%; without the "
+                 f"({v['error_pct']:+.1f}%; per round vs the real runs around it {_fmtl(v['paired_error_pct'])}%"
+                 + (f", same rounds with the shadow back to back {_fmtl(v['paired_error_free_shadow_pct'])}%"
+                    if v.get("paired_error_free_shadow_pct") else "") + "; without the "
                  f"straggler wait {v['error_no_straggler_pct']:+.1f}%"
                  + (f", collectives priced by the curves {_fmtp(v['error_curves_pct'])}" if v.get("error_curves_pct")
                     is not None else "") + "), "

@@ -35,6 +35,9 @@ def parse(argv):
   p.add_argument("--trace-nodes", action="store_true",
                  help="split the rank's measured step over its instructions by their traced in-program times "
                       "(XLA TraceMe) instead of roofline shares: measured per-tick/per-segment timing")
+  p.add_argument("--lockstep-shadows", action="store_true",
+                 help="with --colocated N>1: each shadow starts a step when the measured rank does, instead of "
+                      "running steps back to back (co-located ranks leave each synchronising collective together)")
   p.add_argument("--exact-memory", action="store_true",
                  help="also compile the real N-device program on N virtual CPU devices (N <= 1024) for exact memory")
   args, rest = p.parse_known_args(argv)
@@ -87,7 +90,7 @@ def main(argv=None) -> int:
                          out_dir=args.out, repeats=args.repeats, warmup=args.warmup, execute=not args.compile_only,
                          exact_memory=(args.config, overrides) if args.exact_memory else None, notes=notes,
                          stragglers=not args.no_stragglers, replay_collectives=args.replay_collectives,
-                         trace_nodes=args.trace_nodes)
+                         trace_nodes=args.trace_nodes, lockstep_shadows=args.lockstep_shadows)
   print(json.dumps(res, default=str))
   return 0
 

@@ -88,7 +88,7 @@ def emulate(cfg: Config, ranks: Optional[Sequence[int]] = None, hardware: str = 
             exact_memory: Optional[tuple] = None, notes: Sequence[str] = (), algorithm: str = "auto",
             host_data: bool = True, combine: bool = True, gloo_calibration: Optional[str] = "auto",
             colocated: int = 1, stragglers: bool = True, replay_collectives: bool = False,
-            trace_nodes: bool = False) -> dict:
+            trace_nodes: bool = False, lockstep_shadows: bool = False) -> dict:
   """Emulates one training step of ``cfg`` (validated at its target mesh). ``ranks``: None = one per
   class of distinct programs; else these ranks run for real (plus one per class they leave uncovered).
   ``exact_memory``: (config_spec, overrides) to also compile the real N-device program for its
@@ -121,9 +121,11 @@ def emulate(cfg: Config, ranks: Optional[Sequence[int]] = None, hardware: str = 
     notes.append(f"{colocated} co-located ranks requested but only {len(shadow_cores)} other cores: "
                  f"{len(shadow_cores)} shadow processes")
   for r in to_run:
-    with (shadow.Shadows(cfg, r, shadow_cores) if shadow_cores else contextlib.nullcontext()):
+    with (shadow.Shadows(cfg, r, shadow_cores, lockstep=lockstep_shadows) if shadow_cores
+          else contextlib.nullcontext()) as shadows:
       runs[r] = measure.run_rank(prog, r, repeats=repeats, warmup=warmup, execute=execute, host_data=host_data,
-                                 trace_nodes=trace_nodes and execute)
+                                 trace_nodes=trace_nodes and execute,
+                                 before_step=shadows.step if shadows is not None and lockstep_shadows else None)
   branch_source = "counted (execution)" if execute else "none"
   if not execute and any(runs[r].n_cond_sites for r in to_run):
     traces, extra = shrunk_branch_traces(cfg, to_run, {r: runs[r].n_cond_sites for r in to_run})
@@ -206,6 +208,7 @@ def emulate(cfg: Config, ranks: Optional[Sequence[int]] = None, hardware: str = 
       "compute_split": ("traced in-program instruction times (XLA TraceMe)" if any(runs[r].node_times for r in to_run)
                         else "roofline shares of the measured step"),
       "colocated_ranks": colocated, "interference": (f"{len(shadow_cores)} shadow process(es) on cores {shadow_cores}"
+                                                     + (", in lockstep with the rank's steps" if lockstep_shadows else "")
                                                      if shadow_cores else "none (rank timed alone)"), "branch_trace_source": branch_source, "combine_collectives": combine,
       "notes": notes + ([] if execute else [
           "compile only: compute time is modelled (roofline of the target profile on the per-rank graph), not "

@@ -109,7 +109,7 @@ def _data_iterator(prog: rp.RankProgram, rank: int):
 
 def run_rank(prog: rp.RankProgram, rank: int, repeats: int = 5, warmup: int = 1, execute: bool = True,
              seed: int = 0, batch: Optional[tuple] = None, state=None, host_data: bool = True,
-             count: bool = True, trace_nodes: bool = False) -> RankRun:
+             count: bool = True, trace_nodes: bool = False, before_step=None) -> RankRun:
   """``trace_nodes``: after timing, run the step twice more under XLA's per-thunk TraceMe (needs
   ``perfmodel.trace_nodes.enable()`` before jax started) and keep each instruction's median in-program time."""
   compiled, interp, compile_s = compile_rank(prog, rank)
@@ -131,6 +131,8 @@ def run_rank(prog: rp.RankProgram, rank: int, repeats: int = 5, warmup: int = 1,
     dev = jax.devices()[0]
     cpu = []
     for i in range(warmup + repeats):
+      if before_step is not None:  # e.g. start the lockstep shadows' step with this one
+        before_step()
       c0, t0 = time.process_time(), time.perf_counter()
       if nxt is not None:
         inputs, targets = (jax.device_put(x, dev) for x in nxt())

@@ -14,7 +14,8 @@ nothing the emulation reads, and their collectives are the local stand-ins.
   with shadow.Shadows(cfg, rank=0, cores=[1]):   # returns once every shadow is compiled and stepping
     ... time the real rank on core 0 ...
 
-  python -m perfmodel.emulate.shadow CONFIG_JSON RANK CORE   # the child (reads nothing, stops when stdin closes)
+  python -m perfmodel.emulate.shadow CONFIG_JSON RANK CORE [--lockstep]   # the child (stops when stdin closes;
+                                                                           # --lockstep: one step per stdin line)
 """
 from __future__ import annotations
 
@@ -42,8 +43,12 @@ def colocated_cores(n_ranks_on_host: int) -> list:
 class Shadows:
   """Context manager: ``len(cores)`` shadow processes running ``rank``'s program, one per core."""
 
-  def __init__(self, cfg, rank: int, cores: Sequence[int], timeout_s: float = 600.0):
+  def __init__(self, cfg, rank: int, cores: Sequence[int], timeout_s: float = 600.0, lockstep: bool = False):
     self.cfg, self.rank, self.cores, self.timeout_s = cfg, rank, list(cores), timeout_s
+    # lockstep: each shadow runs one step per :meth:`step` call instead of back to back, so its step starts
+    # with the measured rank's (in the real job the ranks leave each synchronising collective together, and
+    # their memory-bound phases coincide)
+    self.lockstep = lockstep
     self.procs = []
     self.ready_s = None
 
@@ -56,7 +61,8 @@ class Shadows:
     try:
       for core in self.cores:
         self.procs.append(subprocess.Popen(
-            [sys.executable, "-m", "perfmodel.emulate.shadow", blob, str(self.rank), str(core)], env=env,
+            [sys.executable, "-m", "perfmodel.emulate.shadow", blob, str(self.rank), str(core)]
+            + (["--lockstep"] if self.lockstep else []), env=env,
             cwd=localrun._root(), stdin=subprocess.PIPE, stdout=subprocess.PIPE, stderr=subprocess.PIPE,  # noqa: SLF001
             text=True, start_new_session=True))
       for p in self.procs:
@@ -82,6 +88,14 @@ class Shadows:
       err = p.stderr.read()[-2000:] if p.poll() is not None else "(still compiling)"
       raise RuntimeError(f"shadow process for rank {self.rank} did not start within {self.timeout_s:.0f} s: {err}")
 
+  def step(self) -> None:
+    """Lockstep mode: starts one step in every shadow (a shadow still busy queues it)."""
+    if not self.lockstep:
+      return
+    for p in self.procs:
+      p.stdin.write("s\n")
+      p.stdin.flush()
+
   def _kill(self):
     for p in self.procs:
       if p.poll() is None:
@@ -100,7 +114,7 @@ class Shadows:
     return False
 
 
-def _child(blob: str, rank: int, core: int) -> None:
+def _child(blob: str, rank: int, core: int, lockstep: bool = False) -> None:
   os.sched_setaffinity(0, {core})  # before jax starts: its threads inherit the mask
   from framework import config as config_lib  # noqa: PLC0415
   from perfmodel.emulate import measure, rank_program as rp  # noqa: PLC0415
@@ -112,6 +126,11 @@ def _child(blob: str, rank: int, core: int) -> None:
   state, loss = compiled(state, inputs, targets)
   float(loss)
   print(READY, flush=True)
+  if lockstep:  # one step per line on stdin, until it closes
+    for _ in sys.stdin:
+      state, loss = compiled(state, inputs, targets)
+      float(loss)
+    return
   stop = threading.Event()
   threading.Thread(target=lambda: (sys.stdin.read(), stop.set()), daemon=True).start()
   while not stop.is_set():
@@ -120,4 +139,4 @@ def _child(blob: str, rank: int, core: int) -> None:
 
 
 if __name__ == "__main__":
-  _child(sys.argv[1], int(sys.argv[2]), int(sys.argv[3]))
+  _child(sys.argv[1], int(sys.argv[2]), int(sys.argv[3]), lockstep="--lockstep" in sys.argv[4:])

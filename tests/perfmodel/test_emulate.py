@@ -164,3 +164,35 @@ def test_shadow_peers_start_before_timing_and_are_gone_after(tmp_path):
   res = emulator.emulate(cfg, repeats=2, warmup=1, colocated=2)
   assert res["colocated_ranks"] == 2 and res["interference"].startswith("1 shadow process")
   assert res["iteration_time_s"] > 0
+
+
+def _cpu_s(pid: int) -> float:
+  import os
+  with open(f"/proc/{pid}/stat") as f:
+    fields = f.read().rsplit(")", 1)[1].split()
+  return (int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK")  # utime + stime
+
+
+@pytest.mark.multiprocess
+def test_lockstep_shadow_idles_until_the_measured_rank_starts_a_step():
+  import os
+  import time
+  from perfmodel.emulate import emulator, shadow
+  if (os.cpu_count() or 1) < 2:
+    pytest.skip("needs 2 cores: the shadow runs on the core the measuring process does not use")
+  cfg = _tiny({"data": 2})
+  with shadow.Shadows(cfg, rank=0, cores=shadow.colocated_cores(2), timeout_s=240, lockstep=True) as sh:
+    pid = sh.procs[0].pid
+    c0 = _cpu_s(pid)
+    time.sleep(1.0)
+    idle = _cpu_s(pid) - c0  # a back-to-back shadow burns ~1 s of CPU here
+    assert idle < 0.3, f"lockstep shadow used {idle:.2f} s CPU while no step was started"
+    c1 = _cpu_s(pid)
+    deadline = time.time() + 60
+    while _cpu_s(pid) - c1 < 0.2 and time.time() < deadline:
+      for _ in range(20):
+        sh.step()
+      time.sleep(0.2)
+    assert _cpu_s(pid) - c1 >= 0.2, "the shadow did not run the steps it was given"
+  res = emulator.emulate(cfg, repeats=2, warmup=1, colocated=2, lockstep_shadows=True)
+  assert "lockstep" in res["interference"] and res["iteration_time_s"] > 0
