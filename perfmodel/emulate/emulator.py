@@ -125,7 +125,7 @@ def emulate(cfg: Config, ranks: Optional[Sequence[int]] = None, hardware: str = 
           else contextlib.nullcontext()) as shadows:
       runs[r] = measure.run_rank(prog, r, repeats=repeats, warmup=warmup, execute=execute, host_data=host_data,
                                  trace_nodes=trace_nodes and execute,
-                                 before_step=shadows.step if shadows is not None and lockstep_shadows else None)
+                                 before_step=shadows.step if shadows is not None else None)  # no-op unless lockstep
   branch_source = "counted (execution)" if execute else "none"
   if not execute and any(runs[r].n_cond_sites for r in to_run):
     traces, extra = shrunk_branch_traces(cfg, to_run, {r: runs[r].n_cond_sites for r in to_run})
