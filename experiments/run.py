@@ -40,6 +40,8 @@ def main(argv=None) -> int:
     fwd = [a for a in (sys.argv[1:] if argv is None else argv)]
     fwd = _strip(fwd, "--processes")
     return launch_local(fwd, args.processes, args.host_devices)
+  from framework import host_memory  # noqa: PLC0415 - before jax starts its threads (see the module)
+  host_memory.apply()
   if "XLA_FLAGS" not in os.environ or "device_count" not in os.environ["XLA_FLAGS"]:
     os.environ["XLA_FLAGS"] = (os.environ.get("XLA_FLAGS", "") +
                                f" --xla_force_host_platform_device_count={args.host_devices}").strip()

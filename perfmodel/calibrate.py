@@ -30,7 +30,6 @@ def run(quick: bool = False, out_path: str = None, nodes: bool = True, nodes_onl
     return _node_stage(quick, out_path)
   import jax
   import jax.numpy as jnp
-  import numpy as np
   from jax.sharding import NamedSharding, PartitionSpec as P
   reps = 3 if quick else 7
   dev = jax.devices()[0]
@@ -216,6 +215,8 @@ def _node_stage(quick: bool, prof_path: str = None) -> dict:
   cal["calibration_loo"] = [{k: (round(v, 6) if isinstance(v, float) else v) for k, v in c.items()}
                             for c in res["loo"]]
   cal["nodes_source"] = src
+  # the composition was fitted on step times taken in this allocator regime (framework/host_memory.py)
+  cal["regime"] = {**(cal.get("regime") or {}), "host_malloc": res["host_malloc"]}
   if ref:
     cal["speed_probe_ref_s"] = ref
     cal["speed_probe_source"] = (f"{src}: median of perfmodel.speed's probe timed around each calibration "

@@ -34,47 +34,45 @@ def _cfg(entry: dict, base: dict = None):
   return cfg.__class__(**{**cfg.__dict__, "name": entry["name"]})
 
 
-# XLA:CPU combines a program's temporaries into one buffer per execution, allocated with malloc. glibc serves
-# blocks above its largest dynamic mmap threshold (DEFAULT_MMAP_THRESHOLD_MAX, 32 MiB on 64-bit) with a fresh
-# mmap and unmaps them on free, so such a step page-faults its whole temp buffer every time: measured here,
-# minor faults per step = temp bytes / 4096 above 32 MiB and ~0 below, 0.4-0.5 ms of system time per MiB
-# (README, "fresh temp buffer"). Node traces do not see it as a node of its own.
+# XLA:CPU combines a program's temporaries into one buffer per execution, allocated with malloc. With glibc's
+# default settings, blocks above its largest dynamic mmap threshold (DEFAULT_MMAP_THRESHOLD_MAX, 32 MiB on 64-bit)
+# come from a fresh mmap and are unmapped on free, so such a step page-faults its whole temp buffer every time:
+# measured here, minor faults per step = temp bytes / 4096 above 32 MiB and ~0 below, 0.4-0.5 ms of system time
+# per MiB (README, "fresh temp buffer"). Node traces do not see it as a node of its own. The project's processes
+# switch this off (framework/host_memory.py); the fresh-temp term (g) prices it for profiles calibrated without.
 FRESH_ALLOC_THRESHOLD = 32 * 2 ** 20
 
 
 def keep_freed_memory() -> bool:
-  """Makes this process's malloc keep large freed blocks (no fresh mmap per step), so a program's temp buffer
-  is faulted in once, not at every step. True when glibc accepted it.
-
-  Why: calibration traces every instruction's in-program time, and with the default allocator the first
-  instructions to touch a fresh temp buffer carry its page faults (c_d160, 46 MiB: 11,900 faults and 16 ms
-  of a 83 ms step, measured). Which instruction pays them is an accident of the buffer layout, so those
-  node samples mislead the nearest-neighbour backend. Traced this way the samples are compute only, and the
-  faults are priced once per step by the composition's fresh-temp term (g), which is fitted on step times
-  measured with the default allocator (the child process of :func:`measure_steps`), like the real job."""
-  import ctypes  # noqa: PLC0415
-  try:
-    libc = ctypes.CDLL("libc.so.6")
-  except OSError:
-    return False
-  m_trim_threshold, m_mmap_threshold = -1, -3  # malloc.h
-  return bool(libc.mallopt(m_mmap_threshold, 1 << 30)) and bool(libc.mallopt(m_trim_threshold, (1 << 31) - 1))
+  """framework.host_memory.keep_freed_memory: calibration traces nodes with it, so no node sample carries the
+  page faults of a fresh temp buffer (c_d160, 46 MiB: 11,900 faults and 16 ms of a 83 ms step with the
+  default allocator, measured; which instruction pays them is an accident of the buffer layout)."""
+  from framework import host_memory  # noqa: PLC0415
+  return host_memory.keep_freed_memory()
 
 
-def fresh_bytes(temp_bytes: float, n_devices: int) -> float:
-  """Bytes a step page-faults afresh: each device's temp buffer when it is above the mmap threshold."""
-  return float(temp_bytes) * n_devices if temp_bytes > FRESH_ALLOC_THRESHOLD else 0.0
+def allocator_keeps(hw) -> bool:
+  """Whether ``hw``'s step times were calibrated with malloc keeping freed blocks (no per-step page faults)."""
+  regime = (getattr(hw, "calibration", None) or {}).get("regime") or {}
+  return regime.get("host_malloc") == "keep_freed"
+
+
+def fresh_bytes(temp_bytes: float, n_devices: int, keeps: bool = False) -> float:
+  """Bytes a step page-faults afresh: each device's temp buffer when it is above the mmap threshold, none
+  when malloc keeps freed blocks (``keeps``)."""
+  return float(temp_bytes) * n_devices if temp_bytes > FRESH_ALLOC_THRESHOLD and not keeps else 0.0
 
 
 def composition_features(g: graph_lib.ExecGraph, price, n_devices: int, region: str = None,
-                         temp_bytes: float = 0.0, hw=None) -> list:
+                         temp_bytes: float = 0.0, hw=None, keeps: bool = None) -> list:
   """Features of a step, in COEF_NAMES order:
   a: sum of node prices x N devices      b: node executions x N      c: N (per-step constant)
   e: collectives - with ``hw``, their modelled seconds (the profile's curves, x groups); else bytes x N
-  f: collective executions x N          g: fresh temp bytes (fresh_bytes)
+  f: collective executions x N          g: fresh temp bytes (fresh_bytes; ``keeps`` None: as ``hw`` was calibrated)
   h: bytes the priced nodes move x N (decode steps stream the weights and the KV cache; :func:`compose` splits
      it at the type's knee into h and i)."""
   from perfmodel import collectives  # noqa: PLC0415
+  keeps = allocator_keeps(hw) if keeps is None else keeps
   t, execs, cb, ce, nb = 0.0, 0, 0.0, 0, 0.0
   for n, k in g.walk(region):
     if n.collective is not None:
@@ -88,7 +86,7 @@ def composition_features(g: graph_lib.ExecGraph, price, n_devices: int, region: 
       nb += n.bytes * k
       execs += k
   return [t * n_devices, execs * n_devices, n_devices, cb, ce * n_devices,
-          0.0 if region else fresh_bytes(temp_bytes, n_devices), nb * n_devices]
+          0.0 if region else fresh_bytes(temp_bytes, n_devices, keeps), nb * n_devices]
 
 
 # Program types compose differently on this host (measured, see README): a single-device training step,
@@ -235,10 +233,12 @@ def measure_steps(path: str, reps: int = 7, entries: list = None, infer: bool = 
   out = {}
   for entry in (entries if entries is not None else suite.CALIBRATION):
     m, _ = _measure_train_entry(_cfg(entry), reps, probe)
-    out[entry["name"]] = {"measured_s": m["measured_s"], "noise_pct": m["noise_pct"], "probe_s": m["probe_s"]}
+    out[entry["name"]] = {"measured_s": m["measured_s"], "noise_pct": m["noise_pct"], "probe_s": m["probe_s"],
+                          "host_malloc": host_memory_state()}
   for entry in (suite.CALIBRATION_INFER if infer else []):
     m, _ = _measure_infer_entry(validate_cfg(_cfg_infer(entry), 1), entry, reps, probe)
-    out[entry["name"]] = {"measured_s": m["measured_s"], "noise_pct": m["noise_pct"], "probe_s": m["probe_s"]}
+    out[entry["name"]] = {"measured_s": m["measured_s"], "noise_pct": m["noise_pct"], "probe_s": m["probe_s"],
+                          "host_malloc": host_memory_state()}
   with open(path, "w") as f:
     json.dump(out, f)
   return out
@@ -250,8 +250,12 @@ def run(hw, reps: int = 7, trace_reps: int = 3, entries: list = None, log=print,
   times measured here for the composition fit (node samples are always traced here)."""
   from perfmodel.validate import train_runner
   entries = entries if entries is not None else suite.CALIBRATION
-  if step_times:  # step times come from the child (default allocator): trace compute without page faults
-    log(f"calibrate: malloc keeps freed blocks while tracing (no per-step page faults): {keep_freed_memory()}")
+  # Node samples are traced with malloc keeping freed blocks (compute only, no fresh-buffer page faults).
+  log(f"calibrate: malloc keeps freed blocks while tracing (no per-step page faults): {keep_freed_memory()}")
+  # The step times' allocator regime decides whether the fresh-temp term (g) has anything to fit: the child of
+  # measure_steps records its own; steps timed here share this process's.
+  keeps = (all(v.get("host_malloc") == "keep_freed" for v in step_times.values()) if step_times
+           else host_memory_state() == "keep_freed")
   samples, programs = [], []
   phys = costs.Calibrated(hw)
   for entry in entries:
@@ -293,7 +297,7 @@ def run(hw, reps: int = 7, trace_reps: int = 3, entries: list = None, log=print,
     for p in programs:
       model = learned.Learned(hw, k=k, samples=[s for s in samples if s["prog"] != p["name"]])
       f = composition_features(p["graph"], lambda n: model.price(n).seconds, p["n"], p.get("region"),
-                               p.get("temp", 0.0), hw=hw)
+                               p.get("temp", 0.0), hw=hw, keeps=keeps)
       if p.get("region"):
         f[2] = 0.0
       rows.append(f)
@@ -309,11 +313,19 @@ def run(hw, reps: int = 7, trace_reps: int = 3, entries: list = None, log=print,
     log(f"  LOO {c['name']:>18}: measured {c['measured_s'] * 1e3:8.2f} ms predicted {c['predicted_s'] * 1e3:8.2f} ms "
         f"err {c['err_pct']:+6.1f}%")
   return {"samples": samples, "composition": coef, "loo": cv, "learned_k": k_best, "loo_mape": mape,
-          "noise_pct_median": float(statistics.median(p["noise"] for p in programs))}
+          "noise_pct_median": float(statistics.median(p["noise"] for p in programs)),
+          "host_malloc": "keep_freed" if keeps else "default"}
+
+
+def host_memory_state() -> str:
+  from framework import host_memory  # noqa: PLC0415
+  return host_memory.state()
 
 
 if __name__ == "__main__":
   if len(sys.argv) == 3 and sys.argv[1] == "--measure-steps":
+    from framework import host_memory
+    host_memory.apply()  # as the real job (experiments.run) does, before jax starts
     measure_steps(sys.argv[2])
     sys.exit(0)
   sys.exit("run via `python -m perfmodel calibrate`")

@@ -75,7 +75,9 @@ def _regime(a, trace: bool = True):
   """The measurement regime (perfmodel/bench.py): one pinned core, single-threaded XLA, CPU-time clock.
   Set before jax starts; calibration and validation must share it so predictions and measurements are in
   the same units. TraceMe is compiled in for both (calibration reads it; validation keeps the same code)."""
+  from framework import host_memory
   from perfmodel import bench, trace_nodes
+  host_memory.apply()  # the real job's allocator regime (experiments.run applies it too)
   if trace:
     trace_nodes.enable()
   if not a.no_pin:

@@ -70,6 +70,8 @@ def _colocated(spec: str, n: int, hardware: str, local_hardware: str) -> int:
 
 def main(argv=None) -> int:
   args, overrides = parse(sys.argv[1:] if argv is None else argv)
+  from framework import host_memory  # noqa: PLC0415
+  host_memory.apply()  # the real job's allocator regime (experiments.run applies it too), before jax starts
   if args.trace_nodes:
     from perfmodel import trace_nodes  # noqa: PLC0415
     trace_nodes.enable()  # XLA reads its flags when the backend starts: before anything touches a device

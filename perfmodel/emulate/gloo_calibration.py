@@ -260,6 +260,8 @@ def calibrate(path: str = DEFAULT_PATH, reps: int = 7, k: int = 8, timeout_s: fl
 
 
 if __name__ == "__main__":
+  from framework import host_memory
+  host_memory.apply()  # the real job's allocator regime (experiments.run applies it too)
   if len(sys.argv) > 1 and sys.argv[1] == "--replay":
     _replay_child(sys.argv[2], int(sys.argv[3]), sys.argv[4])
   elif len(sys.argv) > 1 and sys.argv[1] == "--child":

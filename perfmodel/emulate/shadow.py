@@ -139,4 +139,6 @@ def _child(blob: str, rank: int, core: int, lockstep: bool = False) -> None:
 
 
 if __name__ == "__main__":
+  from framework import host_memory
+  host_memory.apply()  # the regime of the rank it stands beside
   _child(sys.argv[1], int(sys.argv[2]), int(sys.argv[3]), lockstep="--lockstep" in sys.argv[4:])
