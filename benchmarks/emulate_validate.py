@@ -44,6 +44,8 @@ CONFIG = "experiments/configs/emulate_validate.py"
 # ------------------------------------------------------------------ real-run child
 def child_real(spec: str, workdir: str, coord: str, pid: int, steps: int) -> None:
   """One process of the real job: experiments.run's own code path, plus the compiled step's memory."""
+  from framework import host_memory  # noqa: PLC0415
+  host_memory.apply()  # what run.main does first; here before jax is imported (framework/host_memory.py)
   import jax  # noqa: PLC0415
   from framework import config_file, data as data_lib  # noqa: PLC0415
   from parallelism import step as step_lib  # noqa: PLC0415
