@@ -17,6 +17,8 @@ import os
 import statistics
 import time
 
+from framework import host_memory
+
 PIN_ENV = "PERFMODEL_PIN_CORE"  # set by pin(): the core this process is confined to
 
 
@@ -58,12 +60,7 @@ def regime() -> dict:
   return {"pinned_core": sorted(os.sched_getaffinity(0))[0] if pinned() else None,
           "allowed_cores": len(os.sched_getaffinity(0)),
           "xla_multi_thread_eigen": "--xla_cpu_multi_thread_eigen=false" not in os.environ.get("XLA_FLAGS", ""),
-          "load_avg_1m": os.getloadavg()[0], "host_malloc": _host_malloc()}
-
-
-def _host_malloc() -> str:
-  from framework import host_memory  # noqa: PLC0415
-  return host_memory.state()
+          "load_avg_1m": os.getloadavg()[0], "host_malloc": host_memory.state()}
 
 
 def _stats(ts: list) -> dict:

@@ -23,6 +23,7 @@ import sys
 
 import numpy as np
 
+from framework import host_memory
 from framework.config import from_dict, validate as validate_cfg
 from perfmodel import bench, capture, costs, graph as graph_lib, learned, suite, trace_nodes
 
@@ -41,14 +42,6 @@ def _cfg(entry: dict, base: dict = None):
 # per MiB (README, "fresh temp buffer"). Node traces do not see it as a node of its own. The project's processes
 # switch this off (framework/host_memory.py); the fresh-temp term (g) prices it for profiles calibrated without.
 FRESH_ALLOC_THRESHOLD = 32 * 2 ** 20
-
-
-def keep_freed_memory() -> bool:
-  """framework.host_memory.keep_freed_memory: calibration traces nodes with it, so no node sample carries the
-  page faults of a fresh temp buffer (c_d160, 46 MiB: 11,900 faults and 16 ms of a 83 ms step with the
-  default allocator, measured; which instruction pays them is an accident of the buffer layout)."""
-  from framework import host_memory  # noqa: PLC0415
-  return host_memory.keep_freed_memory()
 
 
 def allocator_keeps(hw) -> bool:
@@ -234,11 +227,11 @@ def measure_steps(path: str, reps: int = 7, entries: list = None, infer: bool = 
   for entry in (entries if entries is not None else suite.CALIBRATION):
     m, _ = _measure_train_entry(_cfg(entry), reps, probe)
     out[entry["name"]] = {"measured_s": m["measured_s"], "noise_pct": m["noise_pct"], "probe_s": m["probe_s"],
-                          "host_malloc": host_memory_state()}
+                          "host_malloc": host_memory.state()}
   for entry in (suite.CALIBRATION_INFER if infer else []):
     m, _ = _measure_infer_entry(validate_cfg(_cfg_infer(entry), 1), entry, reps, probe)
     out[entry["name"]] = {"measured_s": m["measured_s"], "noise_pct": m["noise_pct"], "probe_s": m["probe_s"],
-                          "host_malloc": host_memory_state()}
+                          "host_malloc": host_memory.state()}
   with open(path, "w") as f:
     json.dump(out, f)
   return out
@@ -250,12 +243,15 @@ def run(hw, reps: int = 7, trace_reps: int = 3, entries: list = None, log=print,
   times measured here for the composition fit (node samples are always traced here)."""
   from perfmodel.validate import train_runner
   entries = entries if entries is not None else suite.CALIBRATION
-  # Node samples are traced with malloc keeping freed blocks (compute only, no fresh-buffer page faults).
-  log(f"calibrate: malloc keeps freed blocks while tracing (no per-step page faults): {keep_freed_memory()}")
+  # Node samples are traced with malloc keeping freed blocks, so no sample carries the page faults of a fresh
+  # temp buffer (c_d160, 46 MiB: 11,900 faults and 16 ms of a 83 ms step with the default allocator, measured;
+  # which instruction pays them is an accident of the buffer layout).
+  log("calibrate: malloc keeps freed blocks while tracing (no per-step page faults): "
+      f"{host_memory.keep_freed_memory()}")
   # The step times' allocator regime decides whether the fresh-temp term (g) has anything to fit: the child of
   # measure_steps records its own; steps timed here share this process's.
   keeps = (all(v.get("host_malloc") == "keep_freed" for v in step_times.values()) if step_times
-           else host_memory_state() == "keep_freed")
+           else host_memory.state() == "keep_freed")
   samples, programs = [], []
   phys = costs.Calibrated(hw)
   for entry in entries:
@@ -317,14 +313,8 @@ def run(hw, reps: int = 7, trace_reps: int = 3, entries: list = None, log=print,
           "host_malloc": "keep_freed" if keeps else "default"}
 
 
-def host_memory_state() -> str:
-  from framework import host_memory  # noqa: PLC0415
-  return host_memory.state()
-
-
 if __name__ == "__main__":
   if len(sys.argv) == 3 and sys.argv[1] == "--measure-steps":
-    from framework import host_memory
     host_memory.apply()  # as the real job (experiments.run) does, before jax starts
     measure_steps(sys.argv[2])
     sys.exit(0)
