@@ -91,6 +91,39 @@ def time_fn(fn, *args, reps: int = 7, warmup: int = 2, min_time: float = 0.0, ma
   return out
 
 
+def time_slope(fn1, fn2, x1: float, x2: float, reps: int = 9, block: int = 4, min_time: float = 0.0,
+               max_reps: int = 200) -> dict:
+  """The per-unit cost (t(fn2) - t(fn1)) / (x2 - x1), e.g. the time per output token of a sampler run at two
+  generation lengths. Timed in alternating blocks: per round, fn1 then fn2 each run once untimed and ``block``
+  times timed; one slope per round from the two blocks' medians; stats over rounds (same layout as time_fn).
+
+  Why blocks: a slope is the difference of two close numbers. Timing all fn1 calls and then all fn2 calls lets
+  the host's drift between the two lands in the difference (decode TPOT moved 10-25% between runs that way).
+  Why not single alternating calls: the first call after switching programs is measured 1.3-2.2 ms slower here
+  (decode_b4: 6.0-7.0 vs 4.7-4.8 ms), which is not the steady-state cost per token."""
+  import jax
+  wall, cpu = [], []
+  t_start = time.perf_counter()
+  while len(wall) < reps or (time.perf_counter() - t_start < min_time and len(wall) < max_reps):
+    meds_w, meds_c = [], []
+    for fn in (fn1, fn2):
+      jax.block_until_ready(fn())
+      ws, cs = [], []
+      for _ in range(block):
+        c, t = time.process_time(), time.perf_counter()
+        jax.block_until_ready(fn())
+        ws.append(time.perf_counter() - t)
+        cs.append(time.process_time() - c)
+      meds_w.append(statistics.median(ws))
+      meds_c.append(statistics.median(cs))
+    wall.append((meds_w[1] - meds_w[0]) / (x2 - x1))
+    cpu.append((meds_c[1] - meds_c[0]) / (x2 - x1))
+  out = _stats(wall)
+  out["cpu"] = _stats(cpu)
+  out["clock"] = "wall"
+  return out
+
+
 def seconds(r: dict, clock: str = "auto") -> float:
   """The median of a time_fn result in the regime's clock: CPU time when pinned (auto), else wall."""
   if clock == "auto":

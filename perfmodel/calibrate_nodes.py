@@ -186,21 +186,18 @@ def _coef(x) -> dict:
 
 def _infer_program(entry, hw, phys, samples, reps, trace_reps, log) -> dict:
   """A calibration decode program: TPOT = slope of two generation lengths; nodes traced at the longer one."""
-  from perfmodel.validate import decode_loop, infer_runner
+  from perfmodel.validate import TPOT_MIN_TIME_S, decode_loop, infer_runner
   cfg = validate_cfg(_cfg_infer(entry), 1)
   g1, g2 = entry["gen_lens"]
   run1, _ = infer_runner(cfg, entry["batch"], entry["prompt_len"], g1)
-  r1 = bench.time_fn(run1, reps=reps)
   run2, cap = infer_runner(cfg, entry["batch"], entry["prompt_len"], g2)
-  r2 = bench.time_fn(run2, reps=reps)
+  r = bench.time_slope(run1, run2, g1, g2, reps=reps, min_time=TPOT_MIN_TIME_S)
   g = graph_lib.from_hlo_text(cap.hlo_text, 1)
   loop = decode_loop(g, g2)
   traced = trace_nodes.traced_times(run2, reps=trace_reps, names={n.name for n, _ in g.walk()})
   new = _node_samples(g, traced, entry["name"], phys)
   samples.extend(new)
-  tpot = (bench.seconds(r2) - bench.seconds(r1)) / (g2 - g1)
-  noise = max(bench.spread_pct(bench.view(r1)), bench.spread_pct(bench.view(r2))) * bench.seconds(r2) / max(
-      1e-12, bench.seconds(r2) - bench.seconds(r1))
+  tpot, noise = bench.seconds(r), bench.spread_pct(bench.view(r))
   log(f"calibrate {entry['name']:>18}: {len(new)} nodes traced, TPOT {tpot * 1e3:.3f} ms (±{noise:.1f}%)")
   return {"name": entry["name"], "graph": g, "n": 1, "measured": tpot, "noise": noise,
           "region": loop.body if loop else None}

@@ -74,6 +74,10 @@ def measure_train(cap, cfg, reps: int) -> dict:
   return bench.time_fn(train_runner(cap, cfg), reps=reps, warmup=2, min_time=1.0)
 
 
+# seconds per TPOT round: a slope over 48 tokens from >= 9 block pairs repeats within +-2-5% on this host
+TPOT_MIN_TIME_S = 2.0
+
+
 def infer_runner(cfg, batch, prompt_len, gen_len):
   """(run, cap): run() blocks on one real call of the compiled KV-cached sampler."""
   import jax
@@ -86,11 +90,6 @@ def infer_runner(cfg, batch, prompt_len, gen_len):
   prompt = jnp.zeros((batch, prompt_len), jnp.int32)
   key = jax.random.key(0)
   return (lambda: jax.block_until_ready(compiled(params, prompt, key))), cap
-
-
-def measure_infer(cfg, batch, prompt_len, gen_len, reps) -> dict:
-  run, cap = infer_runner(cfg, batch, prompt_len, gen_len)
-  return bench.time_fn(run, reps=reps, min_time=1.0), cap
 
 
 def decode_loop(g, gen_len: int):
@@ -115,17 +114,19 @@ def _measure_train_entry(cfg, reps, probe=None):
 
 
 def _measure_infer_entry(cfg, entry, reps, probe=None):
+  """TPOT = slope of the sampler's time over two generation lengths, timed in alternating blocks
+  (bench.time_slope); noise = the larger of the slopes' spread and the half drift between two rounds."""
   g1, g2 = entry["gen_lens"]
+  run1, _ = infer_runner(cfg, entry["batch"], entry["prompt_len"], g1)
+  run2, cap2 = infer_runner(cfg, entry["batch"], entry["prompt_len"], g2)
 
-  def both():
-    m1, _ = measure_infer(cfg, entry["batch"], entry["prompt_len"], g1, reps)
-    m2, cap2 = measure_infer(cfg, entry["batch"], entry["prompt_len"], g2, reps)
-    return m1, m2, cap2
-  (m1, m2, cap2), probe_s = probe.around(both) if probe else (both(), None)
-  tpot = (bench.seconds(m2) - bench.seconds(m1)) / (g2 - g1)
-  noise = (max(bench.spread_pct(bench.view(m1)), bench.spread_pct(bench.view(m2))) * bench.seconds(m2)
-           / max(1e-12, bench.seconds(m2) - bench.seconds(m1)))
-  return {"measured_s": tpot, "noise_pct": noise, "probe_s": probe_s}, cap2
+  def rounds():
+    return [bench.time_slope(run1, run2, g1, g2, reps=reps, min_time=TPOT_MIN_TIME_S) for _ in range(2)]
+  (r1, r2), probe_s = probe.around(rounds) if probe else (rounds(), None)
+  s1, s2 = bench.seconds(r1), bench.seconds(r2)
+  tpot = (s1 + s2) / 2
+  noise = max(bench.spread_pct(bench.view(r1)), bench.spread_pct(bench.view(r2)), 50 * abs(s1 - s2) / tpot)
+  return {"measured_s": tpot, "noise_pct": noise, "rounds_s": [s1, s2], "probe_s": probe_s}, cap2
 
 
 def _clock(cache: dict, pinned_now: bool) -> str:

@@ -210,3 +210,29 @@ def test_decode_bytes_are_priced_piecewise_and_the_knee_is_recovered_by_leave_on
   assert coef["h"] == pytest.approx(2.5e-11, rel=1e-3) and coef["i"] == pytest.approx(5e-11, rel=1e-3)
   # a profile fitted before the split (no knee) prices all bytes by h, as it did
   assert cn.compose({"decode": {"h": 3e-11}}, rows[-1], "decode") == pytest.approx(3e-11 * rows[-1][6])
+
+
+def test_time_slope_measures_the_per_unit_cost_without_the_program_switch_penalty():
+  """TPOT = slope over two generation lengths. The first call after switching programs pays extra (cold caches:
+  1.3-2.2 ms on decode_b4); time_slope's blocks drop it, so the slope is the steady-state per-unit cost."""
+  import time
+  from perfmodel import bench
+  state = {"last": None}
+
+  def spin(seconds):
+    c = time.process_time()
+    while time.process_time() - c < seconds:
+      pass
+
+  def make(units):
+    def fn():
+      if state["last"] != units:  # a switch: 4 ms penalty, larger than the 2 ms slope itself
+        spin(4e-3)
+      state["last"] = units
+      spin(units * 0.5e-3)
+      return units
+    return fn
+
+  r = bench.time_slope(make(2), make(6), 2, 6, reps=3, block=3)
+  assert r["cpu"]["n"] == 3 and r["clock"] == "wall"
+  assert bench.view(r, "cpu")["median"] == pytest.approx(0.5e-3, rel=0.2)
