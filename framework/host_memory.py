@@ -4,7 +4,7 @@ Why: XLA:CPU allocates each execution's temporaries as one buffer with ``malloc`
 ends. glibc serves a block above its dynamic mmap threshold (at most 32 MiB on 64-bit) with a fresh ``mmap``,
 and a thread's own arena cannot grow past 64 MiB, so a step whose temporaries exceed 32 MiB gets new pages
 every step and the kernel faults and zeroes every one of them. Measured on the 2-core VM
-(``benchmarks/host_allocator.py``, a fresh process per measurement, median of 3 paired rounds): deep4 (43 MiB
+(``benchmarks/host_regime.py``, a fresh process per measurement, median of 3 paired rounds): deep4 (43 MiB
 of temporaries) 79.0 -> 62.6 ms per step (0.80x), seq128 (55 MiB) 96.5 -> 77.7 ms (0.81x), batch32 (95 MiB)
 166.7 -> 136.7 ms (0.82x), 10,900-24,200 -> 0 faults per step; base (26 MiB) unchanged. The fault cost also
 moves with the hypervisor's state, independently of compute speed, which made it the noisiest part of a CPU

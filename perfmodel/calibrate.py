@@ -160,21 +160,40 @@ def run(quick: bool = False, out_path: str = None, nodes: bool = True, nodes_onl
 
 
 def _step_times_child(quick: bool) -> dict:
-  """Calibration programs' step times measured by validate's code in a fresh process (same pinned core,
-  same XLA flags: it inherits this process's affinity and environment). See calibrate_nodes.measure_steps."""
+  """Calibration programs' step times measured by validate's code in fresh processes, one per device count,
+  each with exactly that many virtual devices (validate.measure_isolated; same pinned core and XLA flags).
+  See calibrate_nodes.measure_steps."""
+  if quick:
+    return None
+  from perfmodel import calibrate_nodes, suite  # noqa: PLC0415
+  from perfmodel.validate import measure_isolated  # noqa: PLC0415
+  groups = {}
+  for entry in suite.CALIBRATION:
+    groups.setdefault(calibrate_nodes.devices_of(entry), []).append(entry["name"])
+  groups.setdefault(1, []).extend(e["name"] for e in suite.CALIBRATION_INFER)
+  out = {}
+  for n, names in sorted(groups.items()):
+    out.update(measure_isolated(None, names, n, reps=7, probe=True, module="perfmodel.calibrate_nodes"))
+  return out
+
+
+def _trace_child(prof_path: str) -> dict:
+  """Node samples of the one-device calibration programs, traced in a fresh process with exactly one virtual
+  device (calibrate_nodes.trace_programs)."""
   import subprocess  # noqa: PLC0415
   import sys  # noqa: PLC0415
   import tempfile  # noqa: PLC0415
-  if quick:
-    return None
   root = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
   env = dict(os.environ, PYTHONPATH=root + os.pathsep + os.environ.get("PYTHONPATH", ""))
+  flags = [f for f in env.get("XLA_FLAGS", "").split() if not f.startswith("--xla_force_host_platform_device_count")]
+  env["XLA_FLAGS"] = " ".join(flags + ["--xla_force_host_platform_device_count=1"])
   with tempfile.TemporaryDirectory() as d:
-    out = os.path.join(d, "steps.json")
-    p = subprocess.run([sys.executable, "-m", "perfmodel.calibrate_nodes", "--measure-steps", out], env=env,
-                       cwd=root, capture_output=True, text=True, timeout=1800)
+    out = os.path.join(d, "traced.json")
+    p = subprocess.run([sys.executable, "-m", "perfmodel.calibrate_nodes", "--trace-child", out,
+                        json.dumps({"profile": os.path.abspath(prof_path), "trace_reps": 2})],
+                       env=env, cwd=root, capture_output=True, text=True, timeout=3600)
     if p.returncode != 0:
-      raise RuntimeError(f"calibration step-time child failed: {p.stderr[-2000:]}")
+      raise RuntimeError(f"calibration trace child failed: {p.stderr[-2000:]}")
     with open(out) as f:
       return json.load(f)
 
@@ -196,13 +215,22 @@ def _node_stage(quick: bool, prof_path: str = None) -> dict:
   if step_times:
     # Host speed drifts during the run (perfmodel/speed.py): every program's step is taken at the run's
     # median probe speed, which becomes the profile's reference speed.
+    # The probe is a one-device step timed in each measuring child, so it carries that child's device count
+    # (the same step is slower with more idle virtual devices): one reference per device count.
     from perfmodel import speed  # noqa: PLC0415
-    ref = speed.reference([v["probe_s"] for v in step_times.values() if v.get("probe_s")])
+    refs = {}
+    for v in step_times.values():
+      if v.get("probe_s"):
+        refs.setdefault(v.get("host_devices", 1), []).append(v["probe_s"])
+    refs = {n: speed.reference(ps) for n, ps in refs.items()}
+    ref = refs.get(1)
     for v in step_times.values():
       v["measured_raw_s"] = v["measured_s"]
-      v["measured_s"] = speed.normalise(v["measured_s"], v.get("probe_s"), ref)
+      v["measured_s"] = speed.normalise(v["measured_s"], v.get("probe_s"), refs.get(v.get("host_devices", 1)))
+  traced = _trace_child(prof_path) if step_times else None
   res = calibrate_nodes.run(hw, reps=3 if quick else 5, trace_reps=2, entries=None,
-                            log=lambda m: print(m, file=sys.stderr, flush=True), step_times=step_times)
+                            log=lambda m: print(m, file=sys.stderr, flush=True), step_times=step_times,
+                            traced=traced)
   spath = learned.samples_path(hw.name)
   os.makedirs(os.path.dirname(spath), exist_ok=True)
   with open(spath, "w") as f:
@@ -219,6 +247,7 @@ def _node_stage(quick: bool, prof_path: str = None) -> dict:
   cal["regime"] = {**(cal.get("regime") or {}), "host_malloc": res["host_malloc"]}
   if ref:
     cal["speed_probe_ref_s"] = ref
+    cal["speed_probe_ref_by_devices"] = {str(n): r for n, r in sorted(refs.items())}
     cal["speed_probe_source"] = (f"{src}: median of perfmodel.speed's probe timed around each calibration "
                                  f"program ({len(step_times)} programs, probe "
                                  f"{min(v['probe_s'] for v in step_times.values()) * 1e3:.2f}-"

@@ -184,23 +184,68 @@ def _coef(x) -> dict:
   return dict(zip(COEF_NAMES, (float(v) for v in x)))
 
 
-def _infer_program(entry, hw, phys, samples, reps, trace_reps, log) -> dict:
-  """A calibration decode program: TPOT = slope of two generation lengths; nodes traced at the longer one."""
+def _infer_program(entry, hw, phys, samples, reps, trace_reps, log, given_samples: list = None) -> dict:
+  """A calibration decode program: TPOT = slope of two generation lengths; nodes traced at the longer one
+  (here, or in a child: ``given_samples``; then the TPOT, too, comes from the child's measure_steps)."""
   from perfmodel.validate import TPOT_MIN_TIME_S, decode_loop, infer_runner
   cfg = validate_cfg(_cfg_infer(entry), 1)
   g1, g2 = entry["gen_lens"]
-  run1, _ = infer_runner(cfg, entry["batch"], entry["prompt_len"], g1)
-  run2, cap = infer_runner(cfg, entry["batch"], entry["prompt_len"], g2)
-  r = bench.time_slope(run1, run2, g1, g2, reps=reps, min_time=TPOT_MIN_TIME_S)
-  g = graph_lib.from_hlo_text(cap.hlo_text, 1)
-  loop = decode_loop(g, g2)
-  traced = trace_nodes.traced_times(run2, reps=trace_reps, names={n.name for n, _ in g.walk()})
-  new = _node_samples(g, traced, entry["name"], phys)
+  if given_samples is not None:
+    g = graph_lib.from_hlo_text(capture.sampler(cfg, entry["batch"], entry["prompt_len"], g2).hlo_text, 1)
+    new, tpot, noise = given_samples, float("nan"), float("nan")
+  else:
+    g, new = _trace_decode(entry, cfg, phys, trace_reps)
+    run1, _ = infer_runner(cfg, entry["batch"], entry["prompt_len"], g1)
+    run2, _ = infer_runner(cfg, entry["batch"], entry["prompt_len"], g2)
+    r = bench.time_slope(run1, run2, g1, g2, reps=reps, min_time=TPOT_MIN_TIME_S)
+    tpot, noise = bench.seconds(r), bench.spread_pct(bench.view(r))
+    log(f"calibrate {entry['name']:>18}: {len(new)} nodes traced, TPOT {tpot * 1e3:.3f} ms (±{noise:.1f}%)")
   samples.extend(new)
-  tpot, noise = bench.seconds(r), bench.spread_pct(bench.view(r))
-  log(f"calibrate {entry['name']:>18}: {len(new)} nodes traced, TPOT {tpot * 1e3:.3f} ms (±{noise:.1f}%)")
+  loop = decode_loop(g, g2)
   return {"name": entry["name"], "graph": g, "n": 1, "measured": tpot, "noise": noise,
           "region": loop.body if loop else None}
+
+
+def _trace_train(cfg, cap, hw, phys, trace_reps) -> tuple:
+  """(graph, node samples) of a compiled training step. Node samples come from single-device programs only:
+  with N virtual devices on one core, a sibling device's thread preempts a thunk mid-flight and its TraceMe
+  wall time overstates the work."""
+  from perfmodel.validate import train_runner  # noqa: PLC0415
+  g = graph_lib.from_hlo_text(cap.hlo_text, cap.n_devices)
+  _resolve_branches(g, cfg, hw)
+  if cap.n_devices != 1:
+    return g, []
+  run_fn = train_runner(cap, cfg)
+  for _ in range(2):
+    run_fn()
+  traced = trace_nodes.traced_times(run_fn, reps=trace_reps, names={n.name for n, _ in g.walk()})
+  return g, _node_samples(g, traced, cfg.name, phys)
+
+
+def _trace_decode(entry, cfg, phys, trace_reps) -> tuple:
+  from perfmodel.validate import infer_runner  # noqa: PLC0415
+  run2, cap = infer_runner(cfg, entry["batch"], entry["prompt_len"], entry["gen_lens"][1])
+  g = graph_lib.from_hlo_text(cap.hlo_text, 1)
+  traced = trace_nodes.traced_times(run2, reps=trace_reps, names={n.name for n, _ in g.walk()})
+  return g, _node_samples(g, traced, entry["name"], phys)
+
+
+def trace_programs(prof_path: str, trace_reps: int = 3) -> dict:
+  """{program: node samples} of every one-device calibration program (training and decode), traced in this
+  process: the child ``python -m perfmodel.calibrate_nodes --trace-child OUT JSON``, run with exactly one
+  virtual device as experiments.run runs a one-device config (with 8, the thunks hop between 8 XLA worker
+  threads and a one-device step costs 1.23-1.45x more)."""
+  from perfmodel import hardware  # noqa: PLC0415
+  hw = hardware.load(prof_path)
+  phys = costs.Calibrated(hw)
+  out = {}
+  for entry in suite.CALIBRATION:
+    if devices_of(entry) == 1:
+      cfg = _cfg(entry)
+      out[entry["name"]] = _trace_train(cfg, capture.train_step(cfg, keep_compiled=True), hw, phys, trace_reps)[1]
+  for entry in suite.CALIBRATION_INFER:
+    out[entry["name"]] = _trace_decode(entry, validate_cfg(_cfg_infer(entry), 1), phys, trace_reps)[1]
+  return out
 
 
 def _cfg_infer(entry):
@@ -209,35 +254,39 @@ def _cfg_infer(entry):
   return cfg.__class__(**{**cfg.__dict__, "name": entry["name"]})
 
 
-def measure_steps(path: str, reps: int = 7, entries: list = None, infer: bool = True) -> dict:
-  """Step times of the calibration programs measured by `validate`'s own code, in a process that does nothing
-  else (run as ``python -m perfmodel.calibrate_nodes --measure-steps PATH`` by calibrate).
+def devices_of(entry: dict) -> int:
+  return math.prod(_cfg(entry).mesh.sizes().values())
+
+
+def measure_steps(names: list, reps: int = 7, probe: bool = True) -> dict:
+  """Step times (TPOTs for decode programs) of the named calibration programs, measured by `validate`'s own
+  code in a process that does nothing else: the child of validate.measure_isolated, run per device count
+  (``python -m perfmodel.calibrate_nodes --measure-child OUT JSON``).
 
   Why a separate process: the same program measured inside `calibrate` (after micro-benchmarks and traced
   programs) ran faster than in `validate`'s process (c_d192_b12: 62 ms vs 70-72 ms, four fresh processes),
   and a composition fitted on the former under-predicted every validation config."""
-  import json  # noqa: PLC0415
   from perfmodel import speed  # noqa: PLC0415
   from perfmodel.validate import _measure_infer_entry, _measure_train_entry  # noqa: PLC0415
-  probe = speed.Probe()  # timed around every program: calibrate stores the median as the reference speed
+  prober = speed.Probe() if probe else None  # timed around every program: calibrate stores the median
+  train = {e["name"]: e for e in suite.CALIBRATION}
+  infer = {e["name"]: e for e in suite.CALIBRATION_INFER}
   out = {}
-  for entry in (entries if entries is not None else suite.CALIBRATION):
-    m, _ = _measure_train_entry(_cfg(entry), reps, probe)
-    out[entry["name"]] = {"measured_s": m["measured_s"], "noise_pct": m["noise_pct"], "probe_s": m["probe_s"],
-                          "host_malloc": host_memory.state()}
-  for entry in (suite.CALIBRATION_INFER if infer else []):
-    m, _ = _measure_infer_entry(validate_cfg(_cfg_infer(entry), 1), entry, reps, probe)
-    out[entry["name"]] = {"measured_s": m["measured_s"], "noise_pct": m["noise_pct"], "probe_s": m["probe_s"],
-                          "host_malloc": host_memory.state()}
-  with open(path, "w") as f:
-    json.dump(out, f)
+  for name in names:
+    if name in train:
+      m, _ = _measure_train_entry(_cfg(train[name]), reps, prober)
+    else:
+      m, _ = _measure_infer_entry(validate_cfg(_cfg_infer(infer[name]), 1), infer[name], reps, prober)
+    out[name] = {"measured_s": m["measured_s"], "noise_pct": m["noise_pct"], "probe_s": m["probe_s"],
+                 "host_malloc": host_memory.state()}
   return out
 
 
 def run(hw, reps: int = 7, trace_reps: int = 3, entries: list = None, log=print, infer: bool = True,
-        step_times: dict = None) -> dict:
+        step_times: dict = None, traced: dict = None) -> dict:
   """``step_times``: {program: {"measured_s", "noise_pct"}} from :func:`measure_steps`; they replace the step
-  times measured here for the composition fit (node samples are always traced here)."""
+  times measured here for the composition fit. ``traced``: {program: node samples} from :func:`trace_programs`
+  (traced in a one-device child); programs not in it are traced here."""
   from perfmodel.validate import train_runner
   entries = entries if entries is not None else suite.CALIBRATION
   # Node samples are traced with malloc keeping freed blocks, so no sample carries the page faults of a fresh
@@ -253,30 +302,28 @@ def run(hw, reps: int = 7, trace_reps: int = 3, entries: list = None, log=print,
   phys = costs.Calibrated(hw)
   for entry in entries:
     cfg = _cfg(entry)
-    cap = capture.train_step(cfg, keep_compiled=True)
-    g = graph_lib.from_hlo_text(cap.hlo_text, cap.n_devices)
-    _resolve_branches(g, cfg, hw)
-    run_fn = train_runner(cap, cfg)
     given = (step_times or {}).get(entry["name"])
-    if given:  # timed by the child process; only warm up before tracing
-      for _ in range(2):
-        run_fn()
-      measured, noise = given["measured_s"], given["noise_pct"]
+    if given and traced is not None and (entry["name"] in traced or devices_of(entry) > 1):
+      cap = capture.train_step(cfg)  # measured and traced in children: the graph is all that is needed here
+      g = graph_lib.from_hlo_text(cap.hlo_text, cap.n_devices)
+      _resolve_branches(g, cfg, hw)
+      measured, noise, new = given["measured_s"], given["noise_pct"], traced.get(entry["name"], [])
     else:
-      r = bench.time_fn(run_fn, reps=reps, warmup=2)
-      measured, noise = bench.seconds(r), bench.spread_pct(bench.view(r))
-    # Node samples come from single-device programs only: with N virtual devices on one core, a sibling
-    # device's thread preempts a thunk mid-flight and its TraceMe wall time overstates the work.
-    names = {n.name for n, _ in g.walk()}
-    traced = trace_nodes.traced_times(run_fn, reps=trace_reps, names=names) if cap.n_devices == 1 else {}
-    new = _node_samples(g, traced, entry["name"], phys)
+      cap = capture.train_step(cfg, keep_compiled=True)
+      g, new = _trace_train(cfg, cap, hw, phys, trace_reps)
+      if given:
+        measured, noise = given["measured_s"], given["noise_pct"]
+      else:
+        r = bench.time_fn(train_runner(cap, cfg), reps=reps, warmup=2)
+        measured, noise = bench.seconds(r), bench.spread_pct(bench.view(r))
     samples.extend(new)
     programs.append({"name": entry["name"], "graph": g, "n": cap.n_devices, "measured": measured,
                      "noise": noise, "temp": cap.memory["temp_size_in_bytes"]})
     log(f"calibrate {entry['name']:>18}: {len(new)} nodes traced, step {measured * 1e3:.2f} ms "
         f"(±{programs[-1]['noise']:.1f}%, {cap.n_devices} dev)")
   for entry in (suite.CALIBRATION_INFER if infer else []):
-    programs.append(_infer_program(entry, hw, phys, samples, reps, trace_reps, log))
+    programs.append(_infer_program(entry, hw, phys, samples, reps, trace_reps, log,
+                                   (traced or {}).get(entry["name"])))
   # Leave-one-program-out node pricing -> composition features. A decode program's row is one decode step:
   # the loop body's nodes, no per-step constant (the loop does not re-enter the runtime per token).
   # The neighbour count k of the learned backend is chosen here, by the same leave-one-program-out error.
@@ -308,14 +355,6 @@ def run(hw, reps: int = 7, trace_reps: int = 3, entries: list = None, log=print,
   return {"samples": samples, "composition": coef, "loo": cv, "learned_k": k_best, "loo_mape": mape,
           "noise_pct_median": float(statistics.median(p["noise"] for p in programs)),
           "host_malloc": "keep_freed" if keeps else "default"}
-
-
-if __name__ == "__main__":
-  if len(sys.argv) == 3 and sys.argv[1] == "--measure-steps":
-    host_memory.apply()  # as the real job (experiments.run) does, before jax starts
-    measure_steps(sys.argv[2])
-    sys.exit(0)
-  sys.exit("run via `python -m perfmodel calibrate`")
 
 
 def refit(prof_path: str, hlo_dir: str, log=print) -> dict:
@@ -384,3 +423,21 @@ def _node_samples(g, traced: dict, prog: str, phys) -> list:
                 "t": trace_nodes.quantile(traced[n.name], 0.25), "phys": p.seconds if p else 0.0,
                 "name": n.name, "fp": n.fingerprint})
   return out
+
+
+if __name__ == "__main__":
+  if len(sys.argv) == 4 and sys.argv[1] == "--measure-child":
+    import json  # noqa: PLC0415
+    host_memory.apply()  # as the real job (experiments.run) does, before jax starts
+    req = json.loads(sys.argv[3])
+    with open(sys.argv[2], "w") as f:
+      json.dump(measure_steps(req["names"], req["reps"], req["probe"]), f)
+    sys.exit(0)
+  if len(sys.argv) == 4 and sys.argv[1] == "--trace-child":
+    import json  # noqa: PLC0415
+    host_memory.apply()
+    req = json.loads(sys.argv[3])
+    with open(sys.argv[2], "w") as f:
+      json.dump(trace_programs(req["profile"], req["trace_reps"]), f)
+    sys.exit(0)
+  sys.exit("run via `python -m perfmodel calibrate`")

@@ -97,8 +97,9 @@ def cmd_calibrate(a, overrides):
     _print({"composition": res["composition"], "loo_mape": res["loo_mape"]})
     return
   _regime(a)
-  # Same virtual device count as `validate`: the count in the process changes a one-device step's time
-  # (measured: c_d192_b12 61 ms with 4 host devices, 69-72 ms with 8, interleaved fresh processes).
+  # This process compiles every calibration program (up to 4 devices); the step times are measured in children
+  # with exactly each program's device count, as `validate` and `experiments.run` run them (the count changes a
+  # one-device step's time: base 1.23-1.45x slower with 8 host devices than with 1).
   capture.ensure_devices(VALIDATE_DEVICES)
   from perfmodel import calibrate
   _print(calibrate.run(quick=a.quick, nodes=not a.no_nodes, nodes_only=a.nodes_only))
@@ -111,7 +112,7 @@ def cmd_validate(a, overrides):
   from perfmodel import validate
   _print(validate.run(a.suite, reps=a.reps, backend=a.backend, png=a.png, results=not a.no_results,
                       limit=a.limit, measurements=a.measurements, hlo_cache=a.hlo_cache,
-                      probe=not a.no_probe))
+                      probe=not a.no_probe, isolate=not a.in_process))
 
 
 def cmd_search(a, overrides):
@@ -167,6 +168,8 @@ def main(argv=None):
   va.add_argument("--hlo-cache", default=None, help="folder of compiled programs by config name (reused / filled)")
   va.add_argument("--no-probe", action="store_true",
                   help="do not time the host-speed probe around measurements (perfmodel/speed.py): raw errors only")
+  va.add_argument("--in-process", action="store_true",
+                  help="measure in this process (8 host devices) instead of one child per device count")
   se = sub.add_parser("search", help="rank layouts for a model on N devices under memory limits")
   se.add_argument("--config", required=True)
   se.add_argument("--hardware", default="cpu")

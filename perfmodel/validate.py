@@ -129,6 +129,75 @@ def _measure_infer_entry(cfg, entry, reps, probe=None):
   return {"measured_s": tpot, "noise_pct": noise, "rounds_s": [s1, s2], "probe_s": probe_s}, cap2
 
 
+def _entry_cfg(suite, entry):
+  """(config, n_devices, kind) of a suite entry, as `run` builds them."""
+  if "gen_lens" in entry:
+    return validate_cfg(from_dict(_merge(suite.BASE, entry)), 1), 1, "infer"
+  cfg = from_dict(_merge(suite.BASE, entry))
+  n = math.prod(cfg.mesh.sizes().values())
+  cfg = validate_cfg(cfg, n)
+  return cfg.__class__(**{**cfg.__dict__, "name": entry["name"]}), n, "train"
+
+
+def measure_entries(suite_path, names: list, reps: int, probe: bool) -> dict:
+  """Measures the named suite entries in this process: {name: measurement} (the child's side of
+  :func:`measure_isolated`)."""
+  import jax  # noqa: PLC0415
+  from perfmodel import speed  # noqa: PLC0415
+  suite = _load_suite(suite_path)
+  by_name = {e["name"]: e for e in suite.SUITE + list(getattr(suite, "INFER", []))}
+  prober = speed.Probe() if probe else None
+  out = {}
+  for name in names:
+    cfg, _, kind = _entry_cfg(suite, by_name[name])
+    m, _ = (_measure_infer_entry(cfg, by_name[name], reps, prober) if kind == "infer"
+            else _measure_train_entry(cfg, reps, prober))
+    m["regime"] = bench.regime()
+    m["devices_seen"] = jax.device_count()
+    out[name] = m
+  return out
+
+
+def measure_isolated(suite_path, names: list, n_devices: int, reps: int, probe: bool,
+                     module: str = "perfmodel.validate") -> dict:
+  """Measures suite entries in a fresh child process with exactly ``n_devices`` virtual CPU devices, as
+  `python -m experiments.run` gives a config with that mesh size (inherits this process's pinned core, XLA flags
+  and environment; ``module`` runs its own ``--measure-child``).
+
+  Why: idle virtual devices are not free. With 8 host devices a one-device step's thunks hop between 8 XLA
+  worker threads: tiny_latency, base and deep8_narrow took 1.23-1.45x their one-device-process time."""
+  import subprocess  # noqa: PLC0415
+  import tempfile  # noqa: PLC0415
+  root = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+  env = dict(os.environ, PYTHONPATH=root + os.pathsep + os.environ.get("PYTHONPATH", ""))
+  flags = [f for f in env.get("XLA_FLAGS", "").split() if not f.startswith("--xla_force_host_platform_device_count")]
+  env["XLA_FLAGS"] = " ".join(flags + [f"--xla_force_host_platform_device_count={n_devices}"])
+  with tempfile.TemporaryDirectory() as d:
+    out = os.path.join(d, "measured.json")
+    cmd = [sys.executable, "-m", module, "--measure-child", out, json.dumps(
+        {"suite": os.path.abspath(suite_path) if suite_path else None, "names": names, "reps": reps,
+         "probe": probe})]
+    p = subprocess.run(cmd, env=env, cwd=root, capture_output=True, text=True, timeout=3600)
+    if p.returncode != 0:
+      raise RuntimeError(f"measurement child ({n_devices} devices, {names}) failed: {p.stderr[-2000:]}")
+    with open(out) as f:
+      got = json.load(f)
+  for m in got.values():
+    m["host_devices"] = n_devices
+  return got
+
+
+def _child_main(argv) -> int:
+  """``python -m perfmodel.validate --measure-child OUT JSON``: the child of :func:`measure_isolated`."""
+  from framework import host_memory  # noqa: PLC0415
+  host_memory.apply()  # as the real job does, before jax starts
+  req = json.loads(argv[1])
+  got = measure_entries(req["suite"], req["names"], req["reps"], req["probe"])
+  with open(argv[0], "w") as f:
+    json.dump(got, f)
+  return 0
+
+
 def _clock(cache: dict, pinned_now: bool) -> str:
   """The clock of the measurements: CPU time iff every one was taken pinned (cached ones carry their regime)."""
   regimes = [m.get("regime", {}) for m in cache.values()]
@@ -157,8 +226,11 @@ def _cached_capture(hlo_cache, name, compile_fn):
 
 def run(suite_path=None, reps: int = 7, backend: str = "auto", png: str = None, results: bool = True,
         limit: int = 0, hardware_name: str = "cpu", measurements: str = None, hlo_cache: str = None,
-        probe: bool = True) -> dict:
-  """measurements: a JSON file of measured step times by config name. Entries found there are not re-run
+        probe: bool = True, isolate: bool = True) -> dict:
+  """isolate: measure in child processes, one per device count, each with exactly that many virtual devices
+  (measure_isolated); False measures in this process (with its device count).
+
+  measurements: a JSON file of measured step times by config name. Entries found there are not re-run
   (predictions are recomputed from a fresh compile); new measurements are added to it. Lets the slow
   measuring and a recalibration proceed separately on a loaded host.
 
@@ -185,6 +257,16 @@ def run(suite_path=None, reps: int = 7, backend: str = "auto", png: str = None, 
         json.dump(cache, f, indent=1)
   rows = []
   entries = suite.SUITE[:limit] if limit else suite.SUITE
+  infer_entries = list(getattr(suite, "INFER", [])) if not limit else []
+  if isolate:  # each entry measured in a child with exactly its own device count (see measure_isolated)
+    groups = {}
+    for entry in entries + infer_entries:
+      if entry["name"] not in cache:
+        groups.setdefault(_entry_cfg(suite, entry)[1], []).append(entry["name"])
+    for n_dev, names in sorted(groups.items()):
+      print(f"measuring {names} in a child process with {n_dev} host device(s)", file=sys.stderr, flush=True)
+      cache.update(measure_isolated(suite_path, names, n_dev, reps, probe))
+      save()
   for entry in entries:
     cfg = from_dict(_merge(suite.BASE, entry))
     n = math.prod(cfg.mesh.sizes().values())
@@ -204,7 +286,7 @@ def run(suite_path=None, reps: int = 7, backend: str = "auto", png: str = None, 
     meas = raw
     err = 100 * (pred["step_time_s"] - meas) / meas
     rows.append(dict(name=entry["name"], kind="train", measured_s=meas, predicted_s=pred["step_time_s"], err_pct=err,
-                     probe_s=m.get("probe_s"),
+                     probe_s=m.get("probe_s"), host_devices=m.get("host_devices"),
                      noise_pct=noise, n_devices=n, predict_s=pred["predict_s"], wall_s=wall,
                      mem_pred=pred["peak_memory_bytes"], mem_xla=cap.memory["peak_bytes"],
                      mem_analytic=pred["memory_analytic"]["total"], priced_by=pred["breakdown"]["priced_by"]))
@@ -212,7 +294,7 @@ def run(suite_path=None, reps: int = 7, backend: str = "auto", png: str = None, 
           f"err {err:+6.1f}%  noise ±{noise:4.1f}%  ({n} dev)",
           file=sys.stderr, flush=True)
   inf_rows = []
-  for entry in getattr(suite, "INFER", []) if not limit else []:
+  for entry in infer_entries:
     cfg = validate_cfg(from_dict(_merge(suite.BASE, entry)), 1)
     g1, g2 = entry["gen_lens"]
     if entry["name"] in cache:
@@ -230,7 +312,8 @@ def run(suite_path=None, reps: int = 7, backend: str = "auto", png: str = None, 
     err = 100 * (pred["tpot_s"] - tpot_meas) / tpot_meas if tpot_meas > 0 else float("nan")
     noise = m["noise_pct"]
     inf_rows.append(dict(name=entry["name"], kind="infer", measured_s=tpot_meas, predicted_s=pred["tpot_s"],
-                         err_pct=err, probe_s=m.get("probe_s"), noise_pct=noise))
+                         err_pct=err, probe_s=m.get("probe_s"), host_devices=m.get("host_devices"),
+                         noise_pct=noise))
     print(f"{entry['name']:>16}  TPOT measured {tpot_meas * 1e3:8.3f} ms  predicted {pred['tpot_s'] * 1e3:8.3f} ms  "
           f"err {err:+6.1f}%  noise ±{noise:4.1f}%", file=sys.stderr, flush=True)
   meas = [r["measured_s"] for r in rows]
@@ -241,7 +324,8 @@ def run(suite_path=None, reps: int = 7, backend: str = "auto", png: str = None, 
   regret = 100 * (1 - tps_m[best_pred] / max(tps_m))
   mem_err = float(np.max([abs(r["mem_pred"] - r["mem_xla"]) / r["mem_xla"] * 100 for r in rows]))
   mem_ana = float(np.mean([abs(r["mem_analytic"] - r["mem_xla"]) / r["mem_xla"] * 100 for r in rows]))
-  normalised = _speed_normalise(rows + inf_rows, ref)
+  normalised = _speed_normalise(rows + inf_rows, ref, hw.calibration.get("speed_probe_ref_by_devices")
+                                if hw.name == "cpu" else None)
   probes = [r["probe_s"] for r in rows + inf_rows if r.get("probe_s")]
   out = {"mape": mape, "kendall_tau": kendall_tau(meas, prd), "n_configs": len(rows),
          "mape_speed_normalised": (float(np.mean([abs(r["err_at_ref_pct"]) for r in rows]))
@@ -275,18 +359,26 @@ def run(suite_path=None, reps: int = 7, backend: str = "auto", png: str = None, 
 SPEED_WINDOW = 4  # probe times of this many measurements either side are pooled (median) per measurement
 
 
-def _speed_normalise(rows: list, ref) -> bool:
+def _speed_normalise(rows: list, ref, refs_by_devices: dict = None) -> bool:
   """Adds ``measured_at_ref_s`` / ``err_at_ref_pct`` to every row: the measurement at the calibration's
   reference speed (perfmodel/speed.py), using the median probe time of the rows measured around it (in
   row order = measurement order). The drift being corrected is slow (minutes); one probe pair is as noisy
-  as any single measurement (+-6-10%), so pooling neighbours keeps the correction from adding noise."""
+  as any single measurement (+-6-10%), so pooling neighbours keeps the correction from adding noise.
+
+  ``refs_by_devices``: {host device count: reference}. Rows measured in a child with N virtual devices carry
+  probes timed there (slower with more idle devices), so they are pooled and scaled within their own count."""
   if not ref or not rows or not all(r.get("probe_s") for r in rows):
     return False
-  probes = [r["probe_s"] for r in rows]
-  for i, r in enumerate(rows):
-    pooled = statistics.median(probes[max(0, i - SPEED_WINDOW):i + SPEED_WINDOW + 1])
-    r["measured_at_ref_s"] = r["measured_s"] * ref / pooled
-    r["err_at_ref_pct"] = 100 * (r["predicted_s"] - r["measured_at_ref_s"]) / r["measured_at_ref_s"]
+  refs = {int(k): v for k, v in (refs_by_devices or {}).items()}
+  groups = {}
+  for r in rows:
+    groups.setdefault(r.get("host_devices") if refs else None, []).append(r)
+  for n, group in groups.items():
+    probes = [r["probe_s"] for r in group]
+    for i, r in enumerate(group):
+      pooled = statistics.median(probes[max(0, i - SPEED_WINDOW):i + SPEED_WINDOW + 1])
+      r["measured_at_ref_s"] = r["measured_s"] * refs.get(n, ref) / pooled
+      r["err_at_ref_pct"] = 100 * (r["predicted_s"] - r["measured_at_ref_s"]) / r["measured_at_ref_s"]
   return True
 
 
@@ -327,3 +419,9 @@ def _append_results(out):
   with open(path, "a") as f:
     f.write(f"| {datetime.datetime.now().isoformat(timespec='minutes')} | python -m perfmodel validate | "
             f"{platform.node()} {os.cpu_count()} cores (shared) | {json.dumps(nums)} |\n")
+
+
+if __name__ == "__main__":
+  if len(sys.argv) == 4 and sys.argv[1] == "--measure-child":
+    sys.exit(_child_main(sys.argv[2:]))
+  sys.exit("run via `python -m perfmodel validate`")

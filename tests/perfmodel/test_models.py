@@ -236,3 +236,28 @@ def test_time_slope_measures_the_per_unit_cost_without_the_program_switch_penalt
   r = bench.time_slope(make(2), make(6), 2, 6, reps=3, block=3)
   assert r["cpu"]["n"] == 3 and r["clock"] == "wall"
   assert bench.view(r, "cpu")["median"] == pytest.approx(0.5e-3, rel=0.2)
+
+
+def test_validate_measures_each_entry_in_a_child_with_exactly_its_device_count(tmp_path):
+  """Idle virtual devices slow a one-device step 1.23-1.45x, so validate (and calibrate) measure an entry in a
+  child process with exactly the devices experiments.run would give its mesh."""
+  from perfmodel import validate
+  suite = tmp_path / "suite.py"
+  suite.write_text(
+      "BASE = dict(model=dict(vocab_size=256, d_model=16, n_layers=1, n_heads=2, n_kv_heads=2, d_ff=32,\n"
+      "                       max_seq_len=32), data=dict(seq_len=8, global_batch=4), mesh=dict(data=1),\n"
+      "            train=dict(steps=2))\n"
+      "SUITE = [dict(name='dp2', mesh=dict(data=2))]\n")
+  got = validate.measure_isolated(str(suite), ["dp2"], 2, reps=2, probe=False)
+  assert got["dp2"]["devices_seen"] == 2 and got["dp2"]["host_devices"] == 2
+  assert got["dp2"]["measured_s"] > 0 and got["dp2"]["regime"]["host_malloc"] == "keep_freed"
+
+
+def test_speed_normalisation_scales_each_device_count_by_its_own_reference():
+  from perfmodel import validate
+  # probes timed in a 4-device child are 1.3x slower than in the 1-device child at the same host speed
+  rows = ([{"measured_s": 1.0, "predicted_s": 1.0, "probe_s": 0.04, "host_devices": 1} for _ in range(3)] +
+          [{"measured_s": 2.0, "predicted_s": 2.0, "probe_s": 0.052, "host_devices": 4} for _ in range(3)])
+  assert validate._speed_normalise(rows, ref=0.04, refs_by_devices={"1": 0.04, "4": 0.052})  # noqa: SLF001
+  for r in rows:
+    assert r["err_at_ref_pct"] == pytest.approx(0.0, abs=1e-9)
