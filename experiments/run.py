@@ -53,14 +53,14 @@ def host_devices(args, overrides) -> int:
 
 def main(argv=None) -> int:
   args, overrides = parse(sys.argv[1:] if argv is None else argv)
+  from framework import host_memory  # noqa: PLC0415 - before anything allocates (see the module)
+  host_memory.apply()
   args.host_devices = host_devices(args, overrides)
   if args.processes > 1:
     from parallelism.distributed import launch_local  # noqa: PLC0415
     fwd = [a for a in (sys.argv[1:] if argv is None else argv)]
     fwd = _strip(fwd, "--processes")
     return launch_local(fwd, args.processes, args.host_devices)
-  from framework import host_memory  # noqa: PLC0415 - before jax starts its threads (see the module)
-  host_memory.apply()
   if "XLA_FLAGS" not in os.environ or "device_count" not in os.environ["XLA_FLAGS"]:
     os.environ["XLA_FLAGS"] = (os.environ.get("XLA_FLAGS", "") +
                                f" --xla_force_host_platform_device_count={args.host_devices}").strip()
