@@ -180,22 +180,9 @@ def _step_times_child(quick: bool) -> dict:
 def _trace_child(prof_path: str) -> dict:
   """Node samples of the one-device calibration programs, traced in a fresh process with exactly one virtual
   device (calibrate_nodes.trace_programs)."""
-  import subprocess  # noqa: PLC0415
-  import sys  # noqa: PLC0415
-  import tempfile  # noqa: PLC0415
-  root = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
-  env = dict(os.environ, PYTHONPATH=root + os.pathsep + os.environ.get("PYTHONPATH", ""))
-  flags = [f for f in env.get("XLA_FLAGS", "").split() if not f.startswith("--xla_force_host_platform_device_count")]
-  env["XLA_FLAGS"] = " ".join(flags + ["--xla_force_host_platform_device_count=1"])
-  with tempfile.TemporaryDirectory() as d:
-    out = os.path.join(d, "traced.json")
-    p = subprocess.run([sys.executable, "-m", "perfmodel.calibrate_nodes", "--trace-child", out,
-                        json.dumps({"profile": os.path.abspath(prof_path), "trace_reps": 2})],
-                       env=env, cwd=root, capture_output=True, text=True, timeout=3600)
-    if p.returncode != 0:
-      raise RuntimeError(f"calibration trace child failed: {p.stderr[-2000:]}")
-    with open(out) as f:
-      return json.load(f)
+  from perfmodel.validate import child_json  # noqa: PLC0415
+  return child_json("perfmodel.calibrate_nodes", "--trace-child",
+                    {"profile": os.path.abspath(prof_path), "trace_reps": 2}, 1, "calibration trace child")
 
 
 def _node_stage(quick: bool, prof_path: str = None) -> dict:

@@ -303,7 +303,7 @@ def run(hw, reps: int = 7, trace_reps: int = 3, entries: list = None, log=print,
   for entry in entries:
     cfg = _cfg(entry)
     given = (step_times or {}).get(entry["name"])
-    if given and traced is not None and (entry["name"] in traced or devices_of(entry) > 1):
+    if given and traced is not None and (entry["name"] in traced or math.prod(cfg.mesh.sizes().values()) > 1):
       cap = capture.train_step(cfg)  # measured and traced in children: the graph is all that is needed here
       g = graph_lib.from_hlo_text(cap.hlo_text, cap.n_devices)
       _resolve_branches(g, cfg, hw)

@@ -158,6 +158,25 @@ def measure_entries(suite_path, names: list, reps: int, probe: bool) -> dict:
   return out
 
 
+def child_json(module: str, flag: str, request: dict, n_devices: int, what: str, timeout_s: float = 3600) -> dict:
+  """Runs ``python -m MODULE FLAG OUT JSON(request)`` in a fresh process with exactly ``n_devices`` virtual CPU
+  devices (other XLA flags, the pinned core and the environment inherited) and returns the JSON it wrote to OUT."""
+  import subprocess  # noqa: PLC0415
+  import tempfile  # noqa: PLC0415
+  root = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+  env = dict(os.environ, PYTHONPATH=root + os.pathsep + os.environ.get("PYTHONPATH", ""))
+  flags = [f for f in env.get("XLA_FLAGS", "").split() if not f.startswith("--xla_force_host_platform_device_count")]
+  env["XLA_FLAGS"] = " ".join(flags + [f"--xla_force_host_platform_device_count={n_devices}"])
+  with tempfile.TemporaryDirectory() as d:
+    out = os.path.join(d, "out.json")
+    p = subprocess.run([sys.executable, "-m", module, flag, out, json.dumps(request)], env=env, cwd=root,
+                       capture_output=True, text=True, timeout=timeout_s)
+    if p.returncode != 0:
+      raise RuntimeError(f"{what} failed: {p.stderr[-2000:]}")
+    with open(out) as f:
+      return json.load(f)
+
+
 def measure_isolated(suite_path, names: list, n_devices: int, reps: int, probe: bool,
                      module: str = "perfmodel.validate") -> dict:
   """Measures suite entries in a fresh child process with exactly ``n_devices`` virtual CPU devices, as
@@ -166,22 +185,9 @@ def measure_isolated(suite_path, names: list, n_devices: int, reps: int, probe: 
 
   Why: idle virtual devices are not free. With 8 host devices a one-device step's thunks hop between 8 XLA
   worker threads: tiny_latency, base and deep8_narrow took 1.23-1.45x their one-device-process time."""
-  import subprocess  # noqa: PLC0415
-  import tempfile  # noqa: PLC0415
-  root = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
-  env = dict(os.environ, PYTHONPATH=root + os.pathsep + os.environ.get("PYTHONPATH", ""))
-  flags = [f for f in env.get("XLA_FLAGS", "").split() if not f.startswith("--xla_force_host_platform_device_count")]
-  env["XLA_FLAGS"] = " ".join(flags + [f"--xla_force_host_platform_device_count={n_devices}"])
-  with tempfile.TemporaryDirectory() as d:
-    out = os.path.join(d, "measured.json")
-    cmd = [sys.executable, "-m", module, "--measure-child", out, json.dumps(
-        {"suite": os.path.abspath(suite_path) if suite_path else None, "names": names, "reps": reps,
-         "probe": probe})]
-    p = subprocess.run(cmd, env=env, cwd=root, capture_output=True, text=True, timeout=3600)
-    if p.returncode != 0:
-      raise RuntimeError(f"measurement child ({n_devices} devices, {names}) failed: {p.stderr[-2000:]}")
-    with open(out) as f:
-      got = json.load(f)
+  got = child_json(module, "--measure-child", {"suite": os.path.abspath(suite_path) if suite_path else None,
+                                                "names": names, "reps": reps, "probe": probe},
+                   n_devices, f"measurement child ({n_devices} devices, {names})")
   for m in got.values():
     m["host_devices"] = n_devices
   return got
