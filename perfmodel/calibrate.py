@@ -171,9 +171,16 @@ def _step_times_child(quick: bool) -> dict:
   for entry in suite.CALIBRATION:
     groups.setdefault(calibrate_nodes.devices_of(entry), []).append(entry["name"])
   groups.setdefault(1, []).extend(e["name"] for e in suite.CALIBRATION_INFER)
+  from perfmodel import speed  # noqa: PLC0415
   out = {}
   for n, names in sorted(groups.items()):
-    out.update(measure_isolated(None, names, n, reps=7, probe=True, module="perfmodel.calibrate_nodes"))
+    # each child is bracketed by one-device probes in fresh processes: the host's speed in its window (speed.py)
+    before = speed.one_device_probe()
+    got = measure_isolated(None, names, n, reps=7, probe=True, module="perfmodel.calibrate_nodes")
+    window = [before, speed.one_device_probe()]
+    for v in got.values():
+      v["window_probe_1dev_s"] = window
+    out.update(got)
   return out
 
 
@@ -203,13 +210,16 @@ def _node_stage(quick: bool, prof_path: str = None) -> dict:
     # Host speed drifts during the run (perfmodel/speed.py): every program's step is taken at the run's
     # median probe speed, which becomes the profile's reference speed.
     # The probe is a one-device step timed in each measuring child, so it carries that child's device count
-    # (the same step is slower with more idle virtual devices): one reference per device count.
+    # (the same step is slower with more idle virtual devices): one reference per device count, set against
+    # one-device probes bracketing that child (speed.device_references).
     from perfmodel import speed  # noqa: PLC0415
-    refs = {}
+    probes, windows = {}, {}
     for v in step_times.values():
       if v.get("probe_s"):
-        refs.setdefault(v.get("host_devices", 1), []).append(v["probe_s"])
-    refs = {n: speed.reference(ps) for n, ps in refs.items()}
+        probes.setdefault(v.get("host_devices", 1), []).append(v["probe_s"])
+      if v.get("window_probe_1dev_s"):
+        windows[v.get("host_devices", 1)] = v["window_probe_1dev_s"]
+    refs = speed.device_references(speed.reference(probes[1]), probes, windows) if 1 in probes else {}
     ref = refs.get(1)
     for v in step_times.values():
       v["measured_raw_s"] = v["measured_s"]
@@ -222,10 +232,12 @@ def _node_stage(quick: bool, prof_path: str = None) -> dict:
   os.makedirs(os.path.dirname(spath), exist_ok=True)
   with open(spath, "w") as f:
     json.dump({"meta": {"source": src, "method": "XLA TraceMe per thunk, p25 of occurrences, calibration suite "
-                        "perfmodel/suite.py:CALIBRATION(+_INFER)"}, "samples": res["samples"]}, f)
+                        "perfmodel/suite.py:CALIBRATION(+_INFER)", "features_version": learned.FEATURES_VERSION},
+               "samples": res["samples"]}, f)
   cal = base["calibration"]["value"]
   cal["composition"] = res["composition"]
   cal["learned_k"] = res["learned_k"]
+  cal["learned_beta"] = res["learned_beta"]
   cal["calibration_loo_mape"] = res["loo_mape"]
   cal["calibration_loo"] = [{k: (round(v, 6) if isinstance(v, float) else v) for k, v in c.items()}
                             for c in res["loo"]]
@@ -235,6 +247,8 @@ def _node_stage(quick: bool, prof_path: str = None) -> dict:
   if ref:
     cal["speed_probe_ref_s"] = ref
     cal["speed_probe_ref_by_devices"] = {str(n): r for n, r in sorted(refs.items())}
+    cal["speed_probe_windows_1dev"] = {str(v.get("host_devices", 1)): v["window_probe_1dev_s"]
+                                       for v in step_times.values() if v.get("window_probe_1dev_s")}
     cal["speed_probe_source"] = (f"{src}: median of perfmodel.speed's probe timed around each calibration "
                                  f"program ({len(step_times)} programs, probe "
                                  f"{min(v['probe_s'] for v in step_times.values()) * 1e3:.2f}-"
@@ -243,4 +257,5 @@ def _node_stage(quick: bool, prof_path: str = None) -> dict:
     json.dump(base, f, indent=1)
   return {"profile": prof_path, "nodes": {"samples": len(res["samples"]), "composition": res["composition"],
                                           "loo_mape": res["loo_mape"], "learned_k": res["learned_k"],
+                                          "learned_beta": res["learned_beta"],
                                           "node_noise_pct": res["noise_pct_median"]}}

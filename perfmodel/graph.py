@@ -95,6 +95,9 @@ class Node:
   # expected executions of each per visit once resolved (perfmodel/branches.py); () = not resolved
   branches: tuple = ()
   branch_weights: tuple = ()
+  # bytes moved by the distinct compute nodes of the whole program this node belongs to (its working set
+  # context: on a CPU a node runs slower per byte inside a program that streams more; perfmodel/learned.py)
+  program_bytes: float = 0.0
 
 
 @dataclasses.dataclass
@@ -386,7 +389,21 @@ def build_graph(module: hp.Module, n_devices: Optional[int] = None) -> ExecGraph
   n = n_devices or max(module.num_partitions, module.num_replicas)
   b = _Builder(module, n)
   b.region(module.entry)
-  return ExecGraph(regions=b.regions, entry=module.entry, n_devices=n, module_name=module.name)
+  g = ExecGraph(regions=b.regions, entry=module.entry, n_devices=n, module_name=module.name)
+  mark_program_bytes(g)
+  return g
+
+
+COMPUTE_KINDS = ("dot", "fusion", "other")
+
+
+def mark_program_bytes(g: ExecGraph) -> float:
+  """Sets every compute node's ``program_bytes``: the bytes of the program's distinct compute nodes (each
+  instruction once, whatever its trip count, branches included). Returns that sum."""
+  total = float(sum(n.bytes for reg in g.regions.values() for n in reg.nodes if n.kind in COMPUTE_KINDS))
+  for reg in g.regions.values():
+    reg.nodes = [dataclasses.replace(n, program_bytes=total) if n.kind in COMPUTE_KINDS else n for n in reg.nodes]
+  return total
 
 
 def from_hlo_text(text: str, n_devices: Optional[int] = None) -> ExecGraph:

@@ -5,7 +5,14 @@ copy of a calibration suite of real training steps (disjoint from the validation
 by XLA's TraceMe (perfmodel/trace_nodes.py). A query node is priced from the k nearest samples of its class
 in log feature space (bytes, flops, transcendentals; m, n, k, batch for dots), each neighbour's time scaled
 by the ratio of the physical (calibrated-curve) estimates of query and neighbour: data where there is data,
-physics for the gap. A query farther than ``ood_distance`` from every sample (or of a class never seen) is
+physics for the gap. Two measured effects the bytes/flops features alone miss (README, "Working-set context"):
+
+* *what* a fusion moves: bytes written (a broadcast writes all it moves, a multiply-add a quarter) and whether it
+  changes the layout (a copy/transpose among its fused ops, as XLA names the fusion). In the calibration traces
+  copy fusions above 1 MB ran 1.19x their physical estimate, multiply-adds 0.44x, broadcasts 1.64x;
+* *where* it runs: the same fusion is slower in a program that streams more bytes (its inputs have left the
+  caches). Each neighbour's time is scaled by (query program bytes / neighbour program bytes) ** beta, beta
+  chosen by calibration's leave-one-program-out error (0 for profiles calibrated before it). A query farther than ``ood_distance`` from every sample (or of a class never seen) is
 priced the same way but labelled ``learned(out-of-range)`` so the output shows it (the issue's "flags inputs
 outside its range").
 """
@@ -14,6 +21,7 @@ from __future__ import annotations
 import json
 import math
 import os
+import re
 from typing import Optional
 
 import numpy as np
@@ -40,8 +48,21 @@ def node_class(n: Node) -> str:
   return {"copy": "copy", "transpose": "copy"}.get(base, "op")
 
 
+# bumped whenever `features` changes: a samples file of another version cannot be queried (recalibrate)
+FEATURES_VERSION = 2
+_LAYOUT_OPS = {"copy", "transpose"}
+
+
+def changes_layout(n: Node) -> bool:
+  """A copy/transpose node, or a fusion XLA named after a fused copy/transpose ('copy_bitcast_fusion.4')."""
+  if n.opcode.split(":")[0] in _LAYOUT_OPS:
+    return True
+  return n.kind == "fusion" and bool(_LAYOUT_OPS & set(re.sub(r"\.\d+$", "", n.name).split("_")))
+
+
 def features(n: Node) -> list:
-  f = [math.log1p(n.bytes), math.log1p(n.flops), math.log1p(n.transcendentals)]
+  f = [math.log1p(n.bytes), math.log1p(n.flops), math.log1p(n.transcendentals), math.log1p(n.out_bytes),
+       1.0 if changes_layout(n) else 0.0]
   if n.kind == "dot" and n.dot is not None:
     d = n.dot
     f += [math.log(max(1, d.m)), math.log(max(1, d.n)), math.log(max(1, d.k)), math.log(max(1, d.batch))]
@@ -52,19 +73,26 @@ class Learned:
   name = "learned"
 
   def __init__(self, hw: HardwareProfile, path: Optional[str] = None, k: Optional[int] = None,
-               ood_distance: float = 1.0, samples: Optional[list] = None):
-    # k: the neighbour count calibration chose by leave-one-program-out error (4 for older profiles)
+               ood_distance: float = 1.0, samples: Optional[list] = None, beta: Optional[float] = None):
+    # k, beta: the neighbour count and working-set exponent calibration chose by leave-one-program-out error
     k = k if k is not None else int(hw.calibration.get("learned_k", 4))
-    self.hw, self.k, self.ood = hw, k, ood_distance
+    beta = beta if beta is not None else float(hw.calibration.get("learned_beta", 0.0))
+    self.hw, self.k, self.ood, self.beta = hw, k, ood_distance, beta
     self.phys = Calibrated(hw)
     if samples is None:
       path = path or samples_path(hw.name)
       with open(path) as f:
-        samples = json.load(f)["samples"]
+        data = json.load(f)
+      version = data.get("meta", {}).get("features_version", 1)
+      if version != FEATURES_VERSION:
+        raise ValueError(f"{path}: node samples of features version {version}, this code prices with version "
+                         f"{FEATURES_VERSION}: run `python -m perfmodel calibrate`")
+      samples = data["samples"]
     self.by_class = {}
     for s in samples:
       self.by_class.setdefault(s["cls"], []).append(s)
-    self.arrays = {c: (np.array([s["f"] for s in ss]), np.array([s["t"] for s in ss]), np.array([s["phys"] for s in ss]))
+    self.arrays = {c: (np.array([s["f"] for s in ss]), np.array([s["t"] for s in ss]),
+                       np.array([s["phys"] for s in ss]), np.array([s.get("P", 0.0) for s in ss]))
                    for c, ss in self.by_class.items()}
 
   @staticmethod
@@ -81,17 +109,19 @@ class Learned:
     arr = self.arrays.get(cls)
     if arr is None:
       return Priced(phys.seconds * self._class_scale(), "learned(out-of-range)")
-    X, T, PH = arr
+    X, T, PH, P = arr
     q = np.array(features(node))
     d = np.sqrt(((X - q) ** 2).sum(axis=1))
     idx = np.argsort(d)[:self.k]
     w = 1.0 / (d[idx] + 0.05)
     est = T[idx] * (phys.seconds / PH[idx])
+    if self.beta and node.program_bytes > 0:  # working-set context (a neighbour without one: no scaling)
+      est = est * np.where(P[idx] > 0, (node.program_bytes / np.maximum(P[idx], 1.0)) ** self.beta, 1.0)
     # geometric weighted mean: times span decades, errors are multiplicative
     t = float(np.exp((w * np.log(np.maximum(est, 1e-9))).sum() / w.sum()))
     return Priced(t, "learned" if d[idx[0]] <= self.ood else "learned(out-of-range)")
 
   def _class_scale(self) -> float:
     """For an unseen class: the median measured/physical ratio over all samples."""
-    r = [T / PH for _, T, PH in self.arrays.values()]
+    r = [T / PH for _, T, PH, _ in self.arrays.values()]
     return float(np.median(np.concatenate(r))) if r else 1.0

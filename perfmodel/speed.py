@@ -53,6 +53,38 @@ class Probe:
     return out, 0.5 * (before + self.measure())
 
 
+def one_device_probe(reps: int = 2 * PROBE_REPS) -> float:
+  """The probe timed in a fresh process with exactly one virtual device (``python -m perfmodel.speed
+  --probe-child``): the host's speed at this moment, free of the device count of the process measuring."""
+  from perfmodel.validate import child_json  # noqa: PLC0415
+  return float(child_json("perfmodel.speed", "--probe-child", {"reps": reps}, 1, "speed probe child")["probe_s"])
+
+
+def device_references(ref_1: float, probes: dict, windows: dict) -> dict:
+  """{device count: reference probe time}. ``probes``: {N: probe times timed in the N-device measuring
+  child}; ``windows``: {N: one-device probe times taken just before and after that child}.
+
+  The probe in an N-device process is slower than in a one-device one (idle virtual devices), and a whole
+  child may also run in a slow window of the host. Taking the median of the child's own probes as its
+  reference would hide the second (calibration of 15:55: the 4-device child's probe was 1.35x the one-device
+  reference, 1.19x in the calibration before; its two programs came out 1.8x slower than the others and the
+  fitted collective term 7x too large). So the device factor is measured against the host's speed in that
+  window, and the reference is the one-device reference times that factor. The one-device child is bracketed
+  too, so a fresh process's probe and a measuring child's probe need not agree: only ratios of windows enter."""
+  out = {1: ref_1}
+  w1 = windows.get(1)
+  for n, ps in probes.items():
+    if n == 1:
+      continue
+    w = windows.get(n)
+    if w and w1:
+      factor = (statistics.median(ps) / statistics.median(w)) / (statistics.median(probes[1]) / statistics.median(w1))
+      out[n] = ref_1 * factor
+    else:  # no windows (older step times): the child's own median, as before
+      out[n] = statistics.median(ps)
+  return out
+
+
 def reference(probe_times) -> float:
   """A calibration run's reference speed: the median of its probe times."""
   return float(statistics.median(probe_times))
@@ -63,3 +95,18 @@ def normalise(measured_s: float, probe_s, ref_s) -> float:
   if not probe_s or not ref_s:
     return measured_s
   return measured_s * ref_s / probe_s
+
+
+if __name__ == "__main__":
+  import json  # noqa: PLC0415
+  import sys  # noqa: PLC0415
+  if len(sys.argv) == 4 and sys.argv[1] == "--probe-child":
+    from framework import host_memory  # noqa: PLC0415
+    host_memory.apply()  # as the measuring children do, before jax starts
+    req = json.loads(sys.argv[3])
+    probe = Probe()
+    probe.measure(reps=2)  # warm
+    with open(sys.argv[2], "w") as f:
+      json.dump({"probe_s": probe.measure(reps=int(req.get("reps", 2 * PROBE_REPS)))}, f)
+    sys.exit(0)
+  sys.exit("usage: python -m perfmodel.speed --probe-child OUT JSON (run by perfmodel calibrate)")

@@ -111,4 +111,8 @@ CALIBRATION_INFER = [
         d_model=160, n_layers=3, n_heads=4, n_kv_heads=2, d_ff=448)),
     dict(name="c_decode_b5_d112", batch=5, prompt_len=24, gen_lens=(8, 56), model=dict(d_model=112, n_heads=4,
                                                                                       n_kv_heads=2, d_ff=320)),
+    # a second batch-1 program (session 8): with c_decode_b1_d64 alone (0.04 ms), a batch-1 step of a few MB had
+    # no neighbour of its kind and the validation's decode_b1 was over-predicted by 34-54% (README)
+    dict(name="c_decode_b1_d176", batch=1, prompt_len=24, gen_lens=(8, 56), model=dict(d_model=176, n_heads=4,
+                                                                                      n_kv_heads=2, d_ff=480)),
 ]

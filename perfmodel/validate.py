@@ -253,7 +253,9 @@ def run(suite_path=None, reps: int = 7, backend: str = "auto", png: str = None, 
     return prober[0] if prober else None
   suite = _load_suite(suite_path)
   cache = {}
-  if measurements and os.path.exists(measurements):
+  reused = bool(measurements and os.path.exists(measurements))
+  if reused:
+    taken = datetime.datetime.fromtimestamp(os.path.getmtime(measurements)).isoformat(timespec="minutes")
     with open(measurements) as f:
       cache = json.load(f)
 
@@ -358,7 +360,8 @@ def run(suite_path=None, reps: int = 7, backend: str = "auto", png: str = None, 
     _plot(rows + inf_rows, png)
     out["png"] = png
   if results:
-    _append_results(out)
+    # a row predicted on stored measurements says so (and which), so it is not read as a fresh measurement
+    _append_results(out, f" --measurements {measurements} (stored, written {taken})" if reused else "")
   return out
 
 
@@ -410,7 +413,7 @@ def _plot(rows, path):
   fig.savefig(path, dpi=120, bbox_inches="tight")
 
 
-def _append_results(out):
+def _append_results(out, command_tail: str = ""):
   path = os.path.join("benchmarks", "RESULTS.md")
   if not os.path.exists(path):
     os.makedirs("benchmarks", exist_ok=True)
@@ -423,7 +426,7 @@ def _append_results(out):
   if isinstance(out.get("host_speed"), dict):
     nums["speed_vs_calibration"] = round(out["host_speed"]["speed_vs_calibration"], 3)
   with open(path, "a") as f:
-    f.write(f"| {datetime.datetime.now().isoformat(timespec='minutes')} | python -m perfmodel validate | "
+    f.write(f"| {datetime.datetime.now().isoformat(timespec='minutes')} | python -m perfmodel validate{command_tail} | "
             f"{platform.node()} {os.cpu_count()} cores (shared) | {json.dumps(nums)} |\n")
 
 

@@ -63,6 +63,12 @@ def test_golden_module_async_pairs_loops_and_collectives():
   # dependencies: the wait of the all-reduce depends (transitively) on the start, and `s` on both
   s, _ = nodes["s"]
   assert ard.id in s.deps and nodes["f"][0].id in s.deps
+  # working-set context: every compute node carries the bytes of the program's distinct compute nodes, the
+  # loop body's dot counted once (not 12 times)
+  compute = {n.name: n for n, _ in g.walk() if n.kind in G.COMPUTE_KINDS}
+  total = sum(n.bytes for n in compute.values())
+  assert total > d.bytes > 0 and all(n.program_bytes == total for n in compute.values())
+  assert all(n.program_bytes == 0 for n, _ in g.walk() if n.kind not in G.COMPUTE_KINDS)
 
 
 def _mesh():

@@ -126,6 +126,41 @@ def test_learned_backend_interpolates_by_physics_and_flags_out_of_range():
   assert model.price(Node(id=5, name="x", kind="loop", opcode="while")) is None
 
 
+def test_learned_backend_scales_neighbours_by_working_set_and_tells_layout_changes():
+  import dataclasses
+  from perfmodel import learned
+  from perfmodel.costs import Calibrated
+  hw = hardware.load("cpu")
+  if not hw.calibrated:
+    pytest.skip("cpu profile not calibrated")
+  mk = lambda i, b, P=1e6: Node(id=i, name=f"f{i}", kind="fusion", opcode="fusion:kLoop", bytes=b,  # noqa: E731
+                                flops=b / 4, program_bytes=P)
+  phys = Calibrated(hw)
+  samples = [{"cls": "fusion:kLoop", "f": learned.features(mk(i, b)), "t": 2 * phys.price(mk(i, b)).seconds,
+              "phys": phys.price(mk(i, b)).seconds, "P": 1e6} for i, b in enumerate((1e4, 3e4, 1e5, 3e5))]
+  q = mk(99, 5e4, P=4e6)  # a node of a program that streams 4x the bytes
+  base = 2 * phys.price(q).seconds
+  assert learned.Learned(hw, samples=samples, beta=0.0).price(q).seconds == pytest.approx(base, rel=1e-6)
+  assert learned.Learned(hw, samples=samples, beta=0.5).price(q).seconds == pytest.approx(2 * base, rel=1e-6)
+  # a graph built without the context (program_bytes 0) is priced without scaling
+  q0 = dataclasses.replace(q, program_bytes=0.0)
+  assert learned.Learned(hw, samples=samples, beta=0.5).price(q0).seconds == pytest.approx(base, rel=1e-6)
+  # layout changes, from the opcode or from the fused ops XLA names the fusion after
+  assert learned.changes_layout(Node(id=1, name="copy_bitcast_fusion.4", kind="fusion", opcode="fusion:kLoop"))
+  assert learned.changes_layout(Node(id=2, name="copy.3", kind="fusion", opcode="copy"))
+  assert not learned.changes_layout(Node(id=3, name="multiply_add_fusion.7", kind="fusion", opcode="fusion:kLoop"))
+
+
+def test_learned_samples_of_another_features_version_are_refused(tmp_path):
+  import json
+  from perfmodel import learned
+  hw = hardware.load("cpu")
+  path = tmp_path / "old.json"
+  path.write_text(json.dumps({"meta": {}, "samples": []}))  # no version: written before versioning (1)
+  with pytest.raises(ValueError, match="features version 1.*perfmodel calibrate"):
+    learned.Learned(hw, path=str(path))
+
+
 def test_composition_is_linear_in_devices_and_nodes():
   from perfmodel import calibrate_nodes as cn
   coef = {"a": 1.3, "b": 2e-6, "c": 1e-4, "e": 1e-10, "f": 5e-6}
@@ -261,3 +296,18 @@ def test_speed_normalisation_scales_each_device_count_by_its_own_reference():
   assert validate._speed_normalise(rows, ref=0.04, refs_by_devices={"1": 0.04, "4": 0.052})  # noqa: SLF001
   for r in rows:
     assert r["err_at_ref_pct"] == pytest.approx(0.0, abs=1e-9)
+
+
+def test_device_references_see_a_child_that_ran_in_a_slow_window():
+  from perfmodel import speed
+  # the probe is 1.2x slower with 4 virtual devices; the 4-device child also ran while the host was 1.4x slower,
+  # which its one-device bracketing probes (fresh processes, 5% faster than in a measuring child) show
+  probes = {1: [0.040, 0.041, 0.039], 4: [0.040 * 1.2 * 1.4] * 3}
+  windows = {1: [0.038, 0.038], 4: [0.038 * 1.4, 0.038 * 1.4]}
+  refs = speed.device_references(0.040, probes, windows)
+  assert refs[1] == 0.040
+  assert refs[4] == pytest.approx(0.040 * 1.2, rel=1e-9)  # the device factor only, not the slow window
+  # a 4-device step measured in that window, normalised with this reference, is at the reference speed
+  assert speed.normalise(1.4, probes[4][0], refs[4]) == pytest.approx(1.0, rel=1e-9)
+  # without windows (step times from before this change): the child's own median, as before
+  assert speed.device_references(0.040, probes, {})[4] == pytest.approx(0.040 * 1.2 * 1.4)
