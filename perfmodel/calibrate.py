@@ -247,8 +247,7 @@ def _node_stage(quick: bool, prof_path: str = None) -> dict:
   if ref:
     cal["speed_probe_ref_s"] = ref
     cal["speed_probe_ref_by_devices"] = {str(n): r for n, r in sorted(refs.items())}
-    cal["speed_probe_windows_1dev"] = {str(v.get("host_devices", 1)): v["window_probe_1dev_s"]
-                                       for v in step_times.values() if v.get("window_probe_1dev_s")}
+    cal["speed_probe_windows_1dev"] = {str(n): w for n, w in sorted(windows.items())}
     cal["speed_probe_source"] = (f"{src}: median of perfmodel.speed's probe timed around each calibration "
                                  f"program ({len(step_times)} programs, probe "
                                  f"{min(v['probe_s'] for v in step_times.values()) * 1e3:.2f}-"

@@ -5,16 +5,18 @@ copy of a calibration suite of real training steps (disjoint from the validation
 by XLA's TraceMe (perfmodel/trace_nodes.py). A query node is priced from the k nearest samples of its class
 in log feature space (bytes, flops, transcendentals; m, n, k, batch for dots), each neighbour's time scaled
 by the ratio of the physical (calibrated-curve) estimates of query and neighbour: data where there is data,
-physics for the gap. Two measured effects the bytes/flops features alone miss (README, "Working-set context"):
+physics for the gap. Two measured effects the bytes/flops features alone miss (README, "What a fusion moves and
+where it runs"):
 
 * *what* a fusion moves: bytes written (a broadcast writes all it moves, a multiply-add a quarter) and whether it
   changes the layout (a copy/transpose among its fused ops, as XLA names the fusion). In the calibration traces
   copy fusions above 1 MB ran 1.19x their physical estimate, multiply-adds 0.44x, broadcasts 1.64x;
 * *where* it runs: the same fusion is slower in a program that streams more bytes (its inputs have left the
   caches). Each neighbour's time is scaled by (query program bytes / neighbour program bytes) ** beta, beta
-  chosen by calibration's leave-one-program-out error (0 for profiles calibrated before it). A query farther than ``ood_distance`` from every sample (or of a class never seen) is
-priced the same way but labelled ``learned(out-of-range)`` so the output shows it (the issue's "flags inputs
-outside its range").
+  chosen by calibration's leave-one-program-out error (0 for profiles calibrated before it).
+
+A query farther than ``ood_distance`` from every sample (or of a class never seen) is priced the same way but
+labelled ``learned(out-of-range)`` so the output shows it (the issue's "flags inputs outside its range").
 """
 from __future__ import annotations
 

@@ -66,7 +66,7 @@ def device_references(ref_1: float, probes: dict, windows: dict) -> dict:
 
   The probe in an N-device process is slower than in a one-device one (idle virtual devices), and a whole
   child may also run in a slow window of the host. Taking the median of the child's own probes as its
-  reference would hide the second (calibration of 15:55: the 4-device child's probe was 1.35x the one-device
+  reference would hide the second (calibration of 2026-11-30 19:55: the 4-device child's probe was 1.35x the one-device
   reference, 1.19x in the calibration before; its two programs came out 1.8x slower than the others and the
   fitted collective term 7x too large). So the device factor is measured against the host's speed in that
   window, and the reference is the one-device reference times that factor. The one-device child is bracketed
