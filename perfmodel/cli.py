@@ -112,7 +112,7 @@ def cmd_validate(a, overrides):
   from perfmodel import validate
   _print(validate.run(a.suite, reps=a.reps, backend=a.backend, png=a.png, results=not a.no_results,
                       limit=a.limit, measurements=a.measurements, hlo_cache=a.hlo_cache,
-                      probe=not a.no_probe, isolate=not a.in_process))
+                      probe=not a.no_probe, isolate=not a.in_process, rounds=a.rounds))
 
 
 def cmd_search(a, overrides):
@@ -163,8 +163,11 @@ def main(argv=None):
   va.add_argument("--png", default="benchmarks/perfmodel_validate.png")
   va.add_argument("--no-results", action="store_true", help="do not append to benchmarks/RESULTS.md")
   va.add_argument("--limit", type=int, default=0, help="run only the first N configs (smoke)")
-  va.add_argument("--measurements", default=None,
-                  help="JSON cache of measured times by config name: reused if present, filled if not")
+  va.add_argument("--measurements", default=None, nargs="+", metavar="FILE",
+                  help="JSON cache of measured times by config name: reused if present, filled if not; several "
+                       "files: their rounds pooled (read only)")
+  va.add_argument("--rounds", type=int, default=2,
+                  help="measure the whole suite this many times; each config = median over rounds (host drift)")
   va.add_argument("--hlo-cache", default=None, help="folder of compiled programs by config name (reused / filled)")
   va.add_argument("--no-probe", action="store_true",
                   help="do not time the host-speed probe around measurements (perfmodel/speed.py): raw errors only")

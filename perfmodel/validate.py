@@ -231,14 +231,20 @@ def _cached_capture(hlo_cache, name, compile_fn):
 
 
 def run(suite_path=None, reps: int = 7, backend: str = "auto", png: str = None, results: bool = True,
-        limit: int = 0, hardware_name: str = "cpu", measurements: str = None, hlo_cache: str = None,
-        probe: bool = True, isolate: bool = True) -> dict:
+        limit: int = 0, hardware_name: str = "cpu", measurements=None, hlo_cache: str = None,
+        probe: bool = True, isolate: bool = True, rounds: int = 1) -> dict:
   """isolate: measure in child processes, one per device count, each with exactly that many virtual devices
   (measure_isolated); False measures in this process (with its device count).
 
-  measurements: a JSON file of measured step times by config name. Entries found there are not re-run
+  measurements: a JSON file of measured step times by config name (one round) or ``{"rounds": [...]}``, or a
+  list of such files (their rounds pooled; only a single file is written to). Entries found there are not re-run
   (predictions are recomputed from a fresh compile); new measurements are added to it. Lets the slow
   measuring and a recalibration proceed separately on a loaded host.
+
+  rounds: measure the whole suite this many times, one round after the other (when nothing is stored). Each
+  config's measurement is the median over rounds, each round normalised to the calibration's speed with its own
+  probes. Why: on this host one config measured twice 30 minutes apart, each at the calibration's speed, moved
+  by up to 21% (session 8, deep8_narrow); repeating the suite is the only way to see past that drift.
 
   probe: time perfmodel.speed's probe around every measurement; the headline errors compare with the raw
   measurements, and ``mape_speed_normalised`` also reports them at the calibration's host speed."""
@@ -252,41 +258,47 @@ def run(suite_path=None, reps: int = 7, backend: str = "auto", png: str = None, 
       prober.append(speed.Probe())
     return prober[0] if prober else None
   suite = _load_suite(suite_path)
-  cache = {}
-  reused = bool(measurements and os.path.exists(measurements))
-  if reused:
-    taken = datetime.datetime.fromtimestamp(os.path.getmtime(measurements)).isoformat(timespec="minutes")
-    with open(measurements) as f:
-      cache = json.load(f)
+  files = [measurements] if isinstance(measurements, str) else list(measurements or [])
+  stored = [f for f in files if os.path.exists(f)]
+  taken = ", ".join(datetime.datetime.fromtimestamp(os.path.getmtime(f)).isoformat(timespec="minutes")
+                    for f in stored)
+  caches = [c for f in stored for c in load_rounds(f)] or [{} for _ in range(max(1, rounds))]
+  writable = files[0] if len(files) == 1 else None
 
   def save():
-    if measurements:
-      with open(measurements, "w") as f:
-        json.dump(cache, f, indent=1)
-  rows = []
+    if writable:
+      with open(writable, "w") as f:
+        json.dump(caches[0] if len(caches) == 1 else {"rounds": caches}, f, indent=1)
   entries = suite.SUITE[:limit] if limit else suite.SUITE
   infer_entries = list(getattr(suite, "INFER", [])) if not limit else []
-  if isolate:  # each entry measured in a child with exactly its own device count (see measure_isolated)
-    groups = {}
-    for entry in entries + infer_entries:
-      if entry["name"] not in cache:
-        groups.setdefault(_entry_cfg(suite, entry)[1], []).append(entry["name"])
-    for n_dev, names in sorted(groups.items()):
-      print(f"measuring {names} in a child process with {n_dev} host device(s)", file=sys.stderr, flush=True)
-      cache.update(measure_isolated(suite_path, names, n_dev, reps, probe))
-      save()
+  for ri, cache in enumerate(caches):
+    if isolate:  # each entry measured in a child with exactly its own device count (see measure_isolated)
+      groups = {}
+      for entry in entries + infer_entries:
+        if entry["name"] not in cache:
+          groups.setdefault(_entry_cfg(suite, entry)[1], []).append(entry["name"])
+      for n_dev, names in sorted(groups.items()):
+        print(f"round {ri + 1}/{len(caches)}: measuring {names} in a child process with {n_dev} host device(s)",
+              file=sys.stderr, flush=True)
+        cache.update(measure_isolated(suite_path, names, n_dev, reps, probe))
+        save()
+    else:
+      for entry in entries + infer_entries:
+        if entry["name"] not in cache:
+          cfg, _, kind = _entry_cfg(suite, entry)
+          m, _ = (_measure_infer_entry(cfg, entry, reps, get_probe()) if kind == "infer"
+                  else _measure_train_entry(cfg, reps, get_probe()))
+          m["regime"] = bench.regime()
+          cache[entry["name"]] = m
+          save()
+  rows = []
   for entry in entries:
     cfg = from_dict(_merge(suite.BASE, entry))
     n = math.prod(cfg.mesh.sizes().values())
     cfg = validate_cfg(cfg, n)
     cfg = cfg.__class__(**{**cfg.__dict__, "name": entry["name"]})
-    if entry["name"] in cache:
-      m, cap = cache[entry["name"]], _cached_capture(hlo_cache, entry["name"], lambda: capture.train_step(cfg))
-    else:
-      m, cap = _measure_train_entry(cfg, reps, get_probe())
-      m["regime"] = bench.regime()
-      cache[entry["name"]] = m
-      save()
+    m = pool_rounds([c[entry["name"]] for c in caches])
+    cap = _cached_capture(hlo_cache, entry["name"], lambda: capture.train_step(cfg))
     if backend == "profiled":
       profiler.profile_dots(graph_lib.from_hlo_text(cap.hlo_text), hw.name)
     pred = predict.predict_train(cfg, hw, backend, captured=cap)
@@ -294,7 +306,8 @@ def run(suite_path=None, reps: int = 7, backend: str = "auto", png: str = None, 
     meas = raw
     err = 100 * (pred["step_time_s"] - meas) / meas
     rows.append(dict(name=entry["name"], kind="train", measured_s=meas, predicted_s=pred["step_time_s"], err_pct=err,
-                     probe_s=m.get("probe_s"), host_devices=m.get("host_devices"),
+                     probe_s=m.get("probe_s"), host_devices=m.get("host_devices"), rounds=m["rounds"],
+                     round_spread_pct=m["round_spread_pct"],
                      noise_pct=noise, n_devices=n, predict_s=pred["predict_s"], wall_s=wall,
                      mem_pred=pred["peak_memory_bytes"], mem_xla=cap.memory["peak_bytes"],
                      mem_analytic=pred["memory_analytic"]["total"], priced_by=pred["breakdown"]["priced_by"]))
@@ -305,14 +318,9 @@ def run(suite_path=None, reps: int = 7, backend: str = "auto", png: str = None, 
   for entry in infer_entries:
     cfg = validate_cfg(from_dict(_merge(suite.BASE, entry)), 1)
     g1, g2 = entry["gen_lens"]
-    if entry["name"] in cache:
-      m, cap2 = cache[entry["name"]], _cached_capture(
-          hlo_cache, entry["name"], lambda: capture.sampler(cfg, entry["batch"], entry["prompt_len"], g2))
-    else:
-      m, cap2 = _measure_infer_entry(cfg, entry, reps, get_probe())
-      m["regime"] = bench.regime()
-      cache[entry["name"]] = m
-      save()
+    m = pool_rounds([c[entry["name"]] for c in caches])
+    cap2 = _cached_capture(hlo_cache, entry["name"],
+                           lambda: capture.sampler(cfg, entry["batch"], entry["prompt_len"], g2))
     if backend == "profiled":
       profiler.profile_dots(graph_lib.from_hlo_text(cap2.hlo_text), hw.name)
     tpot_meas = m["measured_s"]
@@ -321,7 +329,7 @@ def run(suite_path=None, reps: int = 7, backend: str = "auto", png: str = None, 
     noise = m["noise_pct"]
     inf_rows.append(dict(name=entry["name"], kind="infer", measured_s=tpot_meas, predicted_s=pred["tpot_s"],
                          err_pct=err, probe_s=m.get("probe_s"), host_devices=m.get("host_devices"),
-                         noise_pct=noise))
+                         noise_pct=noise, rounds=m["rounds"], round_spread_pct=m["round_spread_pct"]))
     print(f"{entry['name']:>16}  TPOT measured {tpot_meas * 1e3:8.3f} ms  predicted {pred['tpot_s'] * 1e3:8.3f} ms  "
           f"err {err:+6.1f}%  noise ±{noise:4.1f}%", file=sys.stderr, flush=True)
   meas = [r["measured_s"] for r in rows]
@@ -332,10 +340,11 @@ def run(suite_path=None, reps: int = 7, backend: str = "auto", png: str = None, 
   regret = 100 * (1 - tps_m[best_pred] / max(tps_m))
   mem_err = float(np.max([abs(r["mem_pred"] - r["mem_xla"]) / r["mem_xla"] * 100 for r in rows]))
   mem_ana = float(np.mean([abs(r["mem_analytic"] - r["mem_xla"]) / r["mem_xla"] * 100 for r in rows]))
-  normalised = _speed_normalise(rows + inf_rows, ref, hw.calibration.get("speed_probe_ref_by_devices")
-                                if hw.name == "cpu" else None)
-  probes = [r["probe_s"] for r in rows + inf_rows if r.get("probe_s")]
-  out = {"mape": mape, "kendall_tau": kendall_tau(meas, prd), "n_configs": len(rows),
+  normalised = _normalise_rounds(rows + inf_rows, ref, hw.calibration.get("speed_probe_ref_by_devices")
+                                 if hw.name == "cpu" else None)
+  probes = [m["probe_s"] for r in rows + inf_rows for m in r["rounds"] if m.get("probe_s")]
+  out = {"mape": mape, "kendall_tau": kendall_tau(meas, prd), "n_configs": len(rows), "rounds": len(caches),
+         "round_spread_pct": (float(np.median([r["round_spread_pct"] for r in rows])) if len(caches) > 1 else None),
          "mape_speed_normalised": (float(np.mean([abs(r["err_at_ref_pct"]) for r in rows]))
                                    if normalised else None),
          "tpot_mape_speed_normalised": (float(np.mean([abs(r["err_at_ref_pct"]) for r in inf_rows]))
@@ -361,8 +370,52 @@ def run(suite_path=None, reps: int = 7, backend: str = "auto", png: str = None, 
     out["png"] = png
   if results:
     # a row predicted on stored measurements says so (and which), so it is not read as a fresh measurement
-    _append_results(out, f" --measurements {measurements} (stored, written {taken})" if reused else "")
+    tail = f" --rounds {len(caches)}" if len(caches) > 1 and not stored else ""
+    _append_results(out, tail + (f" --measurements {' '.join(stored)} (stored, written {taken})" if stored else ""))
   return out
+
+
+def load_rounds(path: str) -> list:
+  """The measurement rounds stored in ``path``: a file from before rounds (one {name: measurement}) is one."""
+  with open(path) as f:
+    d = json.load(f)
+  if "rounds" in d and isinstance(d["rounds"], list):
+    return d["rounds"]
+  return [d]
+
+
+def pool_rounds(ms: list) -> dict:
+  """One config's measurement over rounds: the median of the rounds' medians; noise = the larger of the rounds'
+  median noise and half the spread between rounds. ``rounds`` keeps each round's raw measurement."""
+  xs = [m["measured_s"] for m in ms]
+  med = statistics.median(xs)
+  spread = 100 * (max(xs) - min(xs)) / med if med > 0 else 0.0
+  return {"measured_s": med, "noise_pct": max(statistics.median(m["noise_pct"] for m in ms), spread / 2),
+          "wall_s": statistics.median(m.get("wall_s", m["measured_s"]) for m in ms),
+          "probe_s": ms[0].get("probe_s") if len(ms) == 1 else None, "host_devices": ms[0].get("host_devices"),
+          "round_spread_pct": spread,
+          "rounds": [{k: m.get(k) for k in ("measured_s", "noise_pct", "probe_s", "host_devices")} for m in ms]}
+
+
+def _normalise_rounds(rows: list, ref, refs_by_devices: dict = None) -> bool:
+  """Speed-normalises each round on its own (its probes, its measurement order: :func:`_speed_normalise`) and
+  gives every row the median over rounds (``measured_at_ref_s``, ``err_at_ref_pct``; per round in
+  ``rounds[i]["measured_at_ref_s"]``)."""
+  n_rounds = len(rows[0]["rounds"]) if rows else 0
+  if not n_rounds or any(len(r["rounds"]) != n_rounds for r in rows):
+    return False
+  per_round = []
+  for i in range(n_rounds):
+    rr = [dict(r["rounds"][i], predicted_s=r["predicted_s"]) for r in rows]
+    if not _speed_normalise(rr, ref, refs_by_devices):
+      return False
+    per_round.append(rr)
+  for j, r in enumerate(rows):
+    for i in range(n_rounds):
+      r["rounds"][i]["measured_at_ref_s"] = per_round[i][j]["measured_at_ref_s"]
+    r["measured_at_ref_s"] = statistics.median(pr[j]["measured_at_ref_s"] for pr in per_round)
+    r["err_at_ref_pct"] = 100 * (r["predicted_s"] - r["measured_at_ref_s"]) / r["measured_at_ref_s"]
+  return True
 
 
 SPEED_WINDOW = 4  # probe times of this many measurements either side are pooled (median) per measurement
@@ -420,7 +473,7 @@ def _append_results(out, command_tail: str = ""):
     with open(path, "w") as f:
       f.write("# Benchmark results\n\n| date | command | machine | numbers |\n|---|---|---|---|\n")
   nums = {k: (round(v, 3) if isinstance(v, float) else v) for k, v in out.items()
-          if k in ("mape", "kendall_tau", "n_configs", "noise_pct", "top1_regret_pct", "tpot_mape", "tpot_noise_pct",
+          if k in ("mape", "kendall_tau", "n_configs", "rounds", "round_spread_pct", "noise_pct", "top1_regret_pct", "tpot_mape", "tpot_noise_pct",
                    "peak_memory_max_err_pct_vs_memory_analysis", "load_avg", "clock", "calibration_loo_mape",
                    "mape_speed_normalised", "tpot_mape_speed_normalised")}
   if isinstance(out.get("host_speed"), dict):

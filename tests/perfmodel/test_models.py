@@ -231,6 +231,33 @@ def test_speed_normalisation_pools_neighbouring_probes_and_scales_to_the_referen
   assert not validate._speed_normalise(rows, ref=0.04)  # a row without a probe: no normalised figure
 
 
+def test_validate_rounds_pool_to_the_median_and_each_round_is_normalised_with_its_own_probes(tmp_path):
+  """Two rounds of the same suite: the second ran with the host 1.5x slower. Each round scaled by its own probes
+  gives the same reference-speed time, so the pooled error at the reference speed is the model's alone; the raw
+  measurement is the median over rounds and the noise shows the spread between them."""
+  import json
+  from perfmodel import validate
+  r1 = {n: {"measured_s": t, "noise_pct": 2.0, "probe_s": 0.04, "host_devices": 1} for n, t in (("a", 1.0), ("b", 2.0))}
+  r2 = {n: {"measured_s": 1.5 * m["measured_s"], "noise_pct": 3.0, "probe_s": 0.06, "host_devices": 1}
+        for n, m in r1.items()}
+  old, new = tmp_path / "old.json", tmp_path / "new.json"
+  old.write_text(json.dumps(r1))  # a file written before rounds existed is one round
+  new.write_text(json.dumps({"rounds": [r2]}))
+  rounds = validate.load_rounds(str(old)) + validate.load_rounds(str(new))
+  assert len(rounds) == 2 and rounds[0]["a"]["measured_s"] == 1.0
+  pooled = {n: validate.pool_rounds([c[n] for c in rounds]) for n in ("a", "b")}
+  assert pooled["a"]["measured_s"] == pytest.approx(1.25)  # median of two = their mean
+  assert pooled["a"]["round_spread_pct"] == pytest.approx(40.0) and pooled["a"]["noise_pct"] == pytest.approx(20.0)
+  rows = [dict(name=n, predicted_s=1.1 * r1[n]["measured_s"], rounds=pooled[n]["rounds"]) for n in ("a", "b")]
+  assert validate._normalise_rounds(rows, ref=0.04)  # noqa: SLF001
+  for r in rows:
+    assert [x["measured_at_ref_s"] for x in r["rounds"]] == pytest.approx([r["predicted_s"] / 1.1] * 2)
+    assert r["err_at_ref_pct"] == pytest.approx(10.0)
+  # a round without probe times: no normalised figure
+  rows[0]["rounds"][1]["probe_s"] = None
+  assert not validate._normalise_rounds(rows, ref=0.04)  # noqa: SLF001
+
+
 def test_decode_bytes_are_priced_piecewise_and_the_knee_is_recovered_by_leave_one_out():
   """Decode time per byte rises once the step's bytes leave the core's cache: h per byte below the knee,
   i per byte above; the fit picks the knee from its grid by leave-one-out over the decode rows alone."""
