@@ -2,7 +2,7 @@
 
 Commands:
   python -m perfmodel calibrate                      # fit the cpu profile (a few minutes)
-  python -m perfmodel validate --png benchmarks/perfmodel_validate.png > /tmp/perfmodel_validate.json
+  python -m perfmodel validate --rounds 3 --png benchmarks/perfmodel_validate.png > /tmp/perfmodel_validate.json
   python experiments/figures/perfmodel_accuracy.py /tmp/perfmodel_validate.json benchmarks/perfmodel_accuracy.png
 Reproduces: predicted-vs-measured scatter and per-config signed error with the run-to-run noise beside it
 (perfmodel/README.md, "Measured"). get_config returns the suite's base training config (a valid experiment).
