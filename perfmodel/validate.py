@@ -251,12 +251,6 @@ def run(suite_path=None, reps: int = 7, backend: str = "auto", png: str = None, 
   from perfmodel import speed
   hw = hardware.load(hardware_name)
   ref = hw.calibration.get("speed_probe_ref_s") if hw.name == "cpu" else None
-  prober = []  # the Probe, built on the first measurement that needs it
-
-  def get_probe():
-    if probe and not prober:
-      prober.append(speed.Probe())
-    return prober[0] if prober else None
   suite = _load_suite(suite_path)
   files = [measurements] if isinstance(measurements, str) else list(measurements or [])
   stored = [f for f in files if os.path.exists(f)]
@@ -283,14 +277,10 @@ def run(suite_path=None, reps: int = 7, backend: str = "auto", png: str = None, 
         cache.update(measure_isolated(suite_path, names, n_dev, reps, probe))
         save()
     else:
-      for entry in entries + infer_entries:
-        if entry["name"] not in cache:
-          cfg, _, kind = _entry_cfg(suite, entry)
-          m, _ = (_measure_infer_entry(cfg, entry, reps, get_probe()) if kind == "infer"
-                  else _measure_train_entry(cfg, reps, get_probe()))
-          m["regime"] = bench.regime()
-          cache[entry["name"]] = m
-          save()
+      missing = [e["name"] for e in entries + infer_entries if e["name"] not in cache]
+      if missing:
+        cache.update(measure_entries(suite_path, missing, reps, probe))
+        save()
   rows = []
   for entry in entries:
     cfg = from_dict(_merge(suite.BASE, entry))
@@ -473,7 +463,8 @@ def _append_results(out, command_tail: str = ""):
     with open(path, "w") as f:
       f.write("# Benchmark results\n\n| date | command | machine | numbers |\n|---|---|---|---|\n")
   nums = {k: (round(v, 3) if isinstance(v, float) else v) for k, v in out.items()
-          if k in ("mape", "kendall_tau", "n_configs", "rounds", "round_spread_pct", "noise_pct", "top1_regret_pct", "tpot_mape", "tpot_noise_pct",
+          if k in ("mape", "kendall_tau", "n_configs", "rounds", "round_spread_pct", "noise_pct", "top1_regret_pct",
+                   "tpot_mape", "tpot_noise_pct",
                    "peak_memory_max_err_pct_vs_memory_analysis", "load_avg", "clock", "calibration_loo_mape",
                    "mape_speed_normalised", "tpot_mape_speed_normalised")}
   if isinstance(out.get("host_speed"), dict):
