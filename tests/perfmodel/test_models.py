@@ -1,4 +1,5 @@
 """Closed forms: collectives (alpha-beta), pipeline bubbles (formula == simulation), timeline overlap, profiles."""
+import numpy as np
 import pytest
 
 from perfmodel import collectives as C
@@ -215,6 +216,26 @@ def test_fresh_temp_buffer_feature_only_above_the_mmap_threshold():
   assert cn.composition_features(g, lambda n: 0.0, 2, temp_bytes=2 ** 30, hw=kept)[5] == 0.0
   # the decode loop body of a sampler allocates nothing per token
   assert 5 in cn.TYPE_FEATURES["train"] and 5 not in cn.TYPE_FEATURES["decode"]
+
+
+def test_decode_fit_takes_a_signed_per_thunk_term_and_training_stays_non_negative():
+  """Rows built from a known law with a negative per-thunk term (traced node times that each carry a fixed
+  tracing cost): the decode type recovers it; the training type, whose terms are all non-negative, cannot."""
+  from perfmodel import calibrate_nodes as cn
+  rng = np.random.default_rng(0)
+  rows, y = [], []
+  for _ in range(8):
+    execs = float(rng.integers(50, 800))
+    node_sum = execs * float(rng.uniform(1e-6, 8e-6))
+    nbytes = float(rng.uniform(1e5, 3e6))
+    rows.append([node_sum, execs, 0.0, 0.0, 0.0, 0.0, nbytes])
+    y.append(0.5 * node_sum - 0.4e-6 * execs + 2e-11 * nbytes)
+  coef = cn.fit_typed(rows, y, ["decode"] * len(rows))["decode"]
+  assert coef["b"] == pytest.approx(-0.4e-6, rel=0.05) and coef["a"] == pytest.approx(0.5, rel=0.05)
+  for r, t in zip(rows, y):
+    assert cn.compose({"decode": coef}, r, "decode") == pytest.approx(t, rel=0.02)
+  train = cn.fit_typed(rows, y, ["train"] * len(rows))["train"]
+  assert min(train.values()) >= 0.0
 
 
 def test_speed_normalisation_pools_neighbouring_probes_and_scales_to_the_reference():
