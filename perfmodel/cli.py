@@ -101,8 +101,18 @@ def cmd_calibrate(a, overrides):
   # with exactly each program's device count, as `validate` and `experiments.run` run them (the count changes a
   # one-device step's time: base 1.23-1.45x slower with 8 host devices than with 1).
   capture.ensure_devices(VALIDATE_DEVICES)
-  from perfmodel import calibrate
-  _print(calibrate.run(quick=a.quick, nodes=not a.no_nodes, nodes_only=a.nodes_only))
+  import os
+  from perfmodel import calibrate, hardware, learned
+  prof = os.path.join(hardware.PROFILE_DIR, "cpu.json")
+  snap = calibrate.snapshot([prof, learned.samples_path("cpu")])
+  res = calibrate.run(quick=a.quick, nodes=not a.no_nodes, nodes_only=a.nodes_only)
+  nodes = res.get("nodes") or {}
+  res["gate"] = calibrate.gate(snap, None if a.quick else nodes.get("loo_mape"),
+                              calibrate.MAX_LOO_PCT if a.max_loo is None else a.max_loo)
+  _print(res)
+  if not res["gate"]["accepted"]:
+    print(res["gate"]["message"], file=sys.stderr)
+    sys.exit(2)
 
 
 def cmd_validate(a, overrides):
@@ -154,6 +164,9 @@ def main(argv=None):
   ca.add_argument("--quick", action="store_true")
   ca.add_argument("--no-nodes", action="store_true", help="micro-benchmarks only (skip the learned backend)")
   ca.add_argument("--nodes-only", action="store_true", help="only the calibration-program stage (keep the curves)")
+  ca.add_argument("--max-loo", type=float, default=None, metavar="PCT",
+                  help="refuse (keep the previous profile) when the calibration's leave-one-program-out error is "
+                       "above this (default 15; perfmodel/calibrate.py MAX_LOO_PCT)")
   ca.add_argument("--refit-composition", default="", metavar="HLO_DIR",
                   help="refit only the step composition from stored measurements + cached calibration programs")
   va = sub.add_parser("validate", help="measured vs predicted over a suite of configs on this host")

@@ -359,3 +359,25 @@ def test_device_references_see_a_child_that_ran_in_a_slow_window():
   assert speed.normalise(1.4, probes[4][0], refs[4]) == pytest.approx(1.0, rel=1e-9)
   # without windows (step times from before this change): the child's own median, as before
   assert speed.device_references(0.040, probes, {})[4] == pytest.approx(0.040 * 1.2 * 1.4)
+
+
+def test_calibration_gate_keeps_the_previous_profile_when_leave_one_out_is_too_high(tmp_path):
+  """A fresh calibration above the leave-one-out threshold is moved aside and the previous files come back byte
+  for byte; one at or under it stays. A profile that did not exist before is moved aside, not left half-made."""
+  from perfmodel import calibrate
+  prof, samples, fresh = tmp_path / "cpu.json", tmp_path / "nodes.json", tmp_path / "new.json"
+  prof.write_text('{"old": 1}')
+  samples.write_text('{"old samples": 1}')
+  snap = calibrate.snapshot([str(prof), str(samples), str(fresh)])
+  prof.write_text('{"new": 2}')
+  samples.write_text('{"new samples": 2}')
+  fresh.write_text('{"made by this calibration": 3}')
+  out = calibrate.gate(snap, 20.0, max_loo=15.0, rejected_dir=str(tmp_path / "rejected"))
+  assert not out["accepted"] and "20.0%" in out["message"]
+  assert prof.read_text() == '{"old": 1}' and samples.read_text() == '{"old samples": 1}' and not fresh.exists()
+  assert (tmp_path / "rejected" / "cpu.json").read_text() == '{"new": 2}'
+  assert (tmp_path / "rejected" / "new.json").exists() and len(out["rejected_files"]) == 3
+  prof.write_text('{"newer": 4}')
+  assert calibrate.gate(snap, 15.0, max_loo=15.0, rejected_dir=str(tmp_path / "rejected"))["accepted"]
+  assert prof.read_text() == '{"newer": 4}'
+  assert calibrate.gate(snap, None)["accepted"]  # no node stage (micro-benchmarks only): nothing to judge
