@@ -37,6 +37,7 @@ import platform
 import statistics
 import sys
 import time
+from typing import Optional
 
 DEFAULT_PATH = os.path.join(os.path.dirname(__file__), "calibration", "cpu_gloo.json")
 KINDS = ("all-reduce", "all-gather", "reduce-scatter", "collective-permute")
@@ -218,6 +219,40 @@ def replay(calls, reps: int = 5, timeout_s: float = 600.0) -> dict:
   return {collectives.call_key(c["kind"], c["sizes"]): min(ts) for c, ts in zip(calls, zip(*per_proc))}
 
 
+_NESTED = " (kinds "
+_OTHERS = "; the others from: "
+
+
+def sources_by_kind(source: str, kinds: list) -> dict:
+  """{kind: the source of the run that measured it} from an older file's nested provenance: each partial
+  re-calibration wrapped the previous source as "NEW (kinds A, B; the others from: OLD)", so the string grew by
+  one level per emulation run (36 KB after 2026-12-01)."""
+  levels, rest = [], source
+  while _NESTED in rest and _OTHERS in rest:
+    head, tail = rest.split(_NESTED, 1)
+    measured, rest = tail.split(_OTHERS, 1)
+    levels.append((head, measured.split(", ")))
+  innermost = rest.rstrip(")")
+  out = {}
+  for k in kinds:
+    out[k] = next((head for head, measured in levels if k in measured), innermost)
+  return out
+
+
+def merge_partial(res: dict, old: Optional[dict], kinds) -> dict:
+  """A calibration of some ``kinds`` merged into the previous file ``old`` (None: nothing to keep): the other kinds'
+  curves stay, and each kind keeps the source of the run that measured it (``source_by_kind``), flat."""
+  if old is None:
+    res["source_by_kind"] = {k_: res["source"] for k_ in res["curves"]}
+    return res
+  for key in ("curves", "next_curves", "raw_with_collective_s", "raw_local_only_s"):
+    res[key] = {**{k_: v for k_, v in old.get(key, {}).items() if k_ not in kinds}, **res[key]}
+  prev = old.get("source_by_kind") or sources_by_kind(old.get("source", "?"), list(old.get("curves", {})))
+  res["source_by_kind"] = {**{k_: v for k_, v in prev.items() if k_ not in kinds}, **{k_: res["source"] for k_ in kinds}}
+  res["source"] += f" (kinds {', '.join(kinds)}; each other kind's source in source_by_kind)"
+  return res
+
+
 def calibrate(path: str = DEFAULT_PATH, reps: int = 7, k: int = 8, timeout_s: float = 600.0,
               burst_dim: int = BURST_DIM, kinds: tuple = KINDS) -> dict:
   """Measures the curves of ``kinds`` and writes them to ``path``. Kinds not measured keep the curves already
@@ -250,12 +285,11 @@ def calibrate(path: str = DEFAULT_PATH, reps: int = 7, k: int = 8, timeout_s: fl
                     f"median of {reps}"),
          "burst_dim": burst_dim,
          "n": 2, "load_avg_1m": [load0, os.getloadavg()[0]], "wall_s": done.wall_s}
+  old = None
   if set(kinds) != set(KINDS) and os.path.exists(path):
     with open(path) as f:
       old = json.load(f)
-    for key in ("curves", "next_curves", "raw_with_collective_s", "raw_local_only_s"):
-      res[key] = {**{k_: v for k_, v in old.get(key, {}).items() if k_ not in kinds}, **res[key]}
-    res["source"] += f" (kinds {', '.join(kinds)}; the others from: {old.get('source', '?')})"
+  res = merge_partial(res, old, kinds)
   os.makedirs(os.path.dirname(path), exist_ok=True)
   with open(path, "w") as f:
     json.dump(res, f, indent=1)

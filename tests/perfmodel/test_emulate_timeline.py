@@ -206,6 +206,25 @@ def test_gloo_calibration_of_some_kinds_keeps_the_stored_curves_of_the_others(tm
   stored = json.loads(path.read_text())
   assert stored["curves"]["all-reduce"] == [[1024.0, 1.0]] and stored["next_curves"]["all-reduce"] == [[1024.0, 4.0]]
   assert stored["curves"]["collective-permute"] == [[1024.0, 9.0]]  # not re-measured: kept
-  assert "before" in res["source"]
+  assert res["source_by_kind"]["collective-permute"] == "before" and "before" not in res["source"]
   with pytest.raises(ValueError, match="unknown collective kinds"):
     gloo_calibration.calibrate(str(path), kinds=("all-to-all",))
+
+
+def test_partial_gloo_calibrations_keep_one_flat_source_per_kind():
+  """Re-measuring some kinds keeps the others' curves and records each kind's source once; an older file whose
+  provenance nested one level per run is flattened to the run that measured each kind."""
+  from perfmodel.emulate import gloo_calibration as gc
+  nested = "run C (kinds all-reduce; the others from: run B (kinds collective-permute; the others from: run A))"
+  assert gc.sources_by_kind(nested, ["all-reduce", "collective-permute", "all-gather"]) == {
+      "all-reduce": "run C", "collective-permute": "run B", "all-gather": "run A"}
+  old = {"curves": {"all-reduce": [[1, 1.0]], "all-gather": [[1, 2.0]]}, "source": nested}
+  for run in ("run D", "run E", "run F"):
+    new = {"curves": {"all-reduce": [[1, 0.5]]}, "next_curves": {}, "raw_with_collective_s": {},
+           "raw_local_only_s": {}, "source": run}
+    old = gc.merge_partial(new, old, ["all-reduce"])
+  assert old["curves"] == {"all-reduce": [[1, 0.5]], "all-gather": [[1, 2.0]]}
+  assert old["source_by_kind"] == {"all-reduce": "run F", "all-gather": "run A"}
+  assert old["source"].startswith("run F (kinds all-reduce;") and "run E" not in old["source"]
+  full = gc.merge_partial({"curves": {k: [] for k in gc.KINDS}, "source": "run G"}, None, gc.KINDS)
+  assert set(full["source_by_kind"].values()) == {"run G"}
