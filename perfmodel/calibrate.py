@@ -173,7 +173,10 @@ def snapshot(paths: list) -> dict:
   """{path: bytes or None}: what a calibration is about to overwrite."""
   out = {}
   for p in paths:
-    out[p] = open(p, "rb").read() if os.path.exists(p) else None
+    out[p] = None
+    if os.path.exists(p):
+      with open(p, "rb") as f:
+        out[p] = f.read()
   return out
 
 

@@ -132,7 +132,8 @@ def _fit_cols(rows, y, cols, knee=None, signed=()) -> dict:
   """Least squares over ``cols``, non-negative except the ``signed`` columns (fitted as a positive and a negated
   copy whose coefficients are subtracted)."""
   neg = [c for c in cols if c in signed]
-  x = _nnls([[split_bytes(r, knee)[c] for c in cols] + [-split_bytes(r, knee)[c] for c in neg] for r in rows], y)
+  split = [split_bytes(r, knee) for r in rows]
+  x = _nnls([[f[c] for c in cols] + [-f[c] for c in neg] for f in split], y)
   full = [0.0] * len(COEF_NAMES)
   for c, v in zip(cols, x):
     full[c] = float(v)
