@@ -8,6 +8,7 @@ import signal
 import socket
 import subprocess
 import sys
+import tempfile
 import time
 from typing import Optional, Sequence
 
@@ -46,7 +47,7 @@ def launch_local(argv: Sequence[str], processes: int, host_devices: int, timeout
   if host_devices % processes:
     raise ValueError(f"--host-devices {host_devices} is not divisible by --processes {processes}")
   port = free_port()
-  procs = []
+  procs, errs = [], []
   base_env = dict(os.environ if env is None else env)
   base_env["XLA_FLAGS"] = f"--xla_force_host_platform_device_count={host_devices // processes}"
   base_env.setdefault("JAX_PLATFORMS", "cpu")
@@ -54,16 +55,20 @@ def launch_local(argv: Sequence[str], processes: int, host_devices: int, timeout
     for pid in range(processes):
       cmd = [sys.executable, "-m", "experiments.run", *argv, "--coordinator", f"127.0.0.1:{port}",
              "--num-processes", str(processes), "--process-id", str(pid)]
+      # the other children's stderr goes to a file, not a pipe: a chatty child must never block on a full
+      # pipe nobody reads while its peers wait for it in a collective
+      errs.append(None if pid == 0 else tempfile.TemporaryFile())
       procs.append(subprocess.Popen(cmd, env=base_env, stdout=None if pid == 0 else subprocess.DEVNULL,
-                                    stderr=None if pid == 0 else subprocess.PIPE, start_new_session=True))
+                                    stderr=errs[-1], start_new_session=True))
     deadline = time.time() + timeout_s
     while True:
       codes = [p.poll() for p in procs]
       bad = [c for c in codes if c not in (None, 0)]
       if bad:
         for i, p in enumerate(procs):
-          if p.poll() not in (None, 0) and p.stderr is not None:
-            sys.stderr.write(f"[process {i}] " + p.stderr.read().decode(errors="replace")[-4000:])
+          if p.poll() not in (None, 0) and errs[i] is not None:
+            errs[i].seek(0)
+            sys.stderr.write(f"[process {i}] " + errs[i].read().decode(errors="replace")[-4000:])
         return bad[0]
       if all(c == 0 for c in codes):
         return 0
@@ -78,3 +83,6 @@ def launch_local(argv: Sequence[str], processes: int, host_devices: int, timeout
         except ProcessLookupError:
           pass
       p.wait()
+    for f in errs:
+      if f is not None:
+        f.close()

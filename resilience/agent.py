@@ -31,12 +31,16 @@ from resilience import slots as slots_lib
 from resilience import wire
 
 
+try:  # resolved here, in the parent: the preexec_fn below then only calls into libc (no dlopen after fork)
+  _PRCTL = ctypes.CDLL("libc.so.6", use_errno=True).prctl
+except OSError:
+  _PRCTL = None
+
+
 def _die_with_parent():
   """preexec_fn: the kernel SIGKILLs this child when its parent dies (no orphans after a crash)."""
-  try:
-    ctypes.CDLL("libc.so.6", use_errno=True).prctl(1, signal.SIGKILL)  # PR_SET_PDEATHSIG
-  except OSError:
-    pass
+  if _PRCTL is not None:
+    _PRCTL(1, signal.SIGKILL)  # PR_SET_PDEATHSIG
 
 
 def worker_env() -> dict:

@@ -2,17 +2,22 @@
 
 ``parallelism.distributed.launch_local`` starts ``experiments.run`` children but cannot pin them; a
 fair real-vs-emulated comparison on a shared CPU needs every rank on its own core (and the emulated
-rank on the same core as the real rank 0), so this launcher sets ``os.sched_setaffinity`` in the
-child before Python imports jax (threads jax starts later inherit the mask). Every child is killed
-(SIGKILL on its process group: gloo peers can hang after a failure) on return, error or timeout.
+rank on the same core as the real rank 0), so each child starts as a two-line trampoline that sets
+``os.sched_setaffinity`` and then ``exec``s the command (threads jax starts later inherit the mask).
+Not ``preexec_fn``: that runs Python between fork and exec of a multithreaded (jax) parent, which
+CPython documents as able to deadlock the child. Output goes to temporary files, not pipes, so a
+chatty child never blocks on a full pipe while its peers wait for it in a collective. Every child is
+killed (SIGKILL on its process group: gloo peers can hang after a failure) on return, error or timeout.
 """
 from __future__ import annotations
 
 import dataclasses
 import os
+import shutil
 import signal
 import subprocess
 import sys
+import tempfile
 import time
 from typing import Optional, Sequence
 
@@ -37,10 +42,16 @@ class Done:
   wall_s: float
 
 
-def _pin(core: Optional[int]):
+_TRAMPOLINE = "import os, sys; os.sched_setaffinity(0, {int(sys.argv[1])}); os.execv(sys.argv[2], sys.argv[2:])"
+
+
+def pinned(cmd: Sequence[str], core: Optional[int]) -> list:
+  """``cmd`` run on ``core`` only (unchanged when ``core`` is None); the mask is set before ``cmd`` starts."""
+  cmd = list(cmd)
   if core is None:
-    return None
-  return lambda: os.sched_setaffinity(0, {core})
+    return cmd
+  exe = cmd[0] if os.path.isabs(cmd[0]) else (shutil.which(cmd[0]) or cmd[0])
+  return [sys.executable, "-c", _TRAMPOLINE, str(int(core)), exe, *cmd[1:]]
 
 
 def base_env(devices_per_process: int = 1) -> dict:
@@ -61,12 +72,14 @@ def run_pinned(cmds: Sequence[Sequence[str]], pin: Sequence[Optional[int]], env:
   """Runs ``cmds[i]`` on core ``pin[i]`` concurrently; waits for all (a failure kills the rest)."""
   env = env or base_env()
   t0 = time.perf_counter()
-  procs = []
+  procs, files = [], []
+  deadline = time.time() + timeout_s
   try:
     for cmd, core in zip(cmds, pin):
-      procs.append(subprocess.Popen(list(cmd), env=env, cwd=_root(), stdout=subprocess.PIPE, stderr=subprocess.PIPE,
-                                    preexec_fn=_pin(core), start_new_session=True, text=True))
-    deadline = time.time() + timeout_s
+      out, err = tempfile.TemporaryFile("w+"), tempfile.TemporaryFile("w+")
+      files.append((out, err))
+      procs.append(subprocess.Popen(pinned(cmd, core), env=env, cwd=_root(), stdout=out, stderr=err,
+                                    start_new_session=True, text=True))
     while True:
       codes = [p.poll() for p in procs]
       if any(c not in (None, 0) for c in codes) or all(c is not None for c in codes):
@@ -81,7 +94,15 @@ def run_pinned(cmds: Sequence[Sequence[str]], pin: Sequence[Optional[int]], env:
           os.killpg(p.pid, signal.SIGKILL)
         except ProcessLookupError:
           pass
-    outs = [p.communicate() for p in procs]
+      p.wait()
+    outs = []
+    for out, err in files:
+      texts = []
+      for f in (out, err):
+        f.seek(0)
+        texts.append(f.read())
+        f.close()
+      outs.append(texts)
   rc = [124 if p.returncode in (None, -signal.SIGKILL) and time.time() > deadline else p.returncode for p in procs]
   return Done(rc=rc, stdout=[o[0] for o in outs], stderr=[o[1] for o in outs], wall_s=time.perf_counter() - t0)
 

@@ -24,6 +24,7 @@ import os
 import signal
 import subprocess
 import sys
+import tempfile
 import threading
 import time
 from typing import Sequence
@@ -49,7 +50,7 @@ class Shadows:
     # with the measured rank's (in the real job the ranks leave each synchronising collective together, and
     # their memory-bound phases coincide)
     self.lockstep = lockstep
-    self.procs = []
+    self.procs, self.errs = [], []
     self.ready_s = None
 
   def __enter__(self):
@@ -63,7 +64,7 @@ class Shadows:
         self.procs.append(subprocess.Popen(
             [sys.executable, "-m", "perfmodel.emulate.shadow", blob, str(self.rank), str(core)]
             + (["--lockstep"] if self.lockstep else []), env=env,
-            cwd=localrun._root(), stdin=subprocess.PIPE, stdout=subprocess.PIPE, stderr=subprocess.PIPE,  # noqa: SLF001
+            cwd=localrun._root(), stdin=subprocess.PIPE, stdout=subprocess.PIPE, stderr=self._stderr(),  # noqa: SLF001
             text=True, start_new_session=True))
       for p in self.procs:
         self._wait_ready(p, t0)
@@ -73,19 +74,27 @@ class Shadows:
     self.ready_s = time.perf_counter() - t0
     return self
 
-  def _wait_ready(self, p, t0):
-    box = {}
+  def _stderr(self):
+    # a file, not a pipe: nobody reads a running shadow's stderr, and a full pipe would stall the shadow
+    f = tempfile.TemporaryFile("w+")
+    self.errs.append(f)
+    return f
 
-    def read():
+  def _wait_ready(self, p, t0):
+    ready = threading.Event()
+
+    def read():  # keeps draining stdout after the READY line, for the same reason as stderr goes to a file
       for line in p.stdout:
         if line.startswith(READY):
-          box["ok"] = True
-          return
-    th = threading.Thread(target=read, daemon=True)
-    th.start()
-    th.join(max(1.0, self.timeout_s - (time.perf_counter() - t0)))
-    if not box.get("ok"):
-      err = p.stderr.read()[-2000:] if p.poll() is not None else "(still compiling)"
+          ready.set()
+    threading.Thread(target=read, daemon=True).start()
+    ready.wait(max(1.0, self.timeout_s - (time.perf_counter() - t0)))
+    if not ready.is_set():
+      err = "(still compiling)"
+      if p.poll() is not None:
+        f = self.errs[self.procs.index(p)]
+        f.seek(0)
+        err = f.read()[-2000:]
       raise RuntimeError(f"shadow process for rank {self.rank} did not start within {self.timeout_s:.0f} s: {err}")
 
   def step(self) -> None:
@@ -104,10 +113,14 @@ class Shadows:
         except ProcessLookupError:
           pass
       try:
-        p.communicate(timeout=10)
+        if p.stdin:
+          p.stdin.close()
+        p.wait(timeout=10)
       except Exception:  # noqa: BLE001 - best effort: the group is already killed
         pass
-    self.procs = []
+    for f in self.errs:
+      f.close()
+    self.procs, self.errs = [], []
 
   def __exit__(self, *exc):
     self._kill()

@@ -42,7 +42,8 @@ print(faults(48 * 2 ** 20), faults(96 * 2 ** 20, threaded=True))
 
 
 def _faults(mode):
-  out = subprocess.run([sys.executable, "-c", _FAULTS_CHILD, mode], cwd=_ROOT, capture_output=True, text=True)
+  out = subprocess.run([sys.executable, "-c", _FAULTS_CHILD, mode], cwd=_ROOT, capture_output=True, text=True,
+                       timeout=120)
   assert out.returncode == 0, out.stderr[-2000:]
   return [int(x) for x in out.stdout.split()[-2:]]
 
