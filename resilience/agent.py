@@ -15,7 +15,6 @@ It holds no jax runtime. It
 from __future__ import annotations
 
 import argparse
-import ctypes
 import os
 import select
 import signal
@@ -29,18 +28,7 @@ import zmq
 
 from resilience import slots as slots_lib
 from resilience import wire
-
-
-try:  # resolved here, in the parent: the preexec_fn below then only calls into libc (no dlopen after fork)
-  _PRCTL = ctypes.CDLL("libc.so.6", use_errno=True).prctl
-except OSError:
-  _PRCTL = None
-
-
-def _die_with_parent():
-  """preexec_fn: the kernel SIGKILLs this child when its parent dies (no orphans after a crash)."""
-  if _PRCTL is not None:
-    _PRCTL(1, signal.SIGKILL)  # PR_SET_PDEATHSIG
+from resilience.deathsig import die_with_parent
 
 
 def worker_env() -> dict:
@@ -86,7 +74,7 @@ class Agent:
     self.zygote = subprocess.Popen(
         [sys.executable, "-m", "resilience.worker", "--zygote", "--agent", self.local_addr, "--name", self.name,
          "--workdir", self.workdir],
-        env=worker_env(), stdin=subprocess.PIPE, stdout=subprocess.PIPE, stderr=log, preexec_fn=_die_with_parent,
+        env=worker_env(), stdin=subprocess.PIPE, stdout=subprocess.PIPE, stderr=log, preexec_fn=die_with_parent,
         cwd=os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
     log.close()
     os.set_blocking(self.zygote.stdout.fileno(), False)

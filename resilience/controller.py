@@ -25,6 +25,7 @@ from typing import Dict, List, Optional
 import zmq
 
 from resilience import injection, wire
+from resilience.deathsig import die_with_parent
 from resilience.injection import InjectorMixin
 from resilience.recovery import RecoveryMixin, RunFailed, latest_persistent_step  # noqa: F401
 from resilience.settings import HotswapSettings
@@ -98,12 +99,11 @@ class Controller(RecoveryMixin, InjectorMixin):
     env = dict(os.environ)
     env["PYTHONPATH"] = REPO + os.pathsep + env.get("PYTHONPATH", "")
     logf = open(os.path.join(self.workdir, "logs", f"{name}-agent.log"), "w")
-    from resilience.agent import _die_with_parent  # noqa: PLC0415
     proc = subprocess.Popen(
         [sys.executable, "-m", "resilience.agent", "--name", name, "--controller", self.router_addr,
          "--run-id", self.run_id, "--workdir", self.workdir, "--heartbeat-s", str(self.s.heartbeat_s),
          "--chunk-mb", str(self.s.chunk_mb)],
-        env=env, cwd=REPO, stdout=logf, stderr=subprocess.STDOUT, preexec_fn=_die_with_parent)
+        env=env, cwd=REPO, stdout=logf, stderr=subprocess.STDOUT, preexec_fn=die_with_parent)
     logf.close()
     node = self.nodes[name] = Node(name, proc)
     return node

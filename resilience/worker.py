@@ -27,6 +27,7 @@ import traceback
 import zmq
 
 from resilience import wire
+from resilience.deathsig import die_with_parent
 
 
 def _log(*a):
@@ -90,7 +91,7 @@ def zygote(args):
       pid = os.fork()
       if pid == 0:
         try:
-          _die_with_parent()
+          die_with_parent()
           fd = os.open(os.path.join(args.workdir, "logs", f"{args.name}-worker{cmd[1]}.log"),
                        os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o644)
           os.dup2(fd, 1)
@@ -106,15 +107,6 @@ def zygote(args):
           os._exit(4)
       out.write(f"forked {pid}\n")
       out.flush()
-
-
-def _die_with_parent():
-  import ctypes
-  import signal
-  try:
-    ctypes.CDLL("libc.so.6", use_errno=True).prctl(1, signal.SIGKILL)  # PR_SET_PDEATHSIG
-  except OSError:
-    pass
 
 
 def standby(agent_addr: str, name: str, warm: dict):

@@ -95,16 +95,17 @@ def run_pinned(cmds: Sequence[Sequence[str]], pin: Sequence[Optional[int]], env:
         except ProcessLookupError:
           pass
       p.wait()
-    outs = []
-    for out, err in files:
-      texts = []
-      for f in (out, err):
-        f.seek(0)
-        texts.append(f.read())
-        f.close()
-      outs.append(texts)
+    outs = [[read_back(f) for f in pair] for pair in files]
+    for f in (f for pair in files for f in pair):
+      f.close()
   rc = [124 if p.returncode in (None, -signal.SIGKILL) and time.time() > deadline else p.returncode for p in procs]
   return Done(rc=rc, stdout=[o[0] for o in outs], stderr=[o[1] for o in outs], wall_s=time.perf_counter() - t0)
+
+
+def read_back(f) -> str:
+  """All a child wrote to the temporary file ``f`` (its stdout or stderr)."""
+  f.seek(0)
+  return f.read()
 
 
 def python(*args) -> list:

@@ -29,6 +29,8 @@ import threading
 import time
 from typing import Sequence
 
+from perfmodel.emulate import localrun
+
 READY = "@@shadow-ready"
 
 
@@ -55,7 +57,6 @@ class Shadows:
 
   def __enter__(self):
     from framework import config as config_lib  # noqa: PLC0415
-    from perfmodel.emulate import localrun  # noqa: PLC0415
     blob = json.dumps(config_lib.to_dict(self.cfg))
     env = localrun.base_env(1)
     t0 = time.perf_counter()
@@ -66,8 +67,8 @@ class Shadows:
             + (["--lockstep"] if self.lockstep else []), env=env,
             cwd=localrun._root(), stdin=subprocess.PIPE, stdout=subprocess.PIPE, stderr=self._stderr(),  # noqa: SLF001
             text=True, start_new_session=True))
-      for p in self.procs:
-        self._wait_ready(p, t0)
+      for p, err in zip(self.procs, self.errs):
+        self._wait_ready(p, err, t0)
     except BaseException:
       self._kill()
       raise
@@ -80,7 +81,7 @@ class Shadows:
     self.errs.append(f)
     return f
 
-  def _wait_ready(self, p, t0):
+  def _wait_ready(self, p, err_file, t0):
     ready = threading.Event()
 
     def read():  # keeps draining stdout after the READY line, for the same reason as stderr goes to a file
@@ -90,11 +91,7 @@ class Shadows:
     threading.Thread(target=read, daemon=True).start()
     ready.wait(max(1.0, self.timeout_s - (time.perf_counter() - t0)))
     if not ready.is_set():
-      err = "(still compiling)"
-      if p.poll() is not None:
-        f = self.errs[self.procs.index(p)]
-        f.seek(0)
-        err = f.read()[-2000:]
+      err = localrun.read_back(err_file)[-2000:] if p.poll() is not None else "(still compiling)"
       raise RuntimeError(f"shadow process for rank {self.rank} did not start within {self.timeout_s:.0f} s: {err}")
 
   def step(self) -> None:
