@@ -55,6 +55,11 @@ def pinned() -> bool:
   return len(os.sched_getaffinity(0)) == 1
 
 
+def clock():
+  """The regime's clock as a function: process CPU time when pinned, else wall time."""
+  return time.process_time if pinned() else time.perf_counter
+
+
 def regime() -> dict:
   """What the numbers of this process mean (recorded with every calibration and validation)."""
   return {"pinned_core": sorted(os.sched_getaffinity(0))[0] if pinned() else None,

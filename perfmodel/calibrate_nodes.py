@@ -427,6 +427,88 @@ def refit(prof_path: str, hlo_dir: str, log=print) -> dict:
   return {"composition": coef, "loo_mape": cal["calibration_loo_mape"], "loo": cv}
 
 
+def fit_profiled(prof_path: str, hlo_cache: str = None, log=print, samples_file: str = None,
+                 db: str = None) -> dict:
+  """``calibrate --profiled``: the composition for node prices from the profiled database.
+
+  Every calibration program kept in the profile (``calibration_loo``: its measured step) is compiled again
+  (or read from ``hlo_cache``, as ``validate --hlo-cache`` stores programs), each of its compute instructions
+  is cut out and timed alone (perfmodel/fusion_profiler.py, into the profiled database), and the same typed
+  composition as the learned one is fitted on those prices, with its own leave-one-program-out error. Nodes
+  the profiler leaves out are priced by the learned backend without the program's own samples. Stored as
+  ``composition_profiled`` beside the learned ``composition``; predict uses it with ``--backend profiled``.
+  ``samples_file`` / ``db``: the learned samples and the profiled database (default: the profile's own)."""
+  import json
+  import os
+  from perfmodel import fusion_profiler, hardware
+  from perfmodel.validate import _cached_capture, decode_loop
+  hw = hardware.load(prof_path)
+  with open(samples_file or learned.samples_path(hw.name)) as f:
+    samples = json.load(f)["samples"]
+  train_entries = {e["name"]: e for e in suite.CALIBRATION}
+  infer_entries = {e["name"]: e for e in suite.CALIBRATION_INFER}
+  rows, y, types, names, noise, skipped = [], [], [], [], [], {}
+  for c in hw.calibration["calibration_loo"]:
+    name = c["name"]
+    if name in train_entries:
+      cfg = _cfg(train_entries[name])
+      cap = _cached_capture(hlo_cache, name, lambda: capture.train_step(cfg))
+      gen = None
+    elif name in infer_entries:
+      e = infer_entries[name]
+      cfg = validate_cfg(_cfg_infer(e), 1)
+      gen = e["gen_lens"][1]
+      cap = _cached_capture(hlo_cache, name, lambda: capture.sampler(cfg, e["batch"], e["prompt_len"], gen))
+    else:
+      log(f"  profiled: {name} is not a calibration program of this version; left out")
+      continue
+    r = fusion_profiler.profile_program(cap.hlo_text, cap.n_devices, hw.name, path=db)
+    for k, v in r["skipped"].items():
+      skipped[k] = skipped.get(k, 0) + v
+    g = graph_lib.from_hlo_text(cap.hlo_text, cap.n_devices)
+    region = decode_loop(g, gen).body if gen else None
+    if gen is None:
+      _resolve_branches(g, cfg, hw)
+    prof = costs.Profiled(hw, db)
+    rest = learned.Learned(hw, samples=[s for s in samples if s["prog"] != name])
+
+    def price(n, prof=prof, rest=rest):
+      p = prof.price(n)
+      return p.seconds if p is not None and p.backend.endswith("isolated-traced") else rest.price(n).seconds
+    f = composition_features(g, price, cap.n_devices, region, cap.memory.get("temp_size_in_bytes", 0.0), hw=hw)
+    if region:
+      f[2] = 0.0
+    rows.append(f)
+    y.append(c["measured_s"])
+    types.append(program_type(cap.n_devices, bool(region)))
+    names.append(name)
+    noise.append(c.get("noise_pct", 0.0))
+    log(f"  profiled {name:>20}: {r['timed']} nodes timed alone, skipped {r['skipped'] or 'none'}")
+  coef = fit_typed(rows, y, types)
+  cv = loo_typed(rows, y, types, names, noise)
+  for c in cv:
+    log(f"  LOO profiled {c['name']:>18} ({c['type']:>6}): measured {c['measured_s'] * 1e3:8.3f} ms predicted "
+        f"{c['predicted_s'] * 1e3:8.3f} ms err {c['err_pct']:+6.1f}%")
+  mape = float(np.mean([abs(c["err_pct"]) for c in cv]))
+  with open(prof_path) as f:
+    base = json.load(f)
+  cal = base["calibration"]["value"]
+  cal["composition_profiled"] = coef
+  cal["calibration_loo_profiled"] = [{k: (round(v, 6) if isinstance(v, float) else v) for k, v in c.items()}
+                                     for c in cv]
+  cal["calibration_loo_profiled_mape"] = mape
+  import datetime
+  import platform
+  cal["composition_profiled_source"] = (
+      f"python -m perfmodel calibrate --profiled on {platform.node()} "
+      f"{datetime.datetime.now().isoformat(timespec='minutes')}: node times profiled then, step times from the "
+      f"calibration of {cal.get('date', '?')} (a host state between the two is error of this composition)")
+  with open(prof_path, "w") as f:
+    json.dump(base, f, indent=1)
+  return {"composition_profiled": coef, "loo_mape_profiled": mape, "loo_mape_learned": cal.get("calibration_loo_mape"),
+          "skipped": skipped, "loo": cv}
+
+
 def _resolve_branches(g, cfg, hw) -> None:
   """A pipelined program's slots as predict resolves them (stage average; perfmodel/branches.py), so its
   composition row sees the work that runs, not the idle branches."""

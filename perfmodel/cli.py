@@ -41,8 +41,7 @@ def cmd_predict(a, overrides):
   hw = hardware.load(a.hardware)
   if a.mode == "infer":
     cap = capture.sampler(cfg, a.batch, a.prompt_len, a.gen_len)
-    if a.profile_dots:
-      _profile(cap.hlo_text, hw.name)
+    _profile(a, cap, hw.name)
     out = predict.predict_infer(cfg, hw, a.batch, a.prompt_len, a.gen_len, a.backend, captured=cap)
   elif method == "rank_program" or (method == "auto_large"):
     try:
@@ -58,17 +57,22 @@ def cmd_predict(a, overrides):
     out["route"] = "analytic"
   else:
     cap = capture.train_step(cfg)
-    if a.profile_dots:
-      _profile(cap.hlo_text, hw.name)
+    _profile(a, cap, hw.name)
     out = predict.predict_train(cfg, hw, a.backend, captured=cap)
     out["method"] = out["route"] = "compile"
   _print(out)
 
 
-def _profile(hlo_text, profile):
-  from perfmodel import graph, profiler
-  r = profiler.profile_dots(graph.from_hlo_text(hlo_text), profile)
-  print(json.dumps({"profiled_dots": r}), file=sys.stderr)
+def _profile(a, cap, profile):
+  """--profile-dots / --profile-nodes: fill the profiled database with this program's nodes first."""
+  if a.profile_nodes:
+    from perfmodel import fusion_profiler
+    r = fusion_profiler.profile_program(cap.hlo_text, cap.n_devices, profile)
+    print(json.dumps({"profiled_nodes": {k: v for k, v in r.items() if k != "seconds"}}), file=sys.stderr)
+  elif a.profile_dots:
+    from perfmodel import graph, profiler
+    r = profiler.profile_dots(graph.from_hlo_text(cap.hlo_text), profile)
+    print(json.dumps({"profiled_dots": r}), file=sys.stderr)
 
 
 def _regime(a, trace: bool = True):
@@ -95,6 +99,15 @@ def cmd_calibrate(a, overrides):
     res = calibrate_nodes.refit(os.path.join(hardware.PROFILE_DIR, "cpu.json"), a.refit_composition,
                                 log=lambda m: print(m, file=sys.stderr))
     _print({"composition": res["composition"], "loo_mape": res["loo_mape"]})
+    return
+  if a.profiled:
+    _regime(a, trace=False)
+    capture.ensure_devices(VALIDATE_DEVICES)
+    import os
+    from perfmodel import calibrate_nodes, hardware
+    res = calibrate_nodes.fit_profiled(os.path.join(hardware.PROFILE_DIR, "cpu.json"), a.hlo_cache,
+                                       log=lambda m: print(m, file=sys.stderr))
+    _print({k: v for k, v in res.items() if k != "loo"})
     return
   _regime(a)
   # This process compiles every calibration program (up to 4 devices); the step times are measured in children
@@ -157,6 +170,9 @@ def main(argv=None):
                        "program (rank_program), else the analytic graph")
   pr.add_argument("--backend", choices=("auto", "roofline", "calibrated", "profiled", "learned"), default="auto")
   pr.add_argument("--profile-dots", action="store_true", help="time this program's unique dots on this host first")
+  pr.add_argument("--profile-nodes", action="store_true",
+                  help="time every compute instruction of this program alone on this host first (dots and fusions; "
+                       "perfmodel/fusion_profiler.py); use with --backend profiled")
   pr.add_argument("--batch", type=int, default=1)
   pr.add_argument("--prompt-len", type=int, default=32)
   pr.add_argument("--gen-len", type=int, default=32)
@@ -167,6 +183,10 @@ def main(argv=None):
   ca.add_argument("--max-loo", type=float, default=None, metavar="PCT",
                   help="refuse (keep the previous profile) when the calibration's leave-one-program-out error is "
                        "above this (default 15; perfmodel/calibrate.py MAX_LOO_PCT)")
+  ca.add_argument("--profiled", action="store_true",
+                  help="after a calibration: time the calibration programs' instructions alone (profiled database) "
+                       "and fit the composition for --backend profiled, with its own leave-one-out error")
+  ca.add_argument("--hlo-cache", default=None, help="with --profiled: folder of compiled programs (reused / filled)")
   ca.add_argument("--refit-composition", default="", metavar="HLO_DIR",
                   help="refit only the step composition from stored measurements + cached calibration programs")
   va = sub.add_parser("validate", help="measured vs predicted over a suite of configs on this host")

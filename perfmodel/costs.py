@@ -5,8 +5,10 @@
                     size, other fusions at the achieved streaming BW of their size plus element and
                     transcendental work (the CPU does not overlap compute with memory, so these add)
   * ``profiled``    a database of measured times keyed by (device, jax version, node fingerprint);
-                    filled by ``python -m perfmodel calibrate`` (dots are rebuilt from their
-                    m, n, k, batch, dtype and timed on the real device)
+                    filled per program (``predict --profile-nodes``, ``validate --backend profiled``,
+                    ``calibrate --profiled``): every compute instruction cut out of the compiled program,
+                    compiled alone and its thunks traced on the real device (perfmodel/fusion_profiler.py;
+                    ``--profile-dots`` rebuilds only the dots from m, n, k, batch, dtype)
 A :class:`Chain` asks its backends in order; the first that can price a node wins. Collective nodes
 always go to ``perfmodel.collectives`` (the same model emulation uses).
 """
@@ -97,6 +99,8 @@ class Profiled:
     t = self.table.get(node.fingerprint)
     if t is None:
       return None
+    if isinstance(t, dict):  # {"s", "method", "op"}: perfmodel/fusion_profiler.py
+      return Priced(float(t["s"]), f"{self.name}:{t.get('method', '')}".rstrip(":"))
     return Priced(float(t), self.name)
 
 
@@ -139,7 +143,9 @@ def make_chain(hw: HardwareProfile, backend: str = "auto", algorithm: str = "aut
   if backend == "calibrated":
     return Chain([Calibrated(hw)], hw, algorithm)
   if backend == "profiled":
-    return Chain([Profiled(hw), Calibrated(hw) if hw.calibrated else Roofline(hw)], hw, algorithm)
+    # what the profiler leaves out (in-place updates) goes to the learned backend, as in calibrate --profiled
+    rest = [learned.Learned(hw)] if learned.Learned.available(hw) else []
+    return Chain([Profiled(hw)] + rest + [Calibrated(hw) if hw.calibrated else Roofline(hw)], hw, algorithm)
   if backend != "auto":
     raise ValueError(f"unknown cost backend {backend!r}: choose roofline, calibrated, profiled or auto")
   chain = [learned.Learned(hw)] if learned.Learned.available(hw) else []

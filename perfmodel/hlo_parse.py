@@ -340,9 +340,6 @@ def parse_instruction(line: str, computation: str = "") -> Instruction:
                      is_root=is_root, computation=computation)
 
 
-_COMP = re.compile(r"^\s*(ENTRY\s+)?%?([\w.\-]+)\s*(\(.*)?\{\s*$")
-
-
 def _source_tables(text: str) -> dict:
   """StackFrames id -> 'file:line (function)' from the FileNames/FunctionNames/FileLocations tables."""
   tables, cur = {"FileNames": {}, "FunctionNames": {}, "FileLocations": {}, "StackFrames": {}}, None

@@ -27,8 +27,8 @@ def composed(g: graph_lib.ExecGraph, chain, hw: HardwareProfile, n_devices: int,
   On this host the N virtual devices run their per-device programs on one pinned core, so per-node times
   add up over devices with a per-thunk gap and per-device and collective terms fitted by
   ``python -m perfmodel calibrate`` (perfmodel/calibrate_nodes.py)."""
-  coef = hw.calibration.get("composition")
-  if not coef or not chain.names or chain.names[0] != "learned":
+  coef = composition_for(hw, chain)
+  if not coef:
     return None
   from perfmodel import calibrate_nodes
   feats = calibrate_nodes.composition_features(g, lambda n: chain.price(n).seconds, n_devices, region, temp_bytes,
@@ -36,6 +36,15 @@ def composed(g: graph_lib.ExecGraph, chain, hw: HardwareProfile, n_devices: int,
   if not per_step:
     feats[2] = 0.0
   return calibrate_nodes.compose(coef, feats, calibrate_nodes.program_type(n_devices, decode=not per_step))
+
+
+def composition_for(hw: HardwareProfile, chain) -> dict:
+  """The fitted composition matching the chain's first backend: ``composition`` (learned node prices, fitted
+  by calibrate) or ``composition_profiled`` (node prices of the profiled database, ``calibrate --profiled``);
+  None when the profile has none for it (the timeline's makespan is then the step)."""
+  first = chain.names[0] if chain.names else ""
+  key = {"learned": "composition", "profiled": "composition_profiled"}.get(first)
+  return hw.calibration.get(key) if key else None
 
 
 def _host_factor(hw: HardwareProfile, n_devices: int) -> float:
@@ -142,8 +151,8 @@ def predict_infer(cfg: Config, hw: HardwareProfile, batch: int, prompt_len: int,
   overhead = hw.calibration.get("step_overhead_s", 0.0)
   ttft = full.makespan - (tpot * gen_len) + overhead
   total = full.makespan + overhead
-  coef = hw.calibration.get("composition")
-  if coef and chain.names and chain.names[0] == "learned":
+  coef = composition_for(hw, chain)
+  if coef:
     from perfmodel import calibrate_nodes as cn
     price = lambda n: chain.price(n).seconds  # noqa: E731
     f_all = cn.composition_features(g, price, 1, temp_bytes=cap.memory.get("temp_size_in_bytes", 0.0), hw=hw)

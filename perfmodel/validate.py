@@ -21,7 +21,7 @@ import sys
 import numpy as np
 
 from framework.config import from_dict, validate as validate_cfg
-from perfmodel import bench, capture, graph as graph_lib, hardware, predict, profiler
+from perfmodel import bench, capture, fusion_profiler, hardware, predict
 
 
 def _merge(base: dict, over: dict) -> dict:
@@ -290,7 +290,7 @@ def run(suite_path=None, reps: int = 7, backend: str = "auto", png: str = None, 
     m = pool_rounds([c[entry["name"]] for c in caches])
     cap = _cached_capture(hlo_cache, entry["name"], lambda: capture.train_step(cfg))
     if backend == "profiled":
-      profiler.profile_dots(graph_lib.from_hlo_text(cap.hlo_text), hw.name)
+      fusion_profiler.profile_program(cap.hlo_text, cap.n_devices, hw.name)
     pred = predict.predict_train(cfg, hw, backend, captured=cap)
     raw, noise, wall = m["measured_s"], m["noise_pct"], m["wall_s"]
     meas = raw
@@ -312,7 +312,7 @@ def run(suite_path=None, reps: int = 7, backend: str = "auto", png: str = None, 
     cap2 = _cached_capture(hlo_cache, entry["name"],
                            lambda: capture.sampler(cfg, entry["batch"], entry["prompt_len"], g2))
     if backend == "profiled":
-      profiler.profile_dots(graph_lib.from_hlo_text(cap2.hlo_text), hw.name)
+      fusion_profiler.profile_program(cap2.hlo_text, 1, hw.name)
     tpot_meas = m["measured_s"]
     pred = predict.predict_infer(cfg, hw, entry["batch"], entry["prompt_len"], g2, backend, captured=cap2)
     err = 100 * (pred["tpot_s"] - tpot_meas) / tpot_meas if tpot_meas > 0 else float("nan")
@@ -361,6 +361,7 @@ def run(suite_path=None, reps: int = 7, backend: str = "auto", png: str = None, 
   if results:
     # a row predicted on stored measurements says so (and which), so it is not read as a fresh measurement
     tail = f" --rounds {len(caches)}" if len(caches) > 1 and not stored else ""
+    tail = (f" --backend {backend}" if backend != "auto" else "") + tail
     _append_results(out, tail + (f" --measurements {' '.join(stored)} (stored, written {taken})" if stored else ""))
   return out
 

@@ -1,0 +1,174 @@
+"""The profiled backend's fusion path (perfmodel/fusion_profiler.py): an instruction cut out of a compiled
+program computes what it computed there, keeps its layouts, and every compute node is timed or reported."""
+import json
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+
+from perfmodel import costs, fusion_profiler as fp, graph as G, hardware, hlo_parse as hp
+
+TRANSPOSE_COPY = """HloModule t
+
+ENTRY %main (x: f32[64,32]) -> f32[64,32] {
+  %x = f32[64,32]{1,0} parameter(0)
+  ROOT %c = f32[64,32]{0,1} copy(%x)
+}
+"""
+
+# A fusion instruction carried as such through StableHLO, its body relying on a layout-changing bitcast:
+# XLA:CPU's compiler aborts the process on it (a CHECK failure), which is why timing happens in a child.
+ABORTS_XLA = """HloModule standalone
+
+%fused (p: s32[8,64]) -> s32[512,1] {
+  %p = s32[8,64]{1,0} parameter(0)
+  %b = s32[512,1]{0,1} bitcast(%p)
+  ROOT %c = s32[512,1]{1,0} copy(%b)
+}
+
+ENTRY %main {
+  %p0 = s32[8,64]{1,0} parameter(0)
+  ROOT %target = s32[512,1]{1,0} fusion(%p0), kind=kLoop, calls=%fused
+}
+"""
+
+
+def _fn(x, y):
+  return jnp.tanh(x * y + 1.0).sum(axis=1)
+
+
+def _compiled_text():
+  x = jax.ShapeDtypeStruct((64, 128), jnp.float32)
+  return jax.jit(_fn).lower(x, x).compile().as_text()
+
+
+def test_standalone_fusion_computes_what_the_program_computed():
+  text = _compiled_text()
+  prog = fp.ProgramText(text)
+  mod = hp.parse_module(text)
+  root = mod.computations[mod.entry].root
+  assert root.opcode == "fusion", root.opcode
+  sub, types, out = prog.standalone(mod.entry, root.name)
+  assert "ENTRY" in sub and len(types) == 2
+  exe = fp.compile_standalone(sub, types, out)
+  rng = np.random.default_rng(0)
+  x, y = (rng.standard_normal((64, 128)).astype(np.float32) for _ in range(2))
+  (got,) = fp.run_standalone(exe, [jax.device_put(x), jax.device_put(y)])
+  np.testing.assert_allclose(np.asarray(got), np.asarray(_fn(x, y)), rtol=1e-5, atol=1e-5)
+
+
+def test_standalone_copy_keeps_its_transposing_layout():
+  prog = fp.ProgramText(TRANSPOSE_COPY)
+  sub, types, out = prog.standalone("main", "c")
+  exe = fp.compile_standalone(sub, types, out)
+  # without the pinned entry layouts StableHLO would make this a plain memcpy into a row-major result
+  assert "->f32[64,32]{0,1}" in exe.hlo_modules()[0].to_string().splitlines()[0]
+  x = np.arange(64 * 32, dtype=np.float32).reshape(64, 32)
+  (got,) = fp.run_standalone(exe, [jax.device_put(x)])
+  np.testing.assert_array_equal(np.asarray(got), x)
+
+
+TRANSPOSING_BITCAST = """HloModule b
+
+%fused (p: s32[8,64]) -> s32[64,8] {
+  %p = s32[8,64]{1,0} parameter(0)
+  %b = s32[64,8]{0,1} bitcast(%p)
+  ROOT %c = s32[64,8]{1,0} copy(%b)
+}
+
+ENTRY %main (x: s32[8,64]) -> s32[64,8] {
+  %x = s32[8,64]{1,0} parameter(0)
+  ROOT %f = s32[64,8]{1,0} fusion(%x), kind=kLoop, calls=%fused
+}
+"""
+
+
+def test_layout_changing_bitcast_is_refused_with_a_reason():
+  # a bitcast that only drops or adds dimensions of size 1 is the reshape it looks like, and is carried
+  fp.ProgramText(ABORTS_XLA.replace("ENTRY %main {", "ENTRY %main (p0: s32[8,64]) -> s32[512,1] {")
+                 ).standalone("main", "target")
+  try:
+    fp.ProgramText(TRANSPOSING_BITCAST).standalone("main", "f")
+    raise AssertionError("a layout-changing bitcast inside a fusion must be refused")
+  except ValueError as e:
+    assert "bitcast" in str(e)
+
+
+IN_PLACE = """HloModule d
+
+%upd (b: f32[16,8], u: f32[1,8], i: s32[]) -> f32[16,8] {
+  %b = f32[16,8]{1,0} parameter(0)
+  %u = f32[1,8]{1,0} parameter(1)
+  %i = s32[] parameter(2)
+  %z = s32[] constant(0)
+  ROOT %d = f32[16,8]{1,0} dynamic-update-slice(%b, %u, %i, %z)
+}
+
+ENTRY %main (b: f32[16,8], u: f32[1,8], i: s32[]) -> f32[16,8] {
+  %b = f32[16,8]{1,0} parameter(0)
+  %u = f32[1,8]{1,0} parameter(1)
+  %i = s32[] parameter(2)
+  ROOT %f = f32[16,8]{1,0} fusion(%b, %u, %i), kind=kLoop, calls=%upd
+}
+"""
+
+
+def test_in_place_update_is_timed_with_its_buffer_donated():
+  prog = fp.ProgramText(IN_PLACE)
+  assert prog.in_place_param("main", "f") == 0
+  sub, types, out = prog.standalone("main", "f")
+  exe = fp.compile_standalone(sub, types, out, alias=0)
+  # donated: XLA aliases the buffer to the result instead of copying it first
+  assert "input_output_alias" in exe.hlo_modules()[0].to_string().splitlines()[0]
+  b = np.arange(128, dtype=np.float32).reshape(16, 8)
+  u = np.full((1, 8), -1.0, np.float32)
+  (got,) = fp.run_standalone(exe, [jax.device_put(b), jax.device_put(u), jax.device_put(np.int32(5))])
+  want = b.copy()
+  want[5] = -1.0
+  np.testing.assert_array_equal(np.asarray(got), want)
+
+
+def test_worker_reports_a_compiler_abort_and_carries_on():
+  w = fp._Worker()
+  try:
+    r = w.run({"text": ABORTS_XLA, "types": ["s32[8,64]{1,0}"], "out": "s32[512,1]{1,0}"})
+    assert r == {"error": "compiler aborted"}
+    sub, types, out = fp.ProgramText(TRANSPOSE_COPY).standalone("main", "c")
+    r = w.run({"text": sub, "types": types, "out": out})
+    assert r.get("s", 0) > 0, r
+  finally:
+    w.close()
+
+
+def test_profile_program_times_every_compute_node_or_says_why(tmp_path):
+  text = _compiled_text()
+  db = tmp_path / "db.json"
+  res = fp.profile_program(text, 1, path=str(db))
+  g = G.from_hlo_text(text, 1)
+  fps = {n.fingerprint for n, _ in g.walk() if n.kind in G.COMPUTE_KINDS}
+  entries = json.loads(db.read_text())["entries"]
+  assert res["timed"] + sum(res["skipped"].values()) == len(fps) and res["timed"] >= 1
+  assert all(entries[f]["s"] > 0 for f in fps if f in entries)
+  prof = costs.Profiled(hardware.load("cpu"), str(db))
+  priced = [prof.price(n) for n, _ in g.walk() if n.fingerprint in entries]
+  assert priced and all(p.backend == "profiled:isolated-traced" for p in priced)
+
+
+def test_profile_program_times_an_in_place_update(tmp_path):
+  res = fp.profile_program(IN_PLACE, 1, path=str(tmp_path / "db.json"))
+  assert res["timed"] == 1 and not res["skipped"], res
+  assert 0 < res["seconds"]["f"] < 1e-3
+
+
+def test_each_backend_composes_with_the_coefficients_fitted_for_its_prices():
+  import dataclasses
+
+  from perfmodel import predict
+  hw = hardware.load("cpu")
+  cal = dict(hw.calibration, composition={"train": {"a": 1.0}}, composition_profiled={"train": {"a": 2.0}})
+  hw = dataclasses.replace(hw, calibration=cal)
+  assert predict.composition_for(hw, costs.make_chain(hw, "profiled")) == {"train": {"a": 2.0}}
+  assert predict.composition_for(hw, costs.make_chain(hw, "learned")) == {"train": {"a": 1.0}}
+  assert predict.composition_for(hw, costs.make_chain(hw, "calibrated")) is None
+  # learned prices what the profiler left out, before the curves
+  assert costs.make_chain(hw, "profiled").names[:2] == ["profiled", "learned"]
