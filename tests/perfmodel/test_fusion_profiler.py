@@ -172,3 +172,20 @@ def test_each_backend_composes_with_the_coefficients_fitted_for_its_prices():
   assert predict.composition_for(hw, costs.make_chain(hw, "calibrated")) is None
   # learned prices what the profiler left out, before the curves
   assert costs.make_chain(hw, "profiled").names[:2] == ["profiled", "learned"]
+
+
+def test_cli_predict_profile_nodes_prices_the_program_from_its_own_profiled_instructions(monkeypatch, capsys,
+                                                                                       tmp_path):
+  from perfmodel import cli
+  monkeypatch.setattr(costs, "DB_DIR", str(tmp_path))  # the shipped database stays untouched
+  cli.main(["predict", "--config", "experiments/configs/quickstart.py:runlocal=True", "--hardware", "cpu",
+            "--mesh", "data=2", "--profile-nodes", "--backend", "profiled"])
+  cap = capsys.readouterr()
+  out = json.loads(cap.out.strip().splitlines()[-1])
+  profiled = json.loads([ln for ln in cap.err.splitlines() if ln.startswith('{"profiled_nodes"')][-1])
+  assert profiled["profiled_nodes"]["timed"] > 10
+  by = out["breakdown"]["priced_by"]
+  assert by.get("profiled:isolated-traced", 0) > 0 and out["step_time_s"] > 0
+  # every compute node is priced by the profile or, where it was skipped, by the learned backend
+  assert set(by) <= {"profiled:isolated-traced", "learned", "learned(out-of-range)", "none"} | {
+      k for k in by if k.startswith("collective:")}, by
