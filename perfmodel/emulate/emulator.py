@@ -136,11 +136,12 @@ def emulate(cfg: Config, ranks: Optional[Sequence[int]] = None, hardware: str = 
   straggle = {}
   if stragglers and execute and target_hw.device_kind == local_hw.device_kind:
     # A synchronous step lasts as long as its slowest rank. Virtual peers are taken to vary from step to step
-    # like the measured rank does: the wait is E[max over the job's ranks] - median of its measured steps.
+    # like the measured rank does: the wait is the median over steps of the max over the job's ranks, minus
+    # the median of its measured steps (medians on both sides, as iteration times are reported).
     for r in to_run:
       xs = runs[r].step_times_s
       if len(xs) >= 3:
-        straggle[r] = max(0.0, tl_lib.expected_max(xs, space.n) - statistics.median(xs))
+        straggle[r] = max(0.0, tl_lib.median_max(xs, space.n) - statistics.median(xs))
   reps = {c.label: c.representative for c in sl.classes}
 
   def timelines(hw) -> dict:
