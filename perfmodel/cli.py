@@ -95,8 +95,8 @@ def cmd_calibrate(a, overrides):
   from perfmodel import capture
   if a.refit_composition:
     import os
-    from perfmodel import calibrate_nodes, hardware
-    res = calibrate_nodes.refit(os.path.join(hardware.PROFILE_DIR, "cpu.json"), a.refit_composition,
+    from perfmodel import hardware, refit
+    res = refit.refit(os.path.join(hardware.PROFILE_DIR, "cpu.json"), a.refit_composition,
                                 log=lambda m: print(m, file=sys.stderr))
     _print({"composition": res["composition"], "loo_mape": res["loo_mape"]})
     return
@@ -104,8 +104,8 @@ def cmd_calibrate(a, overrides):
     _regime(a, trace=False)
     capture.ensure_devices(VALIDATE_DEVICES)
     import os
-    from perfmodel import calibrate_nodes, hardware
-    res = calibrate_nodes.fit_profiled(os.path.join(hardware.PROFILE_DIR, "cpu.json"), a.hlo_cache,
+    from perfmodel import hardware, refit
+    res = refit.fit_profiled(os.path.join(hardware.PROFILE_DIR, "cpu.json"), a.hlo_cache,
                                        log=lambda m: print(m, file=sys.stderr))
     _print({k: v for k, v in res.items() if k != "loo"})
     return

@@ -67,51 +67,41 @@ def _clean(line: str) -> str:
 
 def _type_text(line: str) -> str:
   """The result type of an instruction line, as printed (``f32[8,64]{1,0}`` or a parenthesised tuple)."""
-  rest = hp._INSTR.match(hp._COMMENT.sub("", line)).group(3).strip()
+  rest = hp._INSTR.match(line).group(3).strip()
   if rest.startswith("("):
     return rest[:hp._match_close(rest, 0) + 1]
   return rest.split(None, 1)[0]
 
 
 class ProgramText:
-  """A compiled module's text split into computations: raw lines, parsed instructions, headers."""
+  """A compiled module's computations as printed: parsed instructions with their lines, and headers
+  (``hlo_parse.parse_module`` keeps both)."""
 
   def __init__(self, text: str):
-    self.lines, self.headers, self.instrs = {}, {}, {}
-    cur = None
-    for raw in text.splitlines():
-      line = raw.rstrip()
-      if cur is None:
-        m = hp._COMP.match(line)
-        if m:
-          cur = m.group(2) or m.group(4)
-          self.headers[cur], self.lines[cur], self.instrs[cur] = line, [], {}
-        continue
-      if line.strip() == "}":
-        cur = None
-        continue
-      if line.strip():
-        ins = hp.parse_instruction(line, cur)
-        self.lines[cur].append(line)
-        self.instrs[cur][ins.name] = (ins, line)
+    self.module = mod = hp.parse_module(text)
+    self.headers = {c.name: c.header for c in mod.computations.values()}
+    self.instrs = {c.name: {i.name: (i, i.line) for i in c.instructions} for c in mod.computations.values()}
 
   def called_closure(self, ins: hp.Instruction) -> list:
     out, todo = [], [c.lstrip("%") for c in ins.called()]
     while todo:
       c = todo.pop()
-      if c in out or c not in self.lines:
+      if c in out or c not in self.instrs:
         continue
       out.append(c)
       for sub, _ in self.instrs[c].values():
         todo.extend(x.lstrip("%") for x in sub.called())
     return out
 
-  def _portable(self, comp: str, line: str) -> str:
+  def _block(self, comp: str, header: str = None) -> list:
+    """Computation ``comp`` as lines of a standalone module (its own header unless ``header`` is given)."""
+    return [header or self.headers[comp]] + [self._portable(comp, i) for i, _ in self.instrs[comp].values()] + ["}", ""]
+
+  def _portable(self, comp: str, ins: hp.Instruction) -> str:
     """A called computation's line as StableHLO can carry it: StableHLO has no layouts, so a ``bitcast``
     (a reinterpretation of the layout) becomes the ``reshape`` it is when both sides are row-major; any
     other bitcast cannot be carried (the compiler aborts on it) and the instruction is not profiled."""
-    line = _clean(hp._COMMENT.sub("", line))
-    ins = hp.parse_instruction(line, comp)
+    line = _clean(ins.line)
     if ins.opcode == "bitcast":
       src = _type_text(self.instrs[comp][ins.operands[0]][1])
       if not (_descending(_type_text(line)) and _descending(src)):
@@ -162,13 +152,12 @@ class ProgramText:
       # fusion instruction carried through StableHLO loses the layouts its body was built for).
       fused, nested = called[0], called[1:]
       for c in reversed(nested):
-        parts += [self.headers[c]] + [self._portable(c, x) for x in self.lines[c]] + ["}", ""]
-      parts.append("ENTRY " + self.headers[fused].lstrip())
-      parts += [self._portable(fused, x) for x in self.lines[fused]] + ["}", ""]
+        parts += self._block(c)
+      parts += self._block(fused, "ENTRY " + self.headers[fused].lstrip())
       params = sorted((int(i.attrs["parameter_number"]), _type_text(ln))
                       for i, ln in self.instrs[fused].values() if i.opcode == "parameter")
       return "\n".join(parts), [t for _, t in params], out_type
-    body = _clean(hp._COMMENT.sub("", line)).strip()
+    body = _clean(line).strip()
     if body.startswith("ROOT "):
       body = body[5:]
     rhs = body.split("=", 1)[1].strip()
@@ -176,7 +165,7 @@ class ProgramText:
     close_i = hp._match_close(rhs, open_i)
     args = ", ".join(f"%p{i}" for i in range(len(types)))
     for c in reversed(called):
-      parts += [self.headers[c]] + [self._portable(c, x) for x in self.lines[c]] + ["}", ""]
+      parts += self._block(c)
     parts.append("ENTRY %main {")
     parts += [f"  %p{i} = {t} parameter({i})" for i, t in enumerate(types)]
     parts += [f"  ROOT %target = {rhs[:open_i]}({args}){rhs[close_i + 1:]}", "}", ""]
@@ -365,8 +354,8 @@ def profile_program(hlo_text: str, n_devices: int = 1, profile: str = "cpu", pat
   if os.path.exists(path):
     with open(path) as f:
       data = json.load(f)
-  g = graph_lib.from_hlo_text(hlo_text, n_devices)
   prog = ProgramText(hlo_text)
+  g = graph_lib.build_graph(prog.module, n_devices)  # one parse for both
   where = {name: comp for comp, ins in prog.instrs.items() for name in ins}
   timed, skipped, seconds, seen = 0, {}, {}, set()
   worker = _Worker()

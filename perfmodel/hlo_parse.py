@@ -54,6 +54,7 @@ class Instruction:
   attrs: dict  # raw attribute strings by key
   is_root: bool = False
   computation: str = ""
+  line: str = dataclasses.field(default="", repr=False, compare=False)  # as printed (the profiler cuts it out)
 
   @property
   def out_bytes(self) -> float:
@@ -99,6 +100,7 @@ class Computation:
   name: str
   instructions: list  # program order (the text of a scheduled module is the schedule)
   is_entry: bool = False
+  header: str = dataclasses.field(default="", repr=False, compare=False)  # the '%name (...) -> ... {' line
 
   def __post_init__(self):
     self.by_name = {i.name: i for i in self.instructions}
@@ -337,7 +339,7 @@ def parse_instruction(line: str, computation: str = "") -> Instruction:
   if opcode == "constant":
     attrs["literal"] = operand_txt.strip()
   return Instruction(name=name, opcode=opcode, shapes=parse_shape(shape_txt), operands=operands, attrs=attrs,
-                     is_root=is_root, computation=computation)
+                     is_root=is_root, computation=computation, line=line)
 
 
 def _source_tables(text: str) -> dict:
@@ -374,7 +376,7 @@ _COMP = re.compile(r"^(ENTRY\s+)?%?([\w.\-]+)\s+\(.*\)\s*->\s*.*\{\s*$|^(ENTRY\s
 
 def parse_module(text: str) -> Module:
   """Whole module text -> Module. Metadata tables (FileNames, StackFrames, ...) feed `source`."""
-  comps, entry, cur, cur_name, cur_entry = {}, None, None, "", False
+  comps, entry, cur, cur_name, cur_entry, cur_header = {}, None, None, "", False, ""
   header = text.lstrip().split("\n", 1)[0]
   mname = re.match(r"HloModule\s+([\w.\-]+)", header)
   nparts = re.search(r"num_partitions=(\d+)", header)
@@ -384,12 +386,12 @@ def parse_module(text: str) -> Module:
     if cur is None:
       m = _COMP.match(line)
       if m:
-        cur = []
+        cur, cur_header = [], line
         cur_entry = bool(m.group(1) or m.group(3))
         cur_name = m.group(2) or m.group(4)
       continue
     if line.strip() == "}":
-      comps[cur_name] = Computation(cur_name, cur, is_entry=cur_entry)
+      comps[cur_name] = Computation(cur_name, cur, is_entry=cur_entry, header=cur_header)
       if cur_entry:
         entry = cur_name
       cur = None

@@ -1,0 +1,152 @@
+"""Refitting the step composition from a calibration's stored step times, without measuring them again.
+
+* ``calibrate --refit-composition HLO_DIR`` (:func:`refit`): the learned composition, from the node samples
+  file and the calibration programs' cached HLO;
+* ``calibrate --profiled`` (:func:`fit_profiled`): the composition for the profiled backend: every
+  calibration program's instructions timed alone (perfmodel/fusion_profiler.py), then the same typed fit.
+
+Both walk the programs the profile's ``calibration_loo`` lists (each with its measured step), price them
+with the learned backend minus the program's own samples (leave one program out) or the profiled database,
+and fit and cross-validate with ``calibrate_nodes.fit_typed`` / ``loo_typed``.
+"""
+from __future__ import annotations
+
+import datetime
+import json
+import os
+import platform
+
+import numpy as np
+
+from framework.config import validate as validate_cfg
+from perfmodel import calibrate_nodes as cn, capture, costs, graph as graph_lib, hardware, learned, suite
+
+
+def _programs(hw, hlo_program, log):
+  """(name, measured row of calibration_loo, graph, captured, decode region or None) of every calibration
+  program the profile measured and ``hlo_program(name, compile_fn)`` can provide (None: left out)."""
+  from perfmodel.validate import decode_loop  # noqa: PLC0415
+  train = {e["name"]: e for e in suite.CALIBRATION}
+  infer = {e["name"]: e for e in suite.CALIBRATION_INFER}
+  for c in hw.calibration["calibration_loo"]:
+    name = c["name"]
+    if name in train:
+      cfg = cn._cfg(train[name])
+      cap, gen = hlo_program(name, lambda cfg=cfg: capture.train_step(cfg)), None
+    elif name in infer:
+      e = infer[name]
+      cfg, gen = validate_cfg(cn._cfg_infer(e), 1), e["gen_lens"][1]
+      cap = hlo_program(name, lambda cfg=cfg, e=e, gen=gen: capture.sampler(cfg, e["batch"], e["prompt_len"], gen))
+    else:
+      cap = None
+    if cap is None:
+      log(f"  refit: no program for {name}; left out")
+      continue
+    g = graph_lib.from_hlo_text(cap.hlo_text, cap.n_devices)
+    region = decode_loop(g, gen).body if gen else None
+    if gen is None:  # as run() does: a pipelined program's row sees the work that runs
+      cn._resolve_branches(g, cfg, hw)
+    yield name, c, g, cap, region
+
+
+def _fit(hw, hlo_program, price_for, log, label: str) -> tuple:
+  """(coefficients, leave-one-out rows) of the typed composition with node prices ``price_for(name, cap)``."""
+  rows, y, types, names, noise = [], [], [], [], []
+  for name, c, g, cap, region in _programs(hw, hlo_program, log):
+    price = price_for(name, cap)
+    f = cn.composition_features(g, price, cap.n_devices, region, cap.memory.get("temp_size_in_bytes", 0.0), hw=hw)
+    if region:
+      f[2] = 0.0
+    rows.append(f)
+    y.append(c["measured_s"])
+    types.append(cn.program_type(cap.n_devices, bool(region)))
+    names.append(name)
+    noise.append(c.get("noise_pct", 0.0))
+  coef = cn.fit_typed(rows, y, types)
+  cv = cn.loo_typed(rows, y, types, names, noise)
+  for c in cv:
+    log(f"  LOO{label} {c['name']:>18} ({c['type']:>6}): measured {c['measured_s'] * 1e3:8.3f} ms predicted "
+        f"{c['predicted_s'] * 1e3:8.3f} ms err {c['err_pct']:+6.1f}%")
+  return coef, cv
+
+
+def _store(prof_path: str, updates: dict) -> dict:
+  with open(prof_path) as f:
+    base = json.load(f)
+  cal = base["calibration"]["value"]
+  cal.update(updates)
+  with open(prof_path, "w") as f:
+    json.dump(base, f, indent=1)
+  return cal
+
+
+def _rounded(cv: list) -> list:
+  return [{k: (round(v, 6) if isinstance(v, float) else v) for k, v in c.items()} for c in cv]
+
+
+def _samples(hw, samples_file=None) -> list:
+  with open(samples_file or learned.samples_path(hw.name)) as f:
+    return json.load(f)["samples"]
+
+
+def _learned_without(hw, samples: list, name: str):
+  return learned.Learned(hw, samples=[s for s in samples if s["prog"] != name])
+
+
+def refit(prof_path: str, hlo_dir: str, log=print) -> dict:
+  """Refits the learned composition from stored calibration data: the measured step times kept in the profile
+  (``calibration_loo``), the node samples file, and the calibration programs' HLO in ``hlo_dir/<name>.json``
+  (as ``validate --hlo-cache`` writes them). Nothing is re-measured."""
+  from perfmodel.validate import _cached_capture  # noqa: PLC0415
+  hw = hardware.load(prof_path)
+  samples = _samples(hw)
+
+  def cached_only(name, _compile):
+    return _cached_capture(hlo_dir, name, None) if os.path.exists(os.path.join(hlo_dir, f"{name}.json")) else None
+
+  def price_for(name, _cap):
+    model = _learned_without(hw, samples, name)
+    return lambda n: model.price(n).seconds
+  coef, cv = _fit(hw, cached_only, price_for, log, "")
+  mape = float(np.mean([abs(c["err_pct"]) for c in cv]))
+  _store(prof_path, {"composition": coef, "calibration_loo": _rounded(cv), "calibration_loo_mape": mape})
+  return {"composition": coef, "loo_mape": mape, "loo": cv}
+
+
+def fit_profiled(prof_path: str, hlo_cache: str = None, log=print, samples_file: str = None,
+                 db: str = None) -> dict:
+  """``calibrate --profiled``: the composition for node prices from the profiled database.
+
+  Every calibration program kept in the profile (``calibration_loo``: its measured step) is compiled again
+  (or read from ``hlo_cache``, as ``validate --hlo-cache`` stores programs), each of its compute instructions
+  is cut out and timed alone (perfmodel/fusion_profiler.py, into the profiled database), and the same typed
+  composition as the learned one is fitted on those prices, with its own leave-one-program-out error. Nodes
+  the profiler leaves out are priced by the learned backend without the program's own samples, as
+  ``--backend profiled`` prices them (costs.make_chain). Stored as ``composition_profiled`` beside the learned
+  ``composition``. ``samples_file`` / ``db``: the learned samples and the profiled database (default: the
+  profile's own)."""
+  from perfmodel import fusion_profiler  # noqa: PLC0415
+  from perfmodel.validate import _cached_capture  # noqa: PLC0415
+  hw = hardware.load(prof_path)
+  samples = _samples(hw, samples_file)
+  skipped = {}
+
+  def price_for(name, cap):
+    r = fusion_profiler.profile_program(cap.hlo_text, cap.n_devices, hw.name, path=db)
+    for k, v in r["skipped"].items():
+      skipped[k] = skipped.get(k, 0) + v
+    log(f"  profiled {name:>20}: {r['timed']} nodes timed alone, skipped {r['skipped'] or 'none'}")
+    chain = costs.Chain([costs.Profiled(hw, db), _learned_without(hw, samples, name)], hw)
+    return lambda n: chain.price(n).seconds
+  coef, cv = _fit(hw, lambda name, compile_fn: _cached_capture(hlo_cache, name, compile_fn), price_for, log,
+                  " profiled")
+  mape = float(np.mean([abs(c["err_pct"]) for c in cv]))
+  cal = _store(prof_path, {
+      "composition_profiled": coef, "calibration_loo_profiled": _rounded(cv), "calibration_loo_profiled_mape": mape,
+      "composition_profiled_source": (
+          f"python -m perfmodel calibrate --profiled on {platform.node()} "
+          f"{datetime.datetime.now().isoformat(timespec='minutes')}: node times profiled then, step times from the "
+          f"calibration of {hw.calibration.get('date', '?')} (a host state between the two is error of this "
+          f"composition)")})
+  return {"composition_profiled": coef, "loo_mape_profiled": mape, "loo_mape_learned": cal.get("calibration_loo_mape"),
+          "skipped": skipped, "loo": cv}
