@@ -13,6 +13,8 @@ validation reads and scores a model. No model is involved: nothing here can be t
     - set A's medians predicting set B's, for two sets of the same session (15-50 minutes apart) and for sets
       of different sessions (another day, often another VM). A model calibrated in one session and validated in
       another is up against the second number.
+  and the same at one host speed (each round's measurements divided by its median probe time, the BASE step
+  timed around every measurement): the floor of `validate`'s ``mape_speed_normalised``.
 * `benchmarks/emulate_validate.py` (issue 4): every committed run of `benchmarks/emulate_validate.json` (git
   history). Each round runs the real job before and after the emulation; the median of the "before" runs
   predicting the median of the "after" runs, mean |error| over the layouts, is how well a perfect emulator can
@@ -38,10 +40,16 @@ DECODE_PREFIX = "decode_"  # the suite's inference entries (perfmodel/suite.py I
 EMULATE_JSON = "benchmarks/emulate_validate.json"
 
 
+# Sessions that ran on one VM boot count as one (the sets of session 12 and 13 were taken 13:56-18:03 on one
+# boot; `uptime` said so). Earlier sessions each had a VM of their own.
+SAME_HOST = {"s13": "s12"}
+
+
 def session_of(path: str) -> str:
-  """perfmodel_measurements_s12_b.json -> 's12' (the sets one session wrote share the prefix)."""
+  """perfmodel_measurements_s12_b.json -> 's12' (the sets one session, or one VM boot, wrote)."""
   stem = os.path.basename(path)[len("perfmodel_measurements_"):-len(".json")]
-  return stem.rsplit("_", 1)[0]
+  session = stem.rsplit("_", 1)[0]
+  return SAME_HOST.get(session, session)
 
 
 def _mape(pred: dict, meas: dict, decode: bool) -> float:
@@ -49,10 +57,20 @@ def _mape(pred: dict, meas: dict, decode: bool) -> float:
   return statistics.mean(abs(pred[n] / meas[n] - 1) * 100 for n in names) if names else float("nan")
 
 
-def perfmodel_floor(paths: list) -> dict:
+def _at_probe_speed(rounds: list) -> list:
+  """Each measurement divided by its round's median probe time (perfmodel/speed.py: the BASE step timed around
+  every measurement): the sets expressed at one host speed, as `validate`'s ``mape_speed_normalised`` does."""
+  out = []
+  for r in rounds:
+    probe = statistics.median(v["probe_s"] for v in r.values() if v.get("probe_s"))
+    out.append({n: {**v, "measured_s": v["measured_s"] / probe} for n, v in r.items()})
+  return out
+
+
+def perfmodel_floor(paths: list, normalised: bool = False) -> dict:
   from perfmodel import validate  # noqa: PLC0415 (reads the files exactly as validate does)
   sets = {os.path.basename(p): validate.load_rounds(p) for p in paths}
-  sets = {k: v for k, v in sets.items() if len(v) >= 2}
+  sets = {k: (_at_probe_speed(v) if normalised else v) for k, v in sets.items() if len(v) >= 2}
   med = {k: {n: statistics.median(r[n]["measured_s"] for r in v if n in r) for n in set().union(*v)}
          for k, v in sets.items()}
   one_round = {}
@@ -105,22 +123,25 @@ def main(argv=None) -> dict:
   ap.add_argument("--no-results", action="store_true")
   args = ap.parse_args(argv)
   paths = sorted(glob.glob(os.path.join(ROOT, "benchmarks", "perfmodel_measurements_s*_*.json")))
-  out = {"benchmark": "host_floor", "perfmodel": perfmodel_floor(paths), "emulate": emulate_floor()}
-  for p in out["perfmodel"]["pairs"]:
-    print(f"{p['reference']:>38} -> {p['target']:<38} train {p['train_mape']:5.1f}%  TPOT {p['tpot_mape']:5.1f}%  "
+  out = {"benchmark": "host_floor", "perfmodel": perfmodel_floor(paths),
+         "perfmodel_at_probe_speed": perfmodel_floor(paths, normalised=True), "emulate": emulate_floor()}
+  for p, q in zip(out["perfmodel"]["pairs"], out["perfmodel_at_probe_speed"]["pairs"]):
+    print(f"{p['reference']:>38} -> {p['target']:<38} train {p['train_mape']:5.1f}% ({q['train_mape']:4.1f}% at one "
+          f"speed)  TPOT {p['tpot_mape']:5.1f}% ({q['tpot_mape']:4.1f}%)  "
           f"{'same session' if p['same_session'] else 'other session'}", file=sys.stderr)
   for r in out["emulate"]["runs"]:
     print(f"emulate run {r['commit']} ({r['committed']}): real before vs after {r['mean_abs_before_vs_after_pct']:.1f}%"
           f"  (emulation's error in that run {r['emulation_mean_abs_error_pct']:.1f}%)", file=sys.stderr)
   print(json.dumps(out))
   if not args.no_results:
-    pm, em = out["perfmodel"], out["emulate"]
+    pm, pn, em = out["perfmodel"], out["perfmodel_at_probe_speed"], out["emulate"]
     f = lambda d: f"training {d['train_mape']:.1f}% / TPOT {d['tpot_mape']:.1f}% ({d['ordered_pairs']} ordered pairs)"
     row = (f"| {datetime.datetime.now().isoformat(timespec='minutes')} | `PYTHONPATH=. python benchmarks/host_floor.py`"
            f" | offline (stored measurements) | reproducibility floor, a perfect model = another measurement of the "
            f"same configs: perfmodel validate ({len(pm['sets'])} stored 3-round sets): one round vs the other rounds "
            f"training {pm['one_round_train_mape_median']:.1f}%; set vs set, same session {f(pm['same_session'])}; "
-           f"other session {f(pm['other_session'])}. emulate_validate ({len(em['runs'])} committed runs): real "
+           f"other session {f(pm['other_session'])}; at one host speed (each round divided by its median probe) same "
+           f"session {f(pn['same_session'])}, other session {f(pn['other_session'])}. emulate_validate ({len(em['runs'])} committed runs): real "
            f"before vs real after the emulation, mean abs over layouts, median {em['median_pct']:.1f}%, mean "
            f"{em['mean_pct']:.1f}%, {em['runs_at_or_below_2pct']} of {len(em['runs'])} runs <= 2% |")
     with open(os.path.join(ROOT, "benchmarks", "RESULTS.md"), "a") as fh:

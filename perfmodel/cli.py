@@ -41,7 +41,7 @@ def cmd_predict(a, overrides):
   hw = hardware.load(a.hardware)
   if a.mode == "infer":
     cap = capture.sampler(cfg, a.batch, a.prompt_len, a.gen_len)
-    _profile(a, cap, hw.name)
+    _profile(a, cap, hw)
     out = predict.predict_infer(cfg, hw, a.batch, a.prompt_len, a.gen_len, a.backend, captured=cap)
   elif method == "rank_program" or (method == "auto_large"):
     try:
@@ -57,15 +57,19 @@ def cmd_predict(a, overrides):
     out["route"] = "analytic"
   else:
     cap = capture.train_step(cfg)
-    _profile(a, cap, hw.name)
+    _profile(a, cap, hw)
     out = predict.predict_train(cfg, hw, a.backend, captured=cap)
     out["method"] = out["route"] = "compile"
   _print(out)
 
 
-def _profile(a, cap, profile):
-  """--profile-dots / --profile-nodes: fill the profiled database with this program's nodes first."""
-  if a.profile_nodes:
+def _profile(a, cap, hw):
+  """--profile-dots / --profile-nodes: fill the profiled database with this program's nodes first. Also when
+  ``auto`` resolves to the profiled backend for this profile (costs.resolve_backend): its prices are the
+  program's own instructions timed alone (2-20 s the first time a program is seen; cached by fingerprint)."""
+  from perfmodel import costs  # noqa: PLC0415
+  profile = hw.name
+  if a.profile_nodes or costs.resolve_backend(hw, a.backend) == "profiled":
     from perfmodel import fusion_profiler
     r = fusion_profiler.profile_program(cap.hlo_text, cap.n_devices, profile)
     print(json.dumps({"profiled_nodes": {k: v for k, v in r.items() if k != "seconds"}}), file=sys.stderr)

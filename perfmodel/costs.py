@@ -130,10 +130,27 @@ class Chain:
     return Priced(self.hw.launch_overhead, "launch-only")
 
 
+def resolve_backend(hw: HardwareProfile, backend: str = "auto") -> str:
+  """What ``auto`` means for this profile: of the two fitted backends, the one whose composition had the lower
+  leave-one-program-out error *on the calibration programs* (``calibrate`` and ``calibrate --profiled`` store
+  both); learned where the profile has no profiled composition. Model selection by the calibration's own
+  cross-validation, never by a validation (perfmodel/README.md, "Which backend auto uses")."""
+  if backend != "auto":
+    return backend
+  cal = hw.calibration or {}
+  loo_learned, loo_profiled = cal.get("calibration_loo_mape"), cal.get("calibration_loo_profiled_mape")
+  if cal.get("composition_profiled") and loo_profiled is not None and (
+      loo_learned is None or not cal.get("composition") or loo_profiled < loo_learned):
+    return "profiled"
+  return "auto"
+
+
 def make_chain(hw: HardwareProfile, backend: str = "auto", algorithm: str = "auto") -> Chain:
   """backend: 'roofline' | 'calibrated' | 'profiled' | 'learned' | 'auto'
-  (learned -> profiled -> calibrated -> roofline, each where available)."""
+  (auto: :func:`resolve_backend`; where that keeps learned: learned -> profiled -> calibrated -> roofline, each
+  where available)."""
   from perfmodel import learned  # noqa: PLC0415 (learned imports this module)
+  backend = resolve_backend(hw, backend)
   if backend == "learned":
     if not learned.Learned.available(hw):
       raise ValueError(f"profile {hw.name!r} has no learned node samples: run `python -m perfmodel calibrate`")

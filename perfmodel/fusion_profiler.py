@@ -332,6 +332,8 @@ def _worker_main() -> int:
   import sys
   from framework import host_memory  # noqa: PLC0415
   host_memory.apply()  # the allocator regime of the measured programs (framework/host_memory.py)
+  if not bench.pinned():  # a caller that does not measure (predict) still gets the calibration's regime
+    bench.pin()
   for line in sys.stdin:
     job = json.loads(line)
     try:

@@ -21,7 +21,7 @@ import sys
 import numpy as np
 
 from framework.config import from_dict, validate as validate_cfg
-from perfmodel import bench, capture, fusion_profiler, hardware, predict
+from perfmodel import bench, capture, costs, fusion_profiler, hardware, predict
 
 
 def _merge(base: dict, over: dict) -> dict:
@@ -289,7 +289,7 @@ def run(suite_path=None, reps: int = 7, backend: str = "auto", png: str = None, 
     cfg = cfg.__class__(**{**cfg.__dict__, "name": entry["name"]})
     m = pool_rounds([c[entry["name"]] for c in caches])
     cap = _cached_capture(hlo_cache, entry["name"], lambda: capture.train_step(cfg))
-    if backend == "profiled":
+    if costs.resolve_backend(hw, backend) == "profiled":
       fusion_profiler.profile_program(cap.hlo_text, cap.n_devices, hw.name)
     pred = predict.predict_train(cfg, hw, backend, captured=cap)
     raw, noise, wall = m["measured_s"], m["noise_pct"], m["wall_s"]
@@ -311,7 +311,7 @@ def run(suite_path=None, reps: int = 7, backend: str = "auto", png: str = None, 
     m = pool_rounds([c[entry["name"]] for c in caches])
     cap2 = _cached_capture(hlo_cache, entry["name"],
                            lambda: capture.sampler(cfg, entry["batch"], entry["prompt_len"], g2))
-    if backend == "profiled":
+    if costs.resolve_backend(hw, backend) == "profiled":
       fusion_profiler.profile_program(cap2.hlo_text, 1, hw.name)
     tpot_meas = m["measured_s"]
     pred = predict.predict_infer(cfg, hw, entry["batch"], entry["prompt_len"], g2, backend, captured=cap2)
@@ -354,6 +354,7 @@ def run(suite_path=None, reps: int = 7, backend: str = "auto", png: str = None, 
          "calibration_loo_mape": hw.calibration.get("calibration_loo_mape"),
          "predict_s_max": float(max(r["predict_s"] for r in rows)),
          "hardware": hw.name, "calibrated": hw.calibrated, "backend": backend,
+         "backend_resolved": costs.resolve_backend(hw, backend),
          "load_avg": os.getloadavg()[0], "rows": rows + inf_rows}
   if png:
     _plot(rows + inf_rows, png)

@@ -189,3 +189,26 @@ def test_cli_predict_profile_nodes_prices_the_program_from_its_own_profiled_inst
   # every compute node is priced by the profile or, where it was skipped, by the learned backend
   assert set(by) <= {"profiled:isolated-traced", "learned", "learned(out-of-range)", "none"} | {
       k for k in by if k.startswith("collective:")}, by
+
+
+def test_auto_uses_the_backend_with_the_lower_calibration_leave_one_out():
+  import dataclasses
+  base = hardware.load("cpu")
+
+  def with_loo(learned_loo, profiled_loo, profiled=True):
+    cal = {k: v for k, v in base.calibration.items() if not k.startswith(("composition", "calibration_loo"))}
+    cal.update(composition={"train": {"a": 1.0}}, calibration_loo_mape=learned_loo)
+    if profiled:
+      cal.update(composition_profiled={"train": {"a": 2.0}}, calibration_loo_profiled_mape=profiled_loo)
+    return dataclasses.replace(base, calibration=cal)
+  lower_profiled, lower_learned = with_loo(16.6, 15.4), with_loo(10.6, 16.5)
+  assert costs.resolve_backend(lower_profiled) == "profiled"
+  assert costs.make_chain(lower_profiled).names[0] == "profiled"
+  assert costs.resolve_backend(lower_learned) == "auto"
+  assert costs.resolve_backend(with_loo(10.6, None, profiled=False)) == "auto"
+  # an explicit backend is never overridden
+  assert costs.resolve_backend(lower_profiled, "learned") == "learned"
+  from perfmodel import predict
+  assert costs.make_chain(lower_learned).names[0] == "learned"  # the node samples ship with the profile
+  assert predict.composition_for(lower_learned, costs.make_chain(lower_learned)) == {"train": {"a": 1.0}}
+  assert predict.composition_for(lower_profiled, costs.make_chain(lower_profiled)) == {"train": {"a": 2.0}}
