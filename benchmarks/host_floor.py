@@ -46,7 +46,13 @@ SAME_HOST = {"s13": "s12"}
 
 
 def session_of(path: str) -> str:
-  """perfmodel_measurements_s12_b.json -> 's12' (the sets one session, or one VM boot, wrote)."""
+  """The host a set was measured on: its measurements' boot id (perfmodel/bench.py regime, recorded since
+  session 13), else the session prefix of its name (perfmodel_measurements_s12_b.json -> 's12')."""
+  with open(path) as f:
+    data = json.load(f)
+  boots = {m.get("regime", {}).get("boot_id") for r in data.get("rounds", [data]) for m in r.values()} - {None}
+  if len(boots) == 1:
+    return boots.pop()
   stem = os.path.basename(path)[len("perfmodel_measurements_"):-len(".json")]
   session = stem.rsplit("_", 1)[0]
   return SAME_HOST.get(session, session)
@@ -80,7 +86,8 @@ def perfmodel_floor(paths: list, normalised: bool = False) -> dict:
     meas = [{n: r[n]["measured_s"] for n in r} for r in rounds]
     one_round[name] = {k: statistics.mean(_mape(p, m, k == "tpot") for p, m in zip(loo, meas))
                        for k in ("train", "tpot")}
-  pairs = [dict(reference=a, target=b, same_session=session_of(a) == session_of(b),
+  host = {os.path.basename(p): session_of(p) for p in paths}
+  pairs = [dict(reference=a, target=b, same_session=host[a] == host[b],
                 train_mape=_mape(med[a], med[b], False), tpot_mape=_mape(med[a], med[b], True))
            for a, b in itertools.permutations(sets, 2)]
 

@@ -65,7 +65,18 @@ def regime() -> dict:
   return {"pinned_core": sorted(os.sched_getaffinity(0))[0] if pinned() else None,
           "allowed_cores": len(os.sched_getaffinity(0)),
           "xla_multi_thread_eigen": "--xla_cpu_multi_thread_eigen=false" not in os.environ.get("XLA_FLAGS", ""),
-          "load_avg_1m": os.getloadavg()[0], "host_malloc": host_memory.state()}
+          "load_avg_1m": os.getloadavg()[0], "host_malloc": host_memory.state(), "boot_id": boot_id()}
+
+
+def boot_id() -> str:
+  """The kernel's id of this boot (Linux; None elsewhere). Measurements of one boot share one machine state;
+  across boots (a new VM) this host's speeds moved by 17% (benchmarks/host_floor.py), so every calibration and
+  validation records it and the floor groups sets by it."""
+  try:
+    with open("/proc/sys/kernel/random/boot_id") as f:
+      return f.read().strip()
+  except OSError:
+    return None
 
 
 def _stats(ts: list) -> dict:
