@@ -9,7 +9,6 @@ import datetime
 import json
 import os
 import statistics
-import subprocess
 import sys
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
@@ -37,10 +36,8 @@ def _swap(rounds: list) -> list:
 
 
 def main() -> int:
-  revs = subprocess.run(["git", "log", "--format=%h", "--", PATH], capture_output=True, text=True, check=True)
   rows = []
-  for h in revs.stdout.split():
-    d = json.loads(subprocess.run(["git", "show", f"{h}:{PATH}"], capture_output=True, text=True, check=True).stdout)
+  for h, _when, d in ev.committed_runs(PATH):
     rounds = d.get("raw_rounds")
     if not rounds or any("step_times_s" not in rk for rd in rounds for lay in rd["layouts"].values()
                          for rk in lay["emulated"]["ranks"]):

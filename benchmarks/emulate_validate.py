@@ -47,9 +47,7 @@ def child_real(spec: str, workdir: str, coord: str, pid: int, steps: int) -> Non
   from framework import host_memory  # noqa: PLC0415
   host_memory.apply()  # what run.main does first; here before jax is imported (framework/host_memory.py)
   import jax  # noqa: PLC0415
-  from framework import config_file, data as data_lib  # noqa: PLC0415
   from parallelism import step as step_lib  # noqa: PLC0415
-  cfg = config_file.load(spec, [f"--config.train.steps={steps}"])
   captured = {}
   orig_build = step_lib.build_step
 
@@ -244,6 +242,17 @@ def aggregate(rounds: list, layouts: list, predict: bool = True, previous: Optio
         "predict_raw": {k: pred.get(k) for k in ("step_time_s", "backend", "method", "error") if k in pred},
     }
   return per
+
+
+def committed_runs(path: str = "benchmarks/emulate_validate.json"):
+  """(short commit, commit time ISO, the run's JSON) of every committed version of this benchmark's output,
+  newest first: the record of all runs, read back from git (the working file keeps only the last)."""
+  log = subprocess.run(["git", "log", "--format=%h %cI", "--", path], capture_output=True, text=True, check=True,
+                       cwd=ROOT).stdout
+  for line in filter(None, log.split("\n")):
+    h, when = line.split()
+    yield h, when, json.loads(subprocess.run(["git", "show", f"{h}:{path}"], capture_output=True, text=True,
+                                             check=True, cwd=ROOT).stdout)
 
 
 def _bracket(before: dict, after) -> float:

@@ -31,7 +31,6 @@ import itertools
 import json
 import os
 import statistics
-import subprocess
 import sys
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
@@ -45,12 +44,10 @@ EMULATE_JSON = "benchmarks/emulate_validate.json"
 SAME_HOST = {"s13": "s12"}
 
 
-def session_of(path: str) -> str:
+def session_of(path: str, rounds: list) -> str:
   """The host a set was measured on: its measurements' boot id (perfmodel/bench.py regime, recorded since
   session 13), else the session prefix of its name (perfmodel_measurements_s12_b.json -> 's12')."""
-  with open(path) as f:
-    data = json.load(f)
-  boots = {m.get("regime", {}).get("boot_id") for r in data.get("rounds", [data]) for m in r.values()} - {None}
+  boots = {m.get("regime", {}).get("boot_id") for r in rounds for m in r.values()} - {None}
   if len(boots) == 1:
     return boots.pop()
   stem = os.path.basename(path)[len("perfmodel_measurements_"):-len(".json")]
@@ -75,8 +72,9 @@ def _at_probe_speed(rounds: list) -> list:
 
 def perfmodel_floor(paths: list, normalised: bool = False) -> dict:
   from perfmodel import validate  # noqa: PLC0415 (reads the files exactly as validate does)
-  sets = {os.path.basename(p): validate.load_rounds(p) for p in paths}
-  sets = {k: (_at_probe_speed(v) if normalised else v) for k, v in sets.items() if len(v) >= 2}
+  loaded = {os.path.basename(p): validate.load_rounds(p) for p in paths}
+  host = {k: session_of(k, v) for k, v in loaded.items()}
+  sets = {k: (_at_probe_speed(v) if normalised else v) for k, v in loaded.items() if len(v) >= 2}
   med = {k: {n: statistics.median(r[n]["measured_s"] for r in v if n in r) for n in set().union(*v)}
          for k, v in sets.items()}
   one_round = {}
@@ -86,7 +84,6 @@ def perfmodel_floor(paths: list, normalised: bool = False) -> dict:
     meas = [{n: r[n]["measured_s"] for n in r} for r in rounds]
     one_round[name] = {k: statistics.mean(_mape(p, m, k == "tpot") for p, m in zip(loo, meas))
                        for k in ("train", "tpot")}
-  host = {os.path.basename(p): session_of(p) for p in paths}
   pairs = [dict(reference=a, target=b, same_session=host[a] == host[b],
                 train_mape=_mape(med[a], med[b], False), tpot_mape=_mape(med[a], med[b], True))
            for a, b in itertools.permutations(sets, 2)]
@@ -101,13 +98,10 @@ def perfmodel_floor(paths: list, normalised: bool = False) -> dict:
 
 
 def emulate_floor() -> dict:
-  revs = subprocess.run(["git", "log", "--format=%h %cI", "--", EMULATE_JSON], capture_output=True, text=True,
-                        check=True, cwd=ROOT).stdout.split("\n")
+  sys.path.insert(0, os.path.join(ROOT, "benchmarks"))
+  import emulate_validate  # noqa: PLC0415 (its committed_runs: the same walk over git as the re-aggregation)
   runs = []
-  for line in filter(None, revs):
-    h, when = line.split()
-    d = json.loads(subprocess.run(["git", "show", f"{h}:{EMULATE_JSON}"], capture_output=True, text=True,
-                                  check=True, cwd=ROOT).stdout)
+  for h, when, d in emulate_validate.committed_runs(EMULATE_JSON):
     rounds = d.get("raw_rounds") or []
     lays = list(rounds[0]["layouts"]) if rounds else []
     if not lays or any(not rd["layouts"][k].get("real_after") for rd in rounds for k in lays):

@@ -251,6 +251,7 @@ def run(suite_path=None, reps: int = 7, backend: str = "auto", png: str = None, 
   from perfmodel import speed
   hw = hardware.load(hardware_name)
   ref = hw.calibration.get("speed_probe_ref_s") if hw.name == "cpu" else None
+  resolved = costs.resolve_backend(hw, backend)  # auto may mean the profiled backend (costs.resolve_backend)
   suite = _load_suite(suite_path)
   files = [measurements] if isinstance(measurements, str) else list(measurements or [])
   stored = [f for f in files if os.path.exists(f)]
@@ -289,7 +290,7 @@ def run(suite_path=None, reps: int = 7, backend: str = "auto", png: str = None, 
     cfg = cfg.__class__(**{**cfg.__dict__, "name": entry["name"]})
     m = pool_rounds([c[entry["name"]] for c in caches])
     cap = _cached_capture(hlo_cache, entry["name"], lambda: capture.train_step(cfg))
-    if costs.resolve_backend(hw, backend) == "profiled":
+    if resolved == "profiled":
       fusion_profiler.profile_program(cap.hlo_text, cap.n_devices, hw.name)
     pred = predict.predict_train(cfg, hw, backend, captured=cap)
     raw, noise, wall = m["measured_s"], m["noise_pct"], m["wall_s"]
@@ -311,7 +312,7 @@ def run(suite_path=None, reps: int = 7, backend: str = "auto", png: str = None, 
     m = pool_rounds([c[entry["name"]] for c in caches])
     cap2 = _cached_capture(hlo_cache, entry["name"],
                            lambda: capture.sampler(cfg, entry["batch"], entry["prompt_len"], g2))
-    if costs.resolve_backend(hw, backend) == "profiled":
+    if resolved == "profiled":
       fusion_profiler.profile_program(cap2.hlo_text, 1, hw.name)
     tpot_meas = m["measured_s"]
     pred = predict.predict_infer(cfg, hw, entry["batch"], entry["prompt_len"], g2, backend, captured=cap2)
@@ -354,7 +355,7 @@ def run(suite_path=None, reps: int = 7, backend: str = "auto", png: str = None, 
          "calibration_loo_mape": hw.calibration.get("calibration_loo_mape"),
          "predict_s_max": float(max(r["predict_s"] for r in rows)),
          "hardware": hw.name, "calibrated": hw.calibrated, "backend": backend,
-         "backend_resolved": costs.resolve_backend(hw, backend),
+         "backend_resolved": resolved,
          "load_avg": os.getloadavg()[0], "rows": rows + inf_rows}
   if png:
     _plot(rows + inf_rows, png)
