@@ -350,6 +350,16 @@ def run(hw, reps: int = 7, trace_reps: int = 3, entries: list = None, log=print,
     if step_times and p["name"] in step_times:
       p["measured"] = step_times[p["name"]]["measured_s"]
       p["noise"] = step_times[p["name"]]["noise_pct"]
+  res = select_learned(hw, programs, samples, keeps, log)
+  return {"samples": samples, **res, "noise_pct_median": float(statistics.median(p["noise"] for p in programs)),
+          "host_malloc": "keep_freed" if keeps else "default"}
+
+
+def select_learned(hw, programs: list, samples: list, keeps: bool, log=print) -> dict:
+  """The learned backend's neighbour count k and working-set exponent beta, and the step composition, chosen by
+  leave-one-program-out error over the calibration ``programs`` ({name, graph, n, measured, noise[, region,
+  temp]}): each program's nodes priced without its own samples, the typed composition fitted and
+  cross-validated (:func:`loo_typed`) for every (k, beta) of the grid; the lowest mean error wins."""
   best = None
   for k, beta in [(k, b) for k in LEARNED_K for b in LEARNED_BETA]:
     rows, y = [], []
@@ -371,10 +381,7 @@ def run(hw, reps: int = 7, trace_reps: int = 3, entries: list = None, log=print,
   for c in cv:
     log(f"  LOO {c['name']:>18}: measured {c['measured_s'] * 1e3:8.2f} ms predicted {c['predicted_s'] * 1e3:8.2f} ms "
         f"err {c['err_pct']:+6.1f}%")
-  return {"samples": samples, "composition": coef, "loo": cv, "learned_k": k_best, "learned_beta": beta_best,
-          "loo_mape": mape,
-          "noise_pct_median": float(statistics.median(p["noise"] for p in programs)),
-          "host_malloc": "keep_freed" if keeps else "default"}
+  return {"composition": coef, "loo": cv, "learned_k": k_best, "learned_beta": beta_best, "loo_mape": mape}
 
 
 def _resolve_branches(g, cfg, hw) -> None:

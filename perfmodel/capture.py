@@ -15,7 +15,6 @@ import dataclasses
 import os
 import re
 import time
-from typing import Optional
 
 from framework.config import Config
 

@@ -98,11 +98,12 @@ VALIDATE_DEVICES = 8  # virtual host devices in calibrate and validate processes
 def cmd_calibrate(a, overrides):
   from perfmodel import capture
   if a.refit_composition:
+    capture.ensure_devices(VALIDATE_DEVICES)  # the multi-device calibration programs compile on virtual devices
     import os
     from perfmodel import hardware, refit
     res = refit.refit(os.path.join(hardware.PROFILE_DIR, "cpu.json"), a.refit_composition,
                                 log=lambda m: print(m, file=sys.stderr))
-    _print({"composition": res["composition"], "loo_mape": res["loo_mape"]})
+    _print({k: res[k] for k in ("composition", "loo_mape", "learned_k", "learned_beta", "samples", "dropped")})
     return
   if a.profiled:
     _regime(a, trace=False)
@@ -192,7 +193,8 @@ def main(argv=None):
                        "and fit the composition for --backend profiled, with its own leave-one-out error")
   ca.add_argument("--hlo-cache", default=None, help="with --profiled: folder of compiled programs (reused / filled)")
   ca.add_argument("--refit-composition", default="", metavar="HLO_DIR",
-                  help="refit only the step composition from stored measurements + cached calibration programs")
+                  help="refit the learned backend (sample classes and features, k, beta, composition) from the stored "
+                       "measurements, nothing re-measured; calibration programs read from / compiled into HLO_DIR")
   va = sub.add_parser("validate", help="measured vs predicted over a suite of configs on this host")
   va.add_argument("--suite", default=None, help="python file with SUITE = [...] (default: perfmodel/suite.py)")
   va.add_argument("--reps", type=int, default=7)

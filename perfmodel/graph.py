@@ -98,6 +98,10 @@ class Node:
   # bytes moved by the distinct compute nodes of the whole program this node belongs to (its working set
   # context: on a CPU a node runs slower per byte inside a program that streams more; perfmodel/learned.py)
   program_bytes: float = 0.0
+  # a layout change (copy/transpose, alone or fused) that moves the minor-most dimension: every element is
+  # gathered with a stride instead of copied in contiguous runs (measured, README "Transposes that move the
+  # minor dimension": 5-40x slower per byte than one that keeps it)
+  moves_minor: bool = False
 
 
 @dataclasses.dataclass
@@ -226,6 +230,37 @@ def _operand_read_bytes(module, ins, comp) -> float:
     else:
       total += full
   return total
+
+
+def _minor_dim(dims: tuple, minor_to_major: tuple):
+  """The minor-most physical dimension of size > 1 (None: a scalar-like array)."""
+  return next((d for d in minor_to_major if d < len(dims) and dims[d] > 1), None)
+
+
+def _moves_minor_one(ins: hp.Instruction, comp: hp.Computation) -> bool:
+  """Whether a copy/transpose instruction reads its result's minor-most dimension from a dimension that is not
+  the operand's minor-most one (a strided gather rather than a copy of contiguous runs)."""
+  src = comp.by_name.get(ins.operands[0]) if ins.operands else None
+  if src is None or not src.shapes or not ins.shapes:
+    return False
+  out_minor = _minor_dim(ins.shapes[0].dims, ins.minor_to_major)
+  in_minor = _minor_dim(src.shapes[0].dims, src.minor_to_major)
+  if out_minor is None or in_minor is None:
+    return False
+  if ins.opcode == "transpose":
+    perm = [int(x) for x in re.findall(r"\d+", ins.attrs.get("dimensions", ""))]
+    out_minor = perm[out_minor] if out_minor < len(perm) else out_minor
+  return out_minor != in_minor
+
+
+def moves_minor(module: hp.Module, ins: hp.Instruction, comp: hp.Computation) -> bool:
+  """A copy/transpose, or a fusion with one inside, that moves the minor-most dimension (Node.moves_minor)."""
+  if ins.opcode in ("copy", "transpose"):
+    return _moves_minor_one(ins, comp)
+  if ins.opcode == "fusion" and ins.called() and ins.called()[0] in module.computations:
+    body = module.computations[ins.called()[0]]
+    return any(_moves_minor_one(i, body) for i in body.instructions if i.opcode in ("copy", "transpose"))
+  return False
 
 
 def _write_bytes(module, ins) -> float:
@@ -381,7 +416,8 @@ class _Builder:
     if dot is not None:
       fp = f"dot|{dot.dtype}|b{dot.batch}m{dot.m}n{dot.n}k{dot.k}|extra_f{int(flops - 2 * dot.batch * dot.m * dot.n * dot.k)}"
     return Node(id=self.new_id(), name=ins.name, kind=node_kind, opcode=opcode, flops=flops, transcendentals=trans,
-                bytes=nbytes, out_bytes=ins.out_bytes, deps=deps, attribution=attr, dot=dot, fingerprint=fp)
+                bytes=nbytes, out_bytes=ins.out_bytes, deps=deps, attribution=attr, dot=dot, fingerprint=fp,
+                moves_minor=moves_minor(m, ins, comp))
 
 
 def build_graph(module: hp.Module, n_devices: Optional[int] = None) -> ExecGraph:

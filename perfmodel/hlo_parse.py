@@ -85,6 +85,16 @@ class Instruction:
     return out
 
   @property
+  def minor_to_major(self) -> tuple:
+    """Physical dimension order of the (first) result, minor-most first: '{0,2,1}' -> (0, 2, 1); a shape printed
+    without a layout is row-major (XLA's default)."""
+    m = re.search(r"[a-z][a-z0-9]*\[[^\]]*\]\{([\d,]*)", self.line.split(" = ", 1)[-1])
+    if m and m.group(1):
+      return tuple(int(x) for x in m.group(1).split(","))
+    rank = len(self.shapes[0].dims) if self.shapes else 0
+    return tuple(range(rank - 1, -1, -1))
+
+  @property
   def backend_config(self) -> dict:
     raw = self.attrs.get("backend_config", "")
     if raw.startswith("{"):

@@ -41,17 +41,23 @@ def samples_path(profile: str) -> str:
 
 
 def node_class(n: Node) -> str:
+  """Neighbours are drawn from the query's own class only. Besides the op kind, two measured splits (README,
+  "Transposes that move the minor dimension"): a dot XLA emits itself ('dot', on this CPU a transposed operand
+  the kernel library was not given) ran ~2x slower per flop than the library's (a 'ynn_fusion') of the same
+  m, n, k; a layout change that moves the minor-most dimension ran 2-5x slower per byte than one that keeps it."""
   if n.kind == "dot":
-    return "dot"
+    return "dot:plain" if n.opcode == "dot" else "dot"
   op = n.opcode.split(":")
   base = op[0]
+  minor = "/minor" if n.moves_minor else ""
   if base == "fusion":
-    return "fusion:" + (op[1] if len(op) > 1 else "")
-  return {"copy": "copy", "transpose": "copy"}.get(base, "op")
+    return "fusion:" + (op[1] if len(op) > 1 else "") + minor
+  return {"copy": "copy" + minor, "transpose": "copy" + minor}.get(base, "op")
 
 
-# bumped whenever `features` changes: a samples file of another version cannot be queried (recalibrate)
-FEATURES_VERSION = 2
+# bumped whenever `features` or `node_class` change: a samples file of another version cannot be queried
+# (recalibrate, or `calibrate --refit-composition HLO_DIR` re-derives classes and features of the stored samples)
+FEATURES_VERSION = 3
 _LAYOUT_OPS = {"copy", "transpose"}
 
 

@@ -13,7 +13,6 @@ from __future__ import annotations
 
 import datetime
 import json
-import os
 import platform
 
 import numpy as np
@@ -93,24 +92,51 @@ def _learned_without(hw, samples: list, name: str):
   return learned.Learned(hw, samples=[s for s in samples if s["prog"] != name])
 
 
+def refresh_samples(samples: list, graphs: dict) -> tuple:
+  """The stored node samples with class and features recomputed by this code (``learned.node_class`` /
+  ``features``) from each program's graph ({program: ExecGraph}); the measured time, physical estimate and
+  working set are kept. A sample whose node is missing or whose fingerprint changed is dropped: the program
+  that was traced is not the one compiled now. Returns (samples, dropped count)."""
+  by_prog = {name: {n.name: n for n, _ in g.walk()} for name, g in graphs.items()}
+  out, dropped = [], 0
+  for s in samples:
+    n = by_prog.get(s["prog"], {}).get(s.get("name"))
+    if n is None or (s.get("fp") and s["fp"] != n.fingerprint):
+      dropped += 1
+      continue
+    out.append({**s, "cls": learned.node_class(n), "f": learned.features(n)})
+  return out, dropped
+
+
 def refit(prof_path: str, hlo_dir: str, log=print) -> dict:
-  """Refits the learned composition from stored calibration data: the measured step times kept in the profile
-  (``calibration_loo``), the node samples file, and the calibration programs' HLO in ``hlo_dir/<name>.json``
-  (as ``validate --hlo-cache`` writes them). Nothing is re-measured."""
+  """Refits the learned backend from stored calibration data, nothing re-measured: the measured step times kept
+  in the profile (``calibration_loo``) and the node samples file. Each calibration program is read from
+  ``hlo_dir/<name>.json`` (as ``validate --hlo-cache`` writes them) or compiled and stored there; the samples'
+  classes and features are recomputed by this code (a changed ``learned.FEATURES_VERSION`` needs no new
+  calibration), then k, beta and the composition are chosen by leave-one-program-out error as ``calibrate`` does
+  (calibrate_nodes.select_learned). Writes the samples file and the profile."""
   from perfmodel.validate import _cached_capture  # noqa: PLC0415
   hw = hardware.load(prof_path)
-  samples = _samples(hw)
-
-  def cached_only(name, _compile):
-    return _cached_capture(hlo_dir, name, None) if os.path.exists(os.path.join(hlo_dir, f"{name}.json")) else None
-
-  def price_for(name, _cap):
-    model = _learned_without(hw, samples, name)
-    return lambda n: model.price(n).seconds
-  coef, cv = _fit(hw, cached_only, price_for, log, "")
-  mape = float(np.mean([abs(c["err_pct"]) for c in cv]))
-  _store(prof_path, {"composition": coef, "calibration_loo": _rounded(cv), "calibration_loo_mape": mape})
-  return {"composition": coef, "loo_mape": mape, "loo": cv}
+  spath = learned.samples_path(hw.name)
+  with open(spath) as f:
+    data = json.load(f)
+  programs = []
+  for name, c, g, cap, region in _programs(hw, lambda name, fn: _cached_capture(hlo_dir, name, fn), log):
+    programs.append({"name": name, "graph": g, "n": cap.n_devices, "measured": c["measured_s"],
+                     "noise": c.get("noise_pct", 0.0), "region": region,
+                     "temp": cap.memory.get("temp_size_in_bytes", 0.0)})
+  samples, dropped = refresh_samples(data["samples"], {p["name"]: p["graph"] for p in programs})
+  log(f"  refit: {len(samples)} node samples re-derived, {dropped} dropped (node gone or changed)")
+  res = cn.select_learned(hw, programs, samples, cn.allocator_keeps(hw), log)
+  data["samples"] = samples
+  data["meta"] = {**data.get("meta", {}), "features_version": learned.FEATURES_VERSION,
+                  "refit": f"classes and features re-derived {datetime.datetime.now().isoformat(timespec='minutes')}"}
+  with open(spath, "w") as f:
+    json.dump(data, f)
+  _store(prof_path, {"composition": res["composition"], "calibration_loo": _rounded(res["loo"]),
+                     "calibration_loo_mape": res["loo_mape"], "learned_k": res["learned_k"],
+                     "learned_beta": res["learned_beta"]})
+  return {**res, "samples": len(samples), "dropped": dropped}
 
 
 def fit_profiled(prof_path: str, hlo_cache: str = None, log=print, samples_file: str = None,
