@@ -42,9 +42,9 @@ def samples_path(profile: str) -> str:
 
 def node_class(n: Node) -> str:
   """Neighbours are drawn from the query's own class only. Besides the op kind, two measured splits (README,
-  "Transposes that move the minor dimension"): a dot XLA emits itself ('dot', on this CPU a transposed operand
+  "Power-of-two shapes, and what a node is"): a dot XLA emits itself ('dot', on this CPU a transposed operand
   the kernel library was not given) ran ~2x slower per flop than the library's (a 'ynn_fusion') of the same
-  m, n, k; a layout change that moves the minor-most dimension ran 2-5x slower per byte than one that keeps it."""
+  m, n, k; a layout change that moves the minor-most dimension ran 2-4.5x slower per byte than one that keeps it."""
   if n.kind == "dot":
     return "dot:plain" if n.opcode == "dot" else "dot"
   op = n.opcode.split(":")

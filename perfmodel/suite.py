@@ -91,6 +91,20 @@ CALIBRATION = [
          data=dict(seq_len=64, global_batch=24)),
     dict(name="c_d176_s144", model=dict(d_model=176, n_heads=4, n_kv_heads=2, d_ff=480),
          data=dict(seq_len=144, global_batch=8)),
+    # power-of-two token counts (512-2048), as real configs (and the validation suite) use them, at widths no
+    # validation config has. Every program above avoids powers of two, and XLA:CPU is shape-specific: in session
+    # 14's calibrations these programs' nodes ran 1.2-1.65x their physical estimate relative to the same node
+    # classes in the programs above (README, "Power-of-two shapes").
+    dict(name="c_p2_d192_s64_b16", model=dict(d_model=192, n_heads=6, n_kv_heads=3, d_ff=512),
+         data=dict(seq_len=64, global_batch=16)),
+    dict(name="c_p2_d96_s128_b4", model=dict(d_model=96, n_heads=4, n_kv_heads=2, d_ff=256),
+         data=dict(seq_len=128, global_batch=4)),
+    dict(name="c_p2_d160_s32_b32", model=dict(d_model=160, n_heads=4, n_kv_heads=2, d_ff=448),
+         data=dict(seq_len=32, global_batch=32)),
+    dict(name="c_p2_d112_s64_b32", model=dict(d_model=112, n_heads=4, n_kv_heads=2, d_ff=320),
+         data=dict(seq_len=64, global_batch=32)),
+    dict(name="c_p2_d80_s256_b2_l3", model=dict(d_model=80, n_layers=3, n_heads=4, n_kv_heads=2, d_ff=256),
+         data=dict(seq_len=256, global_batch=2)),
     # pipelined programs (shard_map form: idle slots skipped with lax.cond, resolved by perfmodel/branches.py)
     dict(name="c_pp2_d96", model=dict(d_model=96, n_heads=4, n_kv_heads=2, d_ff=256), data=dict(seq_len=48),
          mesh=dict(pipeline=2, microbatches=4, schedule="gpipe", form="shard_map")),
@@ -120,4 +134,9 @@ CALIBRATION_INFER = [
     # no neighbour of its kind and the validation's decode_b1 was over-predicted by 34-54% (README)
     dict(name="c_decode_b1_d176", batch=1, prompt_len=24, gen_lens=(8, 56), model=dict(d_model=176, n_heads=4,
                                                                                       n_kv_heads=2, d_ff=480)),
+    # power-of-two batches and prompts (as the training programs above)
+    dict(name="c_decode_p2_b8_d192", batch=8, prompt_len=32, gen_lens=(8, 56), model=dict(d_model=192, n_heads=6,
+                                                                                         n_kv_heads=3, d_ff=512)),
+    dict(name="c_decode_p2_b2_d320", batch=2, prompt_len=64, gen_lens=(8, 56), model=dict(d_model=320, n_heads=8,
+                                                                                         n_kv_heads=4, d_ff=1024)),
 ]

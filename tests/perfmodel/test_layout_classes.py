@@ -108,3 +108,20 @@ def test_refit_rederives_sample_classes_and_drops_changed_nodes():
   assert out[0]["cls"] == "fusion:kLoop/minor"
   assert out[0]["f"] == learned.features(nodes["copy_bitcast_fusion.4"])
   assert out[0]["t"] == 1e-3  # the measurement is kept
+
+
+def test_calibration_programs_are_disjoint_from_the_validation_suite():
+  """validate is a held-out test only if no calibration program is a validation config (same model, tokens and
+  mesh), whatever its name."""
+  from perfmodel import calibrate_nodes as cn, suite, validate
+
+  def key(cfg):
+    m, d = cfg.model, cfg.data
+    return (m.d_model, m.n_layers, m.n_heads, m.n_kv_heads, m.d_ff, m.remat, d.seq_len, d.global_batch,
+            tuple(sorted(cfg.mesh.sizes().items())))
+  held_out = {key(validate._entry_cfg(suite, e)[0]) for e in suite.SUITE}
+  for e in suite.CALIBRATION:
+    assert key(cn._cfg(e)) not in held_out, e["name"]
+  infer = {(e["batch"], e["prompt_len"], key(validate._entry_cfg(suite, e)[0])) for e in suite.INFER}
+  for e in suite.CALIBRATION_INFER:
+    assert (e["batch"], e["prompt_len"], key(cn._cfg_infer(e))) not in infer, e["name"]
