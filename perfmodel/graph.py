@@ -412,12 +412,28 @@ class _Builder:
     node_kind = "dot" if dot is not None else "fusion"
     opcode = f"{op}:{fkind}" if fkind else op
     shapes = ";".join(f"{s.dtype}{list(s.dims)}" for s in ins.shapes)
+    minor = moves_minor(m, ins, comp)
     fp = f"{node_kind}|{opcode}|{shapes}|f{int(flops)}|t{int(trans)}|b{int(nbytes)}"
     if dot is not None:
       fp = f"dot|{dot.dtype}|b{dot.batch}m{dot.m}n{dot.n}k{dot.k}|extra_f{int(flops - 2 * dot.batch * dot.m * dot.n * dot.k)}"
+    # the profiled database keys on the fingerprint: nodes that run differently must not share one (README,
+    # "Power-of-two shapes, and what a node is": a plain XLA dot ~2x a library dot of the same m, n, k; a
+    # minor-moving layout change 2-4.5x one that keeps the minor dimension)
+    fp += FP_TAGS[0] if dot is not None and op == "dot" else ""
+    fp += FP_TAGS[1] if minor else ""
     return Node(id=self.new_id(), name=ins.name, kind=node_kind, opcode=opcode, flops=flops, transcendentals=trans,
                 bytes=nbytes, out_bytes=ins.out_bytes, deps=deps, attribution=attr, dot=dot, fingerprint=fp,
-                moves_minor=moves_minor(m, ins, comp))
+                moves_minor=minor)
+
+
+FP_TAGS = ("|plain", "|minor")  # fingerprint suffixes added in session 14 (earlier samples lack them)
+
+
+def legacy_fingerprint(fp: str) -> str:
+  """A fingerprint as written before the FP_TAGS suffixes (stored learned samples carry that form)."""
+  for tag in FP_TAGS:
+    fp = fp.replace(tag, "")
+  return fp
 
 
 def build_graph(module: hp.Module, n_devices: Optional[int] = None) -> ExecGraph:

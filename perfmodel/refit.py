@@ -101,10 +101,10 @@ def refresh_samples(samples: list, graphs: dict) -> tuple:
   out, dropped = [], 0
   for s in samples:
     n = by_prog.get(s["prog"], {}).get(s.get("name"))
-    if n is None or (s.get("fp") and s["fp"] != n.fingerprint):
+    if n is None or (s.get("fp") and s["fp"] not in (n.fingerprint, graph_lib.legacy_fingerprint(n.fingerprint))):
       dropped += 1
       continue
-    out.append({**s, "cls": learned.node_class(n), "f": learned.features(n)})
+    out.append({**s, "cls": learned.node_class(n), "f": learned.features(n), "fp": n.fingerprint})
   return out, dropped
 
 

@@ -103,8 +103,11 @@ def test_refit_rederives_sample_classes_and_drops_changed_nodes():
        "t": 1e-3, "phys": 1e-4, "P": 0.0},  # the program compiled now differs: dropped
       {"prog": "p", "name": "gone.1", "fp": "", "cls": "op", "f": [0.0], "t": 1e-3, "phys": 1e-4, "P": 0.0},
   ]
-  out, dropped = refit.refresh_samples(samples, {"p": g})
-  assert dropped == 2 and len(out) == 1
+  # a sample written before the fingerprint tags (graph.FP_TAGS) is the same node: kept, its key updated
+  samples.append({**samples[0], "prog": "q", "fp": G.legacy_fingerprint(fp4)})
+  out, dropped = refit.refresh_samples(samples, {"p": g, "q": g})
+  assert dropped == 2 and len(out) == 2
+  assert fp4 != G.legacy_fingerprint(fp4) and all(o["fp"] == fp4 for o in out)
   assert out[0]["cls"] == "fusion:kLoop/minor"
   assert out[0]["f"] == learned.features(nodes["copy_bitcast_fusion.4"])
   assert out[0]["t"] == 1e-3  # the measurement is kept
@@ -125,3 +128,32 @@ def test_calibration_programs_are_disjoint_from_the_validation_suite():
   infer = {(e["batch"], e["prompt_len"], key(validate._entry_cfg(suite, e)[0])) for e in suite.INFER}
   for e in suite.CALIBRATION_INFER:
     assert (e["batch"], e["prompt_len"], key(cn._cfg_infer(e))) not in infer, e["name"]
+
+
+def test_nodes_that_run_differently_do_not_share_a_profiled_fingerprint():
+  """The profiled database keys on the fingerprint: a minor-moving layout change and one that keeps the minor
+  dimension, or a plain XLA dot and a library dot, must not share an entry (the profiler times one per key)."""
+  mod = """HloModule m
+%strided (p0: f32[64,32]) -> f32[64,32] {
+  %p0 = f32[64,32]{1,0} parameter(0)
+  ROOT %c = f32[64,32]{0,1} copy(%p0)
+}
+%plain (p1: f32[64,32]) -> f32[64,32] {
+  %p1 = f32[64,32]{1,0} parameter(0)
+  ROOT %c1 = f32[64,32]{1,0} copy(%p1)
+}
+ENTRY %main (x: f32[64,32], w: f32[32,16]) -> f32[64,16] {
+  %x = f32[64,32]{1,0} parameter(0)
+  %w = f32[32,16]{1,0} parameter(1)
+  %copy_fusion.1 = f32[64,32]{0,1} fusion(%x), kind=kLoop, calls=%strided
+  %copy_fusion.2 = f32[64,32]{1,0} fusion(%x), kind=kLoop, calls=%plain
+  ROOT %dot.1 = f32[64,16]{1,0} dot(%x, %w), lhs_contracting_dims={1}, rhs_contracting_dims={0}
+}
+"""
+  n = {x.name: x for x, _ in G.from_hlo_text(mod, 1).walk()}
+  a, b = n["copy_fusion.1"], n["copy_fusion.2"]
+  assert a.moves_minor and not b.moves_minor
+  assert a.fingerprint != b.fingerprint
+  assert G.legacy_fingerprint(a.fingerprint) == b.fingerprint  # the key both had before the tag
+  assert n["dot.1"].fingerprint.endswith("|plain")
+  assert G.legacy_fingerprint(n["dot.1"].fingerprint) + "|plain" == n["dot.1"].fingerprint
