@@ -25,9 +25,19 @@ def _median_rate(work, r):
   return work / bench.seconds(r)
 
 
-def run(quick: bool = False, out_path: str = None, nodes: bool = True, nodes_only: bool = False) -> dict:
+# what `calibrate --profiled` fitted on the previous calibration's step times: dropped with them (until the next
+# `calibrate --profiled`, which `calibrate` runs itself once the gate accepts, `auto` is learned)
+STALE_AFTER_STEPS = ("composition_profiled", "calibration_loo_profiled", "calibration_loo_profiled_mape",
+                     "composition_profiled_source", "composition_hybrid", "calibration_loo_hybrid",
+                     "calibration_loo_hybrid_mape", "hybrid_k", "composition_hybrid_source")
+# rounds of the calibration programs' step measurement (pool_step_rounds); about 5 minutes each on this host
+STEP_ROUNDS = 3
+
+
+def run(quick: bool = False, out_path: str = None, nodes: bool = True, nodes_only: bool = False,
+        step_rounds: int = STEP_ROUNDS) -> dict:
   if nodes_only:
-    return _node_stage(quick, out_path)
+    return _node_stage(quick, out_path, step_rounds)
   import jax
   import jax.numpy as jnp
   from jax.sharding import NamedSharding, PartitionSpec as P
@@ -152,7 +162,7 @@ def run(quick: bool = False, out_path: str = None, nodes: bool = True, nodes_onl
   with open(prof_path, "w") as f:
     json.dump(base, f, indent=1)
   hw = hardware.load(prof_path)
-  node_cal = _node_stage(quick, prof_path)["nodes"] if nodes else None
+  node_cal = _node_stage(quick, prof_path, step_rounds)["nodes"] if nodes else None
   return {"profile": prof_path, "peak_f32_flops": peak, "dram_bw": stream_curve[-1][1], "launch_s": launch,
           "step_overhead_s": step_overhead, "vector_flops_per_s": vector_rate, "trans_per_s": trans_rate,
           "skinny_dim": skinny_dim, "host_parallelism": host_par, "noise_pct": statistics.median(noise),
@@ -229,6 +239,52 @@ def _step_times_child(quick: bool) -> dict:
   return out
 
 
+def pool_step_rounds(rounds: list) -> tuple:
+  """(step times, one-device reference probe, {device count: reference}, {device count: windows}) from one or
+  more rounds of :func:`_step_times_child`.
+
+  Host speed drifts during the run (perfmodel/speed.py): every program's step is taken at the median probe
+  speed of all rounds, which becomes the profile's reference speed. The probe is a one-device step timed in each
+  measuring child, so it carries that child's device count (the same step is slower with more idle virtual
+  devices): each round gets one reference per device count, set against the one-device probes bracketing that
+  child (speed.device_references). A program's step is then the median over rounds of its speed-normalised
+  times, its noise the larger of the rounds' median noise and half their spread (as validate pools rounds).
+  Why rounds (session 15): one round's step of a multi-device program moved ±25% between calibrations
+  (c_dp2_d96: 12.65-20.21 ms), and with 7 such programs for the multi-device composition one outlier set its
+  node scale."""
+  from perfmodel import speed  # noqa: PLC0415
+  one_dev = [v["probe_s"] for r in rounds for v in r.values() if v.get("probe_s") and v.get("host_devices", 1) == 1]
+  ref = speed.reference(one_dev) if one_dev else None
+  per_round_refs, all_windows = [], {}
+  for r in rounds:
+    probes, windows = {}, {}
+    for v in r.values():
+      if v.get("probe_s"):
+        probes.setdefault(v.get("host_devices", 1), []).append(v["probe_s"])
+      if v.get("window_probe_1dev_s"):
+        windows[v.get("host_devices", 1)] = v["window_probe_1dev_s"]
+    refs = speed.device_references(ref, probes, windows) if ref and 1 in probes else {}
+    per_round_refs.append(refs)
+    for n, w in windows.items():
+      all_windows.setdefault(n, []).extend(w)
+    for v in r.values():
+      v["measured_raw_s"] = v["measured_s"]
+      v["measured_s"] = speed.normalise(v["measured_s"], v.get("probe_s"), refs.get(v.get("host_devices", 1)))
+  out = {}
+  for name in rounds[0]:
+    ms = [r[name] for r in rounds if name in r]
+    xs = [m["measured_s"] for m in ms]
+    med = statistics.median(xs)
+    spread = 100 * (max(xs) - min(xs)) / med if med > 0 else 0.0
+    out[name] = {**ms[0], "measured_s": med, "measured_raw_s": statistics.median(m["measured_raw_s"] for m in ms),
+                 "noise_pct": max(statistics.median(m["noise_pct"] for m in ms), spread / 2),
+                 "probe_s": statistics.median(m["probe_s"] for m in ms) if all(m.get("probe_s") for m in ms) else None,
+                 "round_spread_pct": spread, "rounds": [m["measured_s"] for m in ms]}
+  devices = {n for refs in per_round_refs for n in refs}
+  refs = {n: statistics.median(rr[n] for rr in per_round_refs if n in rr) for n in devices}
+  return out, ref, refs, all_windows
+
+
 def _trace_child(prof_path: str) -> dict:
   """Node samples of the one-device calibration programs, traced in a fresh process with exactly one virtual
   device (calibrate_nodes.trace_programs)."""
@@ -237,7 +293,7 @@ def _trace_child(prof_path: str) -> dict:
                     {"profile": os.path.abspath(prof_path), "trace_reps": 2}, 1, "calibration trace child")
 
 
-def _node_stage(quick: bool, prof_path: str = None) -> dict:
+def _node_stage(quick: bool, prof_path: str = None, step_rounds: int = STEP_ROUNDS) -> dict:
   """Second stage: real calibration programs traced per node (learned backend + step composition); uses the
   curves already in the profile for the learned backend's physical estimates."""
   import sys
@@ -249,26 +305,10 @@ def _node_stage(quick: bool, prof_path: str = None) -> dict:
   hw = hardware.load(prof_path)
   src = (f"python -m perfmodel calibrate on {platform.node()} {datetime.date.today().isoformat()}, "
          f"jax {jax.__version__}, load avg {os.getloadavg()[0]:.2f}, regime {bench.regime()}")
-  step_times = _step_times_child(quick)
-  ref = None
-  if step_times:
-    # Host speed drifts during the run (perfmodel/speed.py): every program's step is taken at the run's
-    # median probe speed, which becomes the profile's reference speed.
-    # The probe is a one-device step timed in each measuring child, so it carries that child's device count
-    # (the same step is slower with more idle virtual devices): one reference per device count, set against
-    # one-device probes bracketing that child (speed.device_references).
-    from perfmodel import speed  # noqa: PLC0415
-    probes, windows = {}, {}
-    for v in step_times.values():
-      if v.get("probe_s"):
-        probes.setdefault(v.get("host_devices", 1), []).append(v["probe_s"])
-      if v.get("window_probe_1dev_s"):
-        windows[v.get("host_devices", 1)] = v["window_probe_1dev_s"]
-    refs = speed.device_references(speed.reference(probes[1]), probes, windows) if 1 in probes else {}
-    ref = refs.get(1)
-    for v in step_times.values():
-      v["measured_raw_s"] = v["measured_s"]
-      v["measured_s"] = speed.normalise(v["measured_s"], v.get("probe_s"), refs.get(v.get("host_devices", 1)))
+  ref, refs, windows = None, {}, {}
+  step_times = None
+  if not quick:
+    step_times, ref, refs, windows = pool_step_rounds([_step_times_child(quick) for _ in range(max(1, step_rounds))])
   traced = _trace_child(prof_path) if step_times else None
   res = calibrate_nodes.run(hw, reps=3 if quick else 5, trace_reps=2, entries=None,
                             log=lambda m: print(m, file=sys.stderr, flush=True), step_times=step_times,
@@ -280,6 +320,8 @@ def _node_stage(quick: bool, prof_path: str = None) -> dict:
                         "perfmodel/suite.py:CALIBRATION(+_INFER)", "features_version": learned.FEATURES_VERSION},
                "samples": res["samples"]}, f)
   cal = base["calibration"]["value"]
+  for key in STALE_AFTER_STEPS:  # fitted on the step times this calibration replaces
+    cal.pop(key, None)
   cal["composition"] = res["composition"]
   cal["learned_k"] = res["learned_k"]
   cal["learned_beta"] = res["learned_beta"]
@@ -293,10 +335,11 @@ def _node_stage(quick: bool, prof_path: str = None) -> dict:
     cal["speed_probe_ref_s"] = ref
     cal["speed_probe_ref_by_devices"] = {str(n): r for n, r in sorted(refs.items())}
     cal["speed_probe_windows_1dev"] = {str(n): w for n, w in sorted(windows.items())}
+    probes = [v["probe_s"] for v in step_times.values() if v.get("probe_s")]
     cal["speed_probe_source"] = (f"{src}: median of perfmodel.speed's probe timed around each calibration "
-                                 f"program ({len(step_times)} programs, probe "
-                                 f"{min(v['probe_s'] for v in step_times.values()) * 1e3:.2f}-"
-                                 f"{max(v['probe_s'] for v in step_times.values()) * 1e3:.2f} ms)")
+                                 f"program ({len(step_times)} programs x {step_rounds} rounds, probe medians "
+                                 f"{min(probes) * 1e3:.2f}-{max(probes) * 1e3:.2f} ms)")
+    cal["step_rounds"] = step_rounds
   with open(prof_path, "w") as f:
     json.dump(base, f, indent=1)
   return {"profile": prof_path, "nodes": {"samples": len(res["samples"]), "composition": res["composition"],

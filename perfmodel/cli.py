@@ -69,7 +69,7 @@ def _profile(a, cap, hw):
   program's own instructions timed alone (2-20 s the first time a program is seen; cached by fingerprint)."""
   from perfmodel import costs  # noqa: PLC0415
   profile = hw.name
-  if a.profile_nodes or costs.resolve_backend(hw, a.backend) == "profiled":
+  if a.profile_nodes or costs.resolve_backend(hw, a.backend) in costs.NEEDS_PROFILED_PROGRAM:
     from perfmodel import fusion_profiler
     r = fusion_profiler.profile_program(cap.hlo_text, cap.n_devices, profile)
     print(json.dumps({"profiled_nodes": {k: v for k, v in r.items() if k != "seconds"}}), file=sys.stderr)
@@ -123,10 +123,16 @@ def cmd_calibrate(a, overrides):
   from perfmodel import calibrate, hardware, learned
   prof = os.path.join(hardware.PROFILE_DIR, "cpu.json")
   snap = calibrate.snapshot([prof, learned.samples_path("cpu")])
-  res = calibrate.run(quick=a.quick, nodes=not a.no_nodes, nodes_only=a.nodes_only)
+  res = calibrate.run(quick=a.quick, nodes=not a.no_nodes, nodes_only=a.nodes_only,
+                      step_rounds=a.step_rounds or calibrate.STEP_ROUNDS)
   nodes = res.get("nodes") or {}
   res["gate"] = calibrate.gate(snap, None if a.quick else nodes.get("loo_mape"),
                               calibrate.MAX_LOO_PCT if a.max_loo is None else a.max_loo)
+  if res["gate"]["accepted"] and nodes and not (a.quick or a.no_profiled):
+    # the profiled and hybrid compositions, fitted on this calibration's step times (calibrate --profiled)
+    from perfmodel import refit  # noqa: PLC0415
+    fit = refit.fit_profiled(prof, a.hlo_cache, log=lambda m: print(m, file=sys.stderr))
+    res["profiled"] = {k: v for k, v in fit.items() if k != "loo"}
   _print(res)
   if not res["gate"]["accepted"]:
     print(res["gate"]["message"], file=sys.stderr)
@@ -173,7 +179,8 @@ def main(argv=None):
   pr.add_argument("--method", choices=("auto", "compile", "rank_program", "analytic"), default="auto",
                   help="auto: compile the real N-device program up to 512 devices, else the traced per-rank "
                        "program (rank_program), else the analytic graph")
-  pr.add_argument("--backend", choices=("auto", "roofline", "calibrated", "profiled", "learned"), default="auto")
+  pr.add_argument("--backend", choices=("auto", "roofline", "calibrated", "profiled", "learned", "hybrid"),
+                  default="auto")
   pr.add_argument("--profile-dots", action="store_true", help="time this program's unique dots on this host first")
   pr.add_argument("--profile-nodes", action="store_true",
                   help="time every compute instruction of this program alone on this host first (dots and fusions; "
@@ -188,6 +195,11 @@ def main(argv=None):
   ca.add_argument("--max-loo", type=float, default=None, metavar="PCT",
                   help="refuse (keep the previous profile) when the calibration's leave-one-program-out error is "
                        "above this (default 15; perfmodel/calibrate.py MAX_LOO_PCT)")
+  ca.add_argument("--no-profiled", action="store_true",
+                  help="skip the profiled / hybrid compositions at the end (run calibrate --profiled later)")
+  ca.add_argument("--step-rounds", type=int, default=None,
+                  help="rounds of the calibration programs' step measurement, pooled by median (default "
+                       "calibrate.STEP_ROUNDS = 3; about 5 minutes each here)")
   ca.add_argument("--profiled", action="store_true",
                   help="after a calibration: time the calibration programs' instructions alone (profiled database) "
                        "and fit the composition for --backend profiled, with its own leave-one-out error")

@@ -130,23 +130,34 @@ class Chain:
     return Priced(self.hw.launch_overhead, "launch-only")
 
 
+# backends whose prices are the program's own instructions timed alone: predict / validate profile the program
+# first (perfmodel/fusion_profiler.py; 2-20 s the first time a program is seen, cached by fingerprint)
+NEEDS_PROFILED_PROGRAM = ("profiled", "hybrid")
+# fitted backend -> (its composition's key, its leave-one-program-out MAPE's key) in the profile's calibration
+FITTED = {"learned": ("composition", "calibration_loo_mape"),
+          "profiled": ("composition_profiled", "calibration_loo_profiled_mape"),
+          "hybrid": ("composition_hybrid", "calibration_loo_hybrid_mape")}
+
+
 def resolve_backend(hw: HardwareProfile, backend: str = "auto") -> str:
-  """What ``auto`` means for this profile: of the two fitted backends, the one whose composition had the lower
-  leave-one-program-out error *on the calibration programs* (``calibrate`` and ``calibrate --profiled`` store
-  both); learned where the profile has no profiled composition. Model selection by the calibration's own
-  cross-validation, never by a validation (perfmodel/README.md, "Which backend auto uses")."""
+  """What ``auto`` means for this profile: of the fitted backends (learned, profiled, hybrid), the one whose
+  composition had the lowest leave-one-program-out error *on the calibration programs* (``calibrate`` stores
+  learned's, ``calibrate --profiled`` profiled's and hybrid's); learned where no other has a composition.
+  Model selection by the calibration's own cross-validation, never by a validation (perfmodel/README.md,
+  "Which backend auto uses"). Returns 'auto' for learned (its chain falls through to the others)."""
   if backend != "auto":
     return backend
   cal = hw.calibration or {}
-  loo_learned, loo_profiled = cal.get("calibration_loo_mape"), cal.get("calibration_loo_profiled_mape")
-  if cal.get("composition_profiled") and loo_profiled is not None and (
-      loo_learned is None or not cal.get("composition") or loo_profiled < loo_learned):
-    return "profiled"
-  return "auto"
+  fitted = {name: cal[loo] for name, (comp, loo) in FITTED.items()
+            if cal.get(comp) and cal.get(loo) is not None}
+  if not fitted:
+    return "auto"
+  best = min(fitted, key=lambda name: (fitted[name], name != "learned"))  # a tie keeps learned
+  return "auto" if best == "learned" else best
 
 
 def make_chain(hw: HardwareProfile, backend: str = "auto", algorithm: str = "auto") -> Chain:
-  """backend: 'roofline' | 'calibrated' | 'profiled' | 'learned' | 'auto'
+  """backend: 'roofline' | 'calibrated' | 'profiled' | 'learned' | 'hybrid' | 'auto'
   (auto: :func:`resolve_backend`; where that keeps learned: learned -> profiled -> calibrated -> roofline, each
   where available)."""
   from perfmodel import learned  # noqa: PLC0415 (learned imports this module)
@@ -163,8 +174,15 @@ def make_chain(hw: HardwareProfile, backend: str = "auto", algorithm: str = "aut
     # what the profiler leaves out (in-place updates) goes to the learned backend, as in calibrate --profiled
     rest = [learned.Learned(hw)] if learned.Learned.available(hw) else []
     return Chain([Profiled(hw)] + rest + [Calibrated(hw) if hw.calibrated else Roofline(hw)], hw, algorithm)
+  if backend == "hybrid":
+    from perfmodel import hybrid  # noqa: PLC0415
+    if not learned.Learned.available(hw):
+      raise ValueError(f"profile {hw.name!r} has no learned node samples: run `python -m perfmodel calibrate`")
+    # a node the database lacks, or of a class no sample has, is priced by the learned backend
+    return Chain([hybrid.Hybrid(hw), learned.Learned(hw), Calibrated(hw)], hw, algorithm)
   if backend != "auto":
-    raise ValueError(f"unknown cost backend {backend!r}: choose roofline, calibrated, profiled or auto")
+    raise ValueError(f"unknown cost backend {backend!r}: choose roofline, calibrated, profiled, learned, hybrid "
+                     f"or auto")
   chain = [learned.Learned(hw)] if learned.Learned.available(hw) else []
   chain.append(Profiled(hw))
   if hw.calibrated:

@@ -359,7 +359,7 @@ def profile_program(hlo_text: str, n_devices: int = 1, profile: str = "cpu", pat
   prog = ProgramText(hlo_text)
   g = graph_lib.build_graph(prog.module, n_devices)  # one parse for both
   where = {name: comp for comp, ins in prog.instrs.items() for name in ins}
-  timed, skipped, seconds, seen = 0, {}, {}, set()
+  timed, cached, skipped, seconds, seen = 0, 0, {}, {}, set()
   worker = _Worker()
   try:
     for n, _ in g.walk():
@@ -368,6 +368,7 @@ def profile_program(hlo_text: str, n_devices: int = 1, profile: str = "cpu", pat
       seen.add(n.fingerprint)
       old = data["entries"].get(n.fingerprint)
       if isinstance(old, dict) and old.get("method") == "isolated-traced":
+        cached += 1
         continue
       try:
         text, types, out_type = prog.standalone(where[n.name], n.name)
@@ -385,11 +386,12 @@ def profile_program(hlo_text: str, n_devices: int = 1, profile: str = "cpu", pat
         log(f"  {n.name:>40} {n.opcode:>28} {r['s'] * 1e6:9.1f} us")
   finally:
     worker.close()
-  data["meta"] = _meta()
-  os.makedirs(os.path.dirname(path), exist_ok=True)
-  with open(path, "w") as f:
-    json.dump(data, f, indent=0, sort_keys=True)
-  return {"timed": timed, "skipped": skipped, "db": path, "seconds": seconds}
+  if timed or not os.path.exists(path):  # a program seen before leaves the database file as it was
+    data["meta"] = _meta()
+    os.makedirs(os.path.dirname(path), exist_ok=True)
+    with open(path, "w") as f:
+      json.dump(data, f, indent=0, sort_keys=True)
+  return {"timed": timed, "cached": cached, "skipped": skipped, "db": path, "seconds": seconds}
 
 
 def _meta() -> dict:

@@ -77,6 +77,18 @@ def features(n: Node) -> list:
   return f
 
 
+def load_samples(hw: HardwareProfile, path: Optional[str] = None) -> list:
+  """The profile's node samples (``calibrate``), refused when written by another ``FEATURES_VERSION``."""
+  path = path or samples_path(hw.name)
+  with open(path) as f:
+    data = json.load(f)
+  version = data.get("meta", {}).get("features_version", 1)
+  if version != FEATURES_VERSION:
+    raise ValueError(f"{path}: node samples of features version {version}, this code prices with version "
+                     f"{FEATURES_VERSION}: run `python -m perfmodel calibrate`")
+  return data["samples"]
+
+
 class Learned:
   name = "learned"
 
@@ -88,14 +100,7 @@ class Learned:
     self.hw, self.k, self.ood, self.beta = hw, k, ood_distance, beta
     self.phys = Calibrated(hw)
     if samples is None:
-      path = path or samples_path(hw.name)
-      with open(path) as f:
-        data = json.load(f)
-      version = data.get("meta", {}).get("features_version", 1)
-      if version != FEATURES_VERSION:
-        raise ValueError(f"{path}: node samples of features version {version}, this code prices with version "
-                         f"{FEATURES_VERSION}: run `python -m perfmodel calibrate`")
-      samples = data["samples"]
+      samples = load_samples(hw, path)
     self.by_class = {}
     for s in samples:
       self.by_class.setdefault(s["cls"], []).append(s)

@@ -40,10 +40,11 @@ def composed(g: graph_lib.ExecGraph, chain, hw: HardwareProfile, n_devices: int,
 
 def composition_for(hw: HardwareProfile, chain) -> dict:
   """The fitted composition matching the chain's first backend: ``composition`` (learned node prices, fitted
-  by calibrate) or ``composition_profiled`` (node prices of the profiled database, ``calibrate --profiled``);
+  by calibrate), ``composition_profiled`` or ``composition_hybrid`` (node prices of the profiled database as
+  they are / times the in-program ratio, both fitted by ``calibrate --profiled``);
   None when the profile has none for it (the timeline's makespan is then the step)."""
   first = chain.names[0] if chain.names else ""
-  key = {"learned": "composition", "profiled": "composition_profiled"}.get(first)
+  key = costs.FITTED.get(first, (None,))[0]
   return hw.calibration.get(key) if key else None
 
 

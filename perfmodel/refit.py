@@ -3,7 +3,8 @@
 * ``calibrate --refit-composition HLO_DIR`` (:func:`refit`): the learned composition, from the node samples
   file and the calibration programs' cached HLO;
 * ``calibrate --profiled`` (:func:`fit_profiled`): the composition for the profiled backend: every
-  calibration program's instructions timed alone (perfmodel/fusion_profiler.py), then the same typed fit.
+  calibration program's instructions timed alone (perfmodel/fusion_profiler.py), then the same typed fit;
+  and the hybrid backend's (:func:`fit_hybrid`, perfmodel/hybrid.py) on the same database.
 
 Both walk the programs the profile's ``calibration_loo`` lists (each with its measured step), price them
 with the learned backend minus the program's own samples (leave one program out) or the profiled database,
@@ -164,15 +165,44 @@ def fit_profiled(prof_path: str, hlo_cache: str = None, log=print, samples_file:
     log(f"  profiled {name:>20}: {r['timed']} nodes timed alone, skipped {r['skipped'] or 'none'}")
     chain = costs.Chain([costs.Profiled(hw, db), _learned_without(hw, samples, name)], hw)
     return lambda n: chain.price(n).seconds
-  coef, cv = _fit(hw, lambda name, compile_fn: _cached_capture(hlo_cache, name, compile_fn), price_for, log,
-                  " profiled")
+  programs = lambda name, compile_fn: _cached_capture(hlo_cache, name, compile_fn)  # noqa: E731
+  coef, cv = _fit(hw, programs, price_for, log, " profiled")
   mape = float(np.mean([abs(c["err_pct"]) for c in cv]))
+  hyb = fit_hybrid(hw, programs, samples, costs.Profiled(hw, db), log)
+  source = (f"python -m perfmodel calibrate --profiled on {platform.node()} "
+            f"{datetime.datetime.now().isoformat(timespec='minutes')}: node times profiled then, step times from the "
+            f"calibration of {hw.calibration.get('date', '?')} (a host state between the two is error of this "
+            f"composition)")
   cal = _store(prof_path, {
       "composition_profiled": coef, "calibration_loo_profiled": _rounded(cv), "calibration_loo_profiled_mape": mape,
-      "composition_profiled_source": (
-          f"python -m perfmodel calibrate --profiled on {platform.node()} "
-          f"{datetime.datetime.now().isoformat(timespec='minutes')}: node times profiled then, step times from the "
-          f"calibration of {hw.calibration.get('date', '?')} (a host state between the two is error of this "
-          f"composition)")})
+      "composition_profiled_source": source,
+      "composition_hybrid": hyb["composition"], "calibration_loo_hybrid": _rounded(hyb["loo"]),
+      "calibration_loo_hybrid_mape": hyb["loo_mape"], "hybrid_k": hyb["k"], "composition_hybrid_source": source})
   return {"composition_profiled": coef, "loo_mape_profiled": mape, "loo_mape_learned": cal.get("calibration_loo_mape"),
-          "skipped": skipped, "loo": cv}
+          "loo_mape_hybrid": hyb["loo_mape"], "hybrid_k": hyb["k"], "loo_mape_hybrid_by_k": hyb["by_k"],
+          "backend_auto": costs.resolve_backend(hardware.load(prof_path)), "skipped": skipped, "loo": cv}
+
+
+def fit_hybrid(hw, programs, samples: list, db, log=print) -> dict:
+  """The hybrid backend's composition (perfmodel/hybrid.py: profiled time x in-program/alone ratio of the
+  nearest samples), for each neighbour count of ``hybrid.K_GRID``; the one with the lowest leave-one-program-out
+  error is kept, as ``select_learned`` chooses the learned backend's k. Leaving a program out removes its own
+  samples from the ratios and its row from the fit. Nodes without a database entry go to the learned backend
+  without the program's samples, as ``--backend hybrid`` prices them (costs.make_chain)."""
+  from perfmodel import hybrid  # noqa: PLC0415
+  best, by_k = None, {}
+  for k in hybrid.K_GRID:
+    def price_for(name, cap, k=k):
+      rest = [s for s in samples if s["prog"] != name]
+      chain = costs.Chain([hybrid.Hybrid(hw, rest, db, k), learned.Learned(hw, samples=rest)], hw)
+      return lambda n: chain.price(n).seconds
+    coef, cv = _fit(hw, programs, price_for, lambda *a: None, " hybrid")
+    mape = float(np.mean([abs(c["err_pct"]) for c in cv]))
+    by_k[k] = mape
+    log(f"  hybrid k={k}: leave-one-program-out MAPE {mape:.2f}%")
+    if best is None or mape < best["loo_mape"]:
+      best = {"composition": coef, "loo": cv, "loo_mape": mape, "k": k}
+  for c in best["loo"]:
+    log(f"  LOO hybrid {c['name']:>18} ({c['type']:>6}): measured {c['measured_s'] * 1e3:8.3f} ms predicted "
+        f"{c['predicted_s'] * 1e3:8.3f} ms err {c['err_pct']:+6.1f}%")
+  return {**best, "by_k": by_k}

@@ -290,7 +290,7 @@ def run(suite_path=None, reps: int = 7, backend: str = "auto", png: str = None, 
     cfg = cfg.__class__(**{**cfg.__dict__, "name": entry["name"]})
     m = pool_rounds([c[entry["name"]] for c in caches])
     cap = _cached_capture(hlo_cache, entry["name"], lambda: capture.train_step(cfg))
-    if resolved == "profiled":
+    if resolved in costs.NEEDS_PROFILED_PROGRAM:
       fusion_profiler.profile_program(cap.hlo_text, cap.n_devices, hw.name)
     pred = predict.predict_train(cfg, hw, backend, captured=cap)
     raw, noise, wall = m["measured_s"], m["noise_pct"], m["wall_s"]
@@ -312,7 +312,7 @@ def run(suite_path=None, reps: int = 7, backend: str = "auto", png: str = None, 
     m = pool_rounds([c[entry["name"]] for c in caches])
     cap2 = _cached_capture(hlo_cache, entry["name"],
                            lambda: capture.sampler(cfg, entry["batch"], entry["prompt_len"], g2))
-    if resolved == "profiled":
+    if resolved in costs.NEEDS_PROFILED_PROGRAM:
       fusion_profiler.profile_program(cap2.hlo_text, 1, hw.name)
     tpot_meas = m["measured_s"]
     pred = predict.predict_infer(cfg, hw, entry["batch"], entry["prompt_len"], g2, backend, captured=cap2)

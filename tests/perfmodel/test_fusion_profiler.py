@@ -144,6 +144,7 @@ def test_profile_program_times_every_compute_node_or_says_why(tmp_path):
   text = _compiled_text()
   db = tmp_path / "db.json"
   res = fp.profile_program(text, 1, path=str(db))
+  assert res["cached"] == 0
   g = G.from_hlo_text(text, 1)
   fps = {n.fingerprint for n, _ in g.walk() if n.kind in G.COMPUTE_KINDS}
   entries = json.loads(db.read_text())["entries"]
@@ -152,6 +153,10 @@ def test_profile_program_times_every_compute_node_or_says_why(tmp_path):
   prof = costs.Profiled(hardware.load("cpu"), str(db))
   priced = [prof.price(n) for n, _ in g.walk() if n.fingerprint in entries]
   assert priced and all(p.backend == "profiled:isolated-traced" for p in priced)
+  # the same program again: nothing is timed, every timed node is found, the file is left as it was
+  before = db.read_text()
+  again = fp.profile_program(text, 1, path=str(db))
+  assert again["timed"] == 0 and again["cached"] == res["timed"] and db.read_text() == before
 
 
 def test_profile_program_times_an_in_place_update(tmp_path):

@@ -381,3 +381,28 @@ def test_calibration_gate_keeps_the_previous_profile_when_leave_one_out_is_too_h
   assert calibrate.gate(snap, 15.0, max_loo=15.0, rejected_dir=str(tmp_path / "rejected"))["accepted"]
   assert prof.read_text() == '{"newer": 4}'
   assert calibrate.gate(snap, None)["accepted"]  # no node stage (micro-benchmarks only): nothing to judge
+
+
+def test_calibration_step_rounds_pool_to_the_median_at_one_reference_speed():
+  from perfmodel import calibrate
+
+  def rnd(probe, steps, noise=4.0):
+    # one round of calibrate._step_times_child: every program with its child's probe and bracketing window
+    return {name: {"measured_s": s, "noise_pct": noise, "probe_s": probe * (1.3 if n > 1 else 1.0),
+                   "host_devices": n, "window_probe_1dev_s": [probe, probe]}
+            for name, (n, s) in steps.items()}
+  steps = {"a": (1, 0.010), "m": (2, 0.020)}
+  # round 2 ran on a host 2x slower (its probes too); round 3 had an outlier on the multi-device program
+  rounds = [rnd(0.030, steps), rnd(0.060, {"a": (1, 0.020), "m": (2, 0.040)}),
+            rnd(0.030, {"a": (1, 0.010), "m": (2, 0.013)})]
+  out, ref, refs, windows = calibrate.pool_step_rounds(rounds)
+  assert ref == pytest.approx(0.030)  # median of all one-device probes
+  assert refs[1] == pytest.approx(0.030) and refs[2] == pytest.approx(0.030 * 1.3)
+  assert out["a"]["measured_s"] == pytest.approx(0.010)  # the slow round is normalised, not averaged in raw
+  assert out["m"]["measured_s"] == pytest.approx(0.020)  # the outlier round is outvoted
+  assert out["m"]["rounds"] == pytest.approx([0.020, 0.020, 0.013])
+  assert out["m"]["noise_pct"] == pytest.approx(100 * (0.020 - 0.013) / 0.020 / 2)
+  assert out["a"]["noise_pct"] == pytest.approx(4.0) and out["a"]["measured_raw_s"] == pytest.approx(0.010)
+  # one round: its measurement as it was, at its own reference (the behaviour before rounds)
+  one, ref1, _, _ = calibrate.pool_step_rounds([rnd(0.030, steps)])
+  assert ref1 == pytest.approx(0.030) and one["m"]["measured_s"] == pytest.approx(0.020)
