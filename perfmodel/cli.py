@@ -199,7 +199,7 @@ def main(argv=None):
                   help="skip the profiled / hybrid compositions at the end (run calibrate --profiled later)")
   ca.add_argument("--step-rounds", type=int, default=None,
                   help="rounds of the calibration programs' step measurement, pooled by median (default "
-                       "calibrate.STEP_ROUNDS = 3; about 5 minutes each here)")
+                       "calibrate.STEP_ROUNDS = 3; about 11 minutes each here)")
   ca.add_argument("--profiled", action="store_true",
                   help="after a calibration: time the calibration programs' instructions alone (profiled database) "
                        "and fit the composition for --backend profiled, with its own leave-one-out error")

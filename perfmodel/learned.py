@@ -20,7 +20,6 @@ labelled ``learned(out-of-range)`` so the output shows it (the issue's "flags in
 """
 from __future__ import annotations
 
-import json
 import math
 import os
 import re
@@ -28,7 +27,7 @@ from typing import Optional
 
 import numpy as np
 
-from perfmodel.costs import Calibrated, Priced
+from perfmodel.costs import Calibrated, Priced, load_json
 from perfmodel.graph import Node
 from perfmodel.hardware import HardwareProfile
 
@@ -80,8 +79,7 @@ def features(n: Node) -> list:
 def load_samples(hw: HardwareProfile, path: Optional[str] = None) -> list:
   """The profile's node samples (``calibrate``), refused when written by another ``FEATURES_VERSION``."""
   path = path or samples_path(hw.name)
-  with open(path) as f:
-    data = json.load(f)
+  data = load_json(path)  # parsed once per version of the file
   version = data.get("meta", {}).get("features_version", 1)
   if version != FEATURES_VERSION:
     raise ValueError(f"{path}: node samples of features version {version}, this code prices with version "
