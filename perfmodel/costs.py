@@ -111,13 +111,19 @@ class Profiled:
       self.meta = data.get("meta", {})
       self.table = data.get("entries", {})
 
-  def price(self, node: Node) -> Optional[Priced]:
-    t = self.table.get(node.fingerprint)
+  def seconds(self, fingerprint: str) -> Optional[float]:
+    """The measured time of a node fingerprint; None when the database has none."""
+    t = self.table.get(fingerprint)
     if t is None:
       return None
-    if isinstance(t, dict):  # {"s", "method", "op"}: perfmodel/fusion_profiler.py
-      return Priced(float(t["s"]), f"{self.name}:{t.get('method', '')}".rstrip(":"))
-    return Priced(float(t), self.name)
+    return float(t["s"]) if isinstance(t, dict) else float(t)  # {"s", "method", "op"}: fusion_profiler.py
+
+  def price(self, node: Node) -> Optional[Priced]:
+    s = self.seconds(node.fingerprint)
+    if s is None:
+      return None
+    t = self.table[node.fingerprint]
+    return Priced(s, f"{self.name}:{t.get('method', '')}".rstrip(":") if isinstance(t, dict) else self.name)
 
 
 def db_path(profile: str) -> str:

@@ -30,12 +30,6 @@ from perfmodel.hardware import HardwareProfile
 K_GRID = (2, 4, 8, 16)
 
 
-def profiled_seconds(entry) -> Optional[float]:
-  if entry is None:
-    return None
-  return float(entry["s"]) if isinstance(entry, dict) else float(entry)
-
-
 class Hybrid:
   name = "hybrid"
 
@@ -47,7 +41,7 @@ class Hybrid:
       samples = learned.load_samples(hw)
     by_class = {}
     for s in samples:
-      alone = profiled_seconds(self.db.table.get(s.get("fp")))
+      alone = self.db.seconds(s.get("fp"))
       if alone and alone > 0 and s["t"] > 0:
         by_class.setdefault(s["cls"], []).append((s["f"], s["t"] / alone))
     self.arrays = {c: (np.array([f for f, _ in v]), np.log(np.array([r for _, r in v])))
@@ -68,7 +62,7 @@ class Hybrid:
   def price(self, node: Node) -> Optional[Priced]:
     if node.kind not in ("dot", "fusion", "other"):
       return None
-    alone = profiled_seconds(self.db.table.get(node.fingerprint))
+    alone = self.db.seconds(node.fingerprint)
     if alone is None:
       return None
     r = self.context_ratio(node)

@@ -49,10 +49,11 @@ def _programs(hw, hlo_program, log):
     yield name, c, g, cap, region
 
 
-def _fit(hw, hlo_program, price_for, log, label: str) -> tuple:
-  """(coefficients, leave-one-out rows) of the typed composition with node prices ``price_for(name, cap)``."""
+def _fit(hw, programs: list, price_for, log, label: str) -> tuple:
+  """(coefficients, leave-one-out rows) of the typed composition with node prices ``price_for(name, cap)``;
+  ``programs``: the tuples of :func:`_programs`, parsed once and priced by every fit."""
   rows, y, types, names, noise = [], [], [], [], []
-  for name, c, g, cap, region in _programs(hw, hlo_program, log):
+  for name, c, g, cap, region in programs:
     price = price_for(name, cap)
     f = cn.composition_features(g, price, cap.n_devices, region, cap.memory.get("temp_size_in_bytes", 0.0), hw=hw)
     if region:
@@ -165,7 +166,7 @@ def fit_profiled(prof_path: str, hlo_cache: str = None, log=print, samples_file:
     log(f"  profiled {name:>20}: {r['timed']} nodes timed alone, skipped {r['skipped'] or 'none'}")
     chain = costs.Chain([costs.Profiled(hw, db), _learned_without(hw, samples, name)], hw)
     return lambda n: chain.price(n).seconds
-  programs = lambda name, compile_fn: _cached_capture(hlo_cache, name, compile_fn)  # noqa: E731
+  programs = list(_programs(hw, lambda name, compile_fn: _cached_capture(hlo_cache, name, compile_fn), log))
   coef, cv = _fit(hw, programs, price_for, log, " profiled")
   mape = float(np.mean([abs(c["err_pct"]) for c in cv]))
   hyb = fit_hybrid(hw, programs, samples, costs.Profiled(hw, db), log)
