@@ -57,13 +57,14 @@ def fresh_bytes(temp_bytes: float, n_devices: int, keeps: bool = False) -> float
 
 
 def composition_features(g: graph_lib.ExecGraph, price, n_devices: int, region: str = None,
-                         temp_bytes: float = 0.0, hw=None, keeps: bool = None) -> list:
+                         temp_bytes: float = 0.0, hw=None, keeps: bool = None, pow2: bool = False) -> list:
   """Features of a step, in COEF_NAMES order:
   a: sum of node prices x N devices      b: node executions x N      c: N (per-step constant)
   e: collectives - with ``hw``, their modelled seconds (the profile's curves, x groups); else bytes x N
   f: collective executions x N          g: fresh temp bytes (fresh_bytes; ``keeps`` None: as ``hw`` was calibrated)
   h: bytes the priced nodes move x N (decode steps stream the weights and the KV cache; :func:`compose` splits
-     it at the type's knee into h and i)."""
+     it at the type's knee into h and i)
+  p: a again when the step's tokens per device are a power of two (``pow2``, :func:`pow2_tokens`), else 0."""
   from perfmodel import collectives  # noqa: PLC0415
   keeps = allocator_keeps(hw) if keeps is None else keeps
   t, execs, cb, ce, nb = 0.0, 0, 0.0, 0, 0.0
@@ -79,7 +80,19 @@ def composition_features(g: graph_lib.ExecGraph, price, n_devices: int, region: 
       nb += n.bytes * k
       execs += k
   return [t * n_devices, execs * n_devices, n_devices, cb, ce * n_devices,
-          0.0 if region else fresh_bytes(temp_bytes, n_devices, keeps), nb * n_devices]
+          0.0 if region else fresh_bytes(temp_bytes, n_devices, keeps), nb * n_devices, 0.0,
+          t * n_devices if pow2 else 0.0]
+
+
+def pow2_tokens(cfg) -> bool:
+  """Whether a training step's tokens per device (global batch x sequence / data-parallel ways) are a power of
+  two. XLA:CPU is shape-specific: in the calibration's power-of-two programs the same node classes ran
+  1.2-1.65x their physical estimate against the other programs (README, "Power-of-two shapes"), which the
+  learned backend's neighbours, mostly from other programs, do not carry; the composition's p term
+  (train type) lets the fit learn that scale from those programs."""
+  ways = max(1, cfg.mesh.data * cfg.mesh.fsdp)
+  tokens, rem = divmod(cfg.data.global_batch * cfg.data.seq_len, ways)
+  return rem == 0 and tokens > 0 and tokens & (tokens - 1) == 0
 
 
 # Program types compose differently on this host (measured, see README): a single-device training step,
@@ -92,7 +105,7 @@ LEARNED_K = (4, 8, 16)  # neighbour counts tried by calibration
 # calibration chose 0.2, the grid's edge; offline on its data 0.25 and 0.3 are worse (LOO 15.7%, 16.2% against
 # 13.9% at k=16), so the grid now brackets the optimum.
 LEARNED_BETA = (0.0, 0.1, 0.15, 0.2, 0.25, 0.3)
-TYPE_FEATURES = {"train": (0, 1, 2, 5), "multi": (0, 3, 5), "decode": (0, 1, 6, 7)}
+TYPE_FEATURES = {"train": (0, 1, 2, 5, 8), "multi": (0, 3, 5), "decode": (0, 1, 6, 7)}
 # Features whose coefficient may be negative (all others are non-negative). A decode step's thunks are tiny
 # (0.1-3 us), and each traced sample carries the TraceMe's own cost, so the node sum of a decode loop body
 # overstates its work by a fixed amount per thunk: the fit takes it back with a negative per-thunk term. Measured
@@ -100,7 +113,13 @@ TYPE_FEATURES = {"train": (0, 1, 2, 5), "multi": (0, 3, 5), "decode": (0, 1, 6, 
 # fitted b is -0.4 us per thunk; the training type, offered the same signed term, got worse (5.9% -> 6.5%), so
 # only decode has it.
 SIGNED = {"decode": (1,)}
-COEF_NAMES = ("a", "b", "c", "e", "f", "g", "h", "i")
+# Features a type keeps only where they lower its own leave-one-out error (chosen inside every fit, so a
+# leave-one-program-out error of the whole fit includes the choice). The power-of-two term p (session 16): on the
+# 22:23 calibration it took the learned backend's training programs from 10.4% to 8.6% (its five power-of-two
+# programs from -9.5..-19.1% to -7.9..+5.5%, p = 0.18) and did nothing for the profiled prices (p = 0), which
+# already carry the shape (README, "Power-of-two steps in the composition").
+OPTIONAL = {"train": (8,)}
+COEF_NAMES = ("a", "b", "c", "e", "f", "g", "h", "i", "p")
 # A decode step streams its weights and KV cache. Measured with long generations (8 vs 56 tokens, ±2%): its time
 # per byte grows with the bytes it moves, 26 ps/B at 1.7 MB to 47 ps/B at 40+ MB, as the step falls out of the
 # core's cache. So decode prices bytes piecewise: h per byte up to a knee, i per byte beyond it. The knee is
@@ -160,6 +179,20 @@ def _pick_knee(rows, y, cols, signed=()):
   return best[1]
 
 
+def _pick_optional(rows, y, cols, optional, knee=None, signed=()) -> tuple:
+  """``cols`` with or without its ``optional`` features, whichever has the lower leave-one-out error over these
+  rows (a tie, too few rows, or an all-zero optional column: without)."""
+  opt = tuple(c for c in optional if c in cols)
+  base = tuple(c for c in cols if c not in opt)
+  if not opt or len(rows) < 4 or not any(split_bytes(r, knee)[c] for r in rows for c in opt):
+    return base
+
+  def err(cs):
+    return np.mean([abs(compose(_fit_cols(rows[:i] + rows[i + 1:], y[:i] + y[i + 1:], cs, knee, signed), rows[i])
+                        / y[i] - 1) for i in range(len(rows))])
+  return cols if err(cols) < err(base) else base
+
+
 def fit_typed(rows: list, y: list, types: list) -> dict:
   """Per-type NNLS over the type's allowed features; a type without rows falls back to 'train'. A type
   using the split bytes feature (i) also gets its knee, chosen by leave-one-out over its own rows."""
@@ -171,6 +204,7 @@ def fit_typed(rows: list, y: list, types: list) -> dict:
     sub, ys = [rows[i] for i in idx], [y[i] for i in idx]
     signed = SIGNED.get(t, ())
     knee = _pick_knee(sub, ys, cols, signed) if 7 in cols else None
+    cols = _pick_optional(sub, ys, cols, OPTIONAL.get(t, ()), knee, signed)
     out[t] = _fit_cols(sub, ys, cols, knee, signed)
   for t in TYPE_FEATURES:
     out.setdefault(t, out.get("train", _coef([1.0, 0, 0, 0, 0])))
@@ -337,7 +371,7 @@ def run(hw, reps: int = 7, trace_reps: int = 3, entries: list = None, log=print,
         measured, noise = bench.seconds(r), bench.spread_pct(bench.view(r))
     samples.extend(new)
     programs.append({"name": entry["name"], "graph": g, "n": cap.n_devices, "measured": measured,
-                     "noise": noise, "temp": cap.memory["temp_size_in_bytes"]})
+                     "noise": noise, "temp": cap.memory["temp_size_in_bytes"], "pow2": pow2_tokens(cfg)})
     log(f"calibrate {entry['name']:>18}: {len(new)} nodes traced, step {measured * 1e3:.2f} ms "
         f"(±{programs[-1]['noise']:.1f}%, {cap.n_devices} dev)")
   for entry in (suite.CALIBRATION_INFER if infer else []):
@@ -366,7 +400,7 @@ def select_learned(hw, programs: list, samples: list, keeps: bool, log=print) ->
     for p in programs:
       model = learned.Learned(hw, k=k, beta=beta, samples=[s for s in samples if s["prog"] != p["name"]])
       f = composition_features(p["graph"], lambda n: model.price(n).seconds, p["n"], p.get("region"),
-                               p.get("temp", 0.0), hw=hw, keeps=keeps)
+                               p.get("temp", 0.0), hw=hw, keeps=keeps, pow2=p.get("pow2", False))
       if p.get("region"):
         f[2] = 0.0
       rows.append(f)

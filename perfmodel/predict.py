@@ -21,7 +21,7 @@ from perfmodel.hardware import HardwareProfile
 
 
 def composed(g: graph_lib.ExecGraph, chain, hw: HardwareProfile, n_devices: int, region: str = None,
-             per_step: bool = True, temp_bytes: float = 0.0):
+             per_step: bool = True, temp_bytes: float = 0.0, pow2: bool = False):
   """Step seconds from the calibrated composition (cpu profile, learned chain) or None.
 
   On this host the N virtual devices run their per-device programs on one pinned core, so per-node times
@@ -32,7 +32,7 @@ def composed(g: graph_lib.ExecGraph, chain, hw: HardwareProfile, n_devices: int,
     return None
   from perfmodel import calibrate_nodes
   feats = calibrate_nodes.composition_features(g, lambda n: chain.price(n).seconds, n_devices, region, temp_bytes,
-                                               hw=hw)
+                                               hw=hw, pow2=pow2)
   if not per_step:
     feats[2] = 0.0
   return calibrate_nodes.compose(coef, feats, calibrate_nodes.program_type(n_devices, decode=not per_step))
@@ -106,7 +106,9 @@ def predict_train(cfg: Config, hw: HardwareProfile, backend: str = "auto", captu
   chain = costs.make_chain(hw, backend)
   tl, lockstep, cond_info = _resolve_and_schedule(g, chain, hw, cfg)
   scale = _host_factor(hw, cap.n_devices)
-  step = composed(g, chain, hw, cap.n_devices, temp_bytes=cap.memory.get("temp_size_in_bytes", 0.0))
+  from perfmodel.calibrate_nodes import pow2_tokens  # noqa: PLC0415
+  step = composed(g, chain, hw, cap.n_devices, temp_bytes=cap.memory.get("temp_size_in_bytes", 0.0),
+                  pow2=pow2_tokens(cfg))
   composition = step is not None
   if step is None:
     step = (tl.makespan + lockstep) * scale + hw.calibration.get("step_overhead_s", 0.0)

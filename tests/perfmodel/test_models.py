@@ -180,6 +180,34 @@ def test_composition_is_linear_in_devices_and_nodes():
     assert got[k] == pytest.approx(coef[k], rel=1e-3)
 
 
+def test_pow2_tokens_counts_tokens_per_device():
+  from perfmodel import calibrate_nodes as cn, suite
+  cfg = lambda **kw: cn._cfg({"name": "x", **kw})  # noqa: E731,SLF001
+  assert cn.pow2_tokens(cfg())  # BASE: 8 x 64 = 512 tokens
+  assert not cn.pow2_tokens(cfg(data=dict(seq_len=48)))  # 384
+  assert cn.pow2_tokens(cfg(mesh=dict(data=2)))  # 256 per device
+  assert not cn.pow2_tokens(cfg(data=dict(global_batch=6), mesh=dict(data=2)))  # 192 per device
+  # every validation config is a power-of-two step; calibration has both kinds, so the fit can tell them apart
+  assert all(cn.pow2_tokens(cn._cfg(e)) for e in suite.SUITE)  # noqa: SLF001
+  kinds = {cn.pow2_tokens(cn._cfg(e)) for e in suite.CALIBRATION if "mesh" not in e}  # noqa: SLF001
+  assert kinds == {True, False}
+
+
+def test_train_fit_learns_the_power_of_two_scale_and_old_coefficients_ignore_it():
+  from perfmodel import calibrate_nodes as cn
+  import numpy as np
+  rng = np.random.default_rng(1)
+  rows, y = [], []
+  for i in range(12):
+    a, pow2 = rng.uniform(1e-3, 0.1), i % 3 == 0
+    rows.append([a, rng.integers(100, 5000), 1, 0.0, 0, 0.0, 0.0, 0.0, a if pow2 else 0.0])
+    y.append(1.1 * a + 1e-4 + (0.25 * a if pow2 else 0.0))
+  coef = cn.fit_typed(rows, y, ["train"] * len(rows))["train"]
+  assert coef["a"] == pytest.approx(1.1, rel=1e-3) and coef["p"] == pytest.approx(0.25, rel=1e-2)
+  # a composition fitted before the term existed has no "p": the feature changes nothing for it
+  assert cn.compose({"train": {"a": 1.1, "c": 1e-4}}, rows[0], "train") == pytest.approx(1.1 * rows[0][0] + 1e-4)
+
+
 def test_pin_regime_sets_single_core_and_single_threaded_xla(monkeypatch):
   import os
   from perfmodel import bench
