@@ -195,7 +195,8 @@ def _pick_optional(rows, y, cols, optional, knee=None, signed=()) -> tuple:
 
 def fit_typed(rows: list, y: list, types: list) -> dict:
   """Per-type NNLS over the type's allowed features; a type without rows falls back to 'train'. A type
-  using the split bytes feature (i) also gets its knee, chosen by leave-one-out over its own rows."""
+  using the split bytes feature (i) also gets its knee, and a type with ``OPTIONAL`` features keeps or drops
+  them, both chosen by leave-one-out over its own rows."""
   out = {}
   for t, cols in TYPE_FEATURES.items():
     idx = [i for i, tt in enumerate(types) if tt == t]

@@ -23,8 +23,9 @@ from perfmodel import calibrate_nodes as cn, capture, costs, graph as graph_lib,
 
 
 def _programs(hw, hlo_program, log):
-  """(name, measured row of calibration_loo, graph, captured, decode region or None) of every calibration
-  program the profile measured and ``hlo_program(name, compile_fn)`` can provide (None: left out)."""
+  """(name, measured row of calibration_loo, graph, captured, decode region or None, power-of-two training step)
+  of every calibration program the profile measured and ``hlo_program(name, compile_fn)`` can provide (None: left
+  out)."""
   from perfmodel.validate import decode_loop  # noqa: PLC0415
   train = {e["name"]: e for e in suite.CALIBRATION}
   infer = {e["name"]: e for e in suite.CALIBRATION_INFER}
@@ -46,23 +47,17 @@ def _programs(hw, hlo_program, log):
     region = decode_loop(g, gen).body if gen else None
     if gen is None:  # as run() does: a pipelined program's row sees the work that runs
       cn._resolve_branches(g, cfg, hw)
-    yield name, c, g, cap, region
-
-
-def _pow2(name: str) -> bool:
-  """A calibration training program whose tokens per device are a power of two (calibrate_nodes.pow2_tokens)."""
-  entry = {e["name"]: e for e in suite.CALIBRATION}.get(name)
-  return entry is not None and cn.pow2_tokens(cn._cfg(entry))
+    yield name, c, g, cap, region, gen is None and cn.pow2_tokens(cfg)
 
 
 def _fit(hw, programs: list, price_for, log, label: str) -> tuple:
   """(coefficients, leave-one-out rows) of the typed composition with node prices ``price_for(name, cap)``;
   ``programs``: the tuples of :func:`_programs`, parsed once and priced by every fit."""
   rows, y, types, names, noise = [], [], [], [], []
-  for name, c, g, cap, region in programs:
+  for name, c, g, cap, region, pow2 in programs:
     price = price_for(name, cap)
     f = cn.composition_features(g, price, cap.n_devices, region, cap.memory.get("temp_size_in_bytes", 0.0), hw=hw,
-                                pow2=_pow2(name))
+                                pow2=pow2)
     if region:
       f[2] = 0.0
     rows.append(f)
@@ -121,19 +116,19 @@ def refit(prof_path: str, hlo_dir: str, log=print) -> dict:
   """Refits the learned backend from stored calibration data, nothing re-measured: the measured step times kept
   in the profile (``calibration_loo``) and the node samples file. Each calibration program is read from
   ``hlo_dir/<name>.json`` (as ``validate --hlo-cache`` writes them) or compiled and stored there; the samples'
-  classes and features are recomputed by this code when another ``learned.FEATURES_VERSION`` wrote them (so such a
-  change needs no new calibration; the same version keeps them as they are), then k, beta and the composition are chosen by leave-one-program-out error as ``calibrate`` does
-  (calibrate_nodes.select_learned). Writes the samples file and the profile."""
+  classes and features are recomputed by this code when another ``learned.FEATURES_VERSION`` wrote them (so such
+  a change needs no new calibration; the same version keeps them as they are), then k, beta and the composition
+  are chosen by leave-one-program-out error as ``calibrate`` does (calibrate_nodes.select_learned). Writes the samples file and the profile."""
   from perfmodel.validate import _cached_capture  # noqa: PLC0415
   hw = hardware.load(prof_path)
   spath = learned.samples_path(hw.name)
   with open(spath) as f:
     data = json.load(f)
   programs = []
-  for name, c, g, cap, region in _programs(hw, lambda name, fn: _cached_capture(hlo_dir, name, fn), log):
+  for name, c, g, cap, region, pow2 in _programs(hw, lambda name, fn: _cached_capture(hlo_dir, name, fn), log):
     programs.append({"name": name, "graph": g, "n": cap.n_devices, "measured": c["measured_s"],
                      "noise": c.get("noise_pct", 0.0), "region": region,
-                     "temp": cap.memory.get("temp_size_in_bytes", 0.0), "pow2": _pow2(name)})
+                     "temp": cap.memory.get("temp_size_in_bytes", 0.0), "pow2": pow2})
   if data.get("meta", {}).get("features_version", 1) != learned.FEATURES_VERSION:
     samples, dropped = refresh_samples(data["samples"], {p["name"]: p["graph"] for p in programs})
     log(f"  refit: {len(samples)} node samples re-derived, {dropped} dropped (node gone or changed)")
