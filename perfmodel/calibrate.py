@@ -326,6 +326,8 @@ def _node_stage(quick: bool, prof_path: str = None, step_rounds: int = STEP_ROUN
   cal["composition"] = res["composition"]
   cal["learned_k"] = res["learned_k"]
   cal["learned_beta"] = res["learned_beta"]
+  cal["learned_k_decode"] = res["learned_k_decode"]
+  cal["learned_beta_decode"] = res["learned_beta_decode"]
   cal["calibration_loo_mape"] = res["loo_mape"]
   cal["calibration_loo"] = [{k: (round(v, 6) if isinstance(v, float) else v) for k, v in c.items()}
                             for c in res["loo"]]
@@ -346,4 +348,6 @@ def _node_stage(quick: bool, prof_path: str = None, step_rounds: int = STEP_ROUN
   return {"profile": prof_path, "nodes": {"samples": len(res["samples"]), "composition": res["composition"],
                                           "loo_mape": res["loo_mape"], "learned_k": res["learned_k"],
                                           "learned_beta": res["learned_beta"],
+                                          "learned_k_decode": res["learned_k_decode"],
+                                          "learned_beta_decode": res["learned_beta_decode"],
                                           "node_noise_pct": res["noise_pct_median"]}}

@@ -256,6 +256,7 @@ def _infer_program(entry, hw, phys, samples, reps, trace_reps, log, given_sample
     log(f"calibrate {entry['name']:>18}: {len(new)} nodes traced, TPOT {tpot * 1e3:.3f} ms (±{noise:.1f}%)")
   samples.extend(new)
   loop = decode_loop(g, g2)
+  graph_lib.mark_decode(g, loop.body if loop else None)
   return {"name": entry["name"], "graph": g, "n": 1, "measured": tpot, "noise": noise,
           "region": loop.body if loop else None}
 
@@ -281,7 +282,7 @@ def _trace_decode(entry, cfg, phys, trace_reps) -> tuple:
   run2, cap = infer_runner(cfg, entry["batch"], entry["prompt_len"], entry["gen_lens"][1])
   g = graph_lib.from_hlo_text(cap.hlo_text, 1)
   traced = trace_nodes.traced_times(run2, reps=trace_reps, names={n.name for n, _ in g.walk()})
-  return g, _node_samples(g, traced, entry["name"], phys)
+  return g, _node_samples(g, traced, entry["name"], phys, sampler=True)
 
 
 def trace_programs(prof_path: str, trace_reps: int = 3) -> dict:
@@ -394,12 +395,15 @@ def select_learned(hw, programs: list, samples: list, keeps: bool, log=print) ->
   """The learned backend's neighbour count k and working-set exponent beta, and the step composition, chosen by
   leave-one-program-out error over the calibration ``programs`` ({name, graph, n, measured, noise[, region,
   temp]}): each program's nodes priced without its own samples, the typed composition fitted and
-  cross-validated (:func:`loo_typed`) for every (k, beta) of the grid; the lowest mean error wins."""
-  best = None
+  cross-validated (:func:`loo_typed`) for every (k, beta) of the grid. Decode nodes have their own classes
+  (learned.py), so a decode program's row depends only on the decode (k, beta), and each type's fit only on its
+  own rows: the decode pair is chosen by the decode programs' mean error, the other by the others'."""
+  grid = {}
   for k, beta in [(k, b) for k in LEARNED_K for b in LEARNED_BETA]:
     rows, y = [], []
     for p in programs:
-      model = learned.Learned(hw, k=k, beta=beta, samples=[s for s in samples if s["prog"] != p["name"]])
+      model = learned.Learned(hw, k=k, beta=beta, k_decode=k, beta_decode=beta,
+                              samples=[s for s in samples if s["prog"] != p["name"]])
       f = composition_features(p["graph"], lambda n: model.price(n).seconds, p["n"], p.get("region"),
                                p.get("temp", 0.0), hw=hw, keeps=keeps, pow2=p.get("pow2", False))
       if p.get("region"):
@@ -408,15 +412,24 @@ def select_learned(hw, programs: list, samples: list, keeps: bool, log=print) ->
       y.append(p["measured"])
     types = [program_type(p["n"], bool(p.get("region"))) for p in programs]
     cv = loo_typed(rows, y, types, [p["name"] for p in programs], [p["noise"] for p in programs])
-    mape = float(np.mean([abs(c["err_pct"]) for c in cv]))
-    log(f"  learned k={k} beta={beta}: leave-one-program-out MAPE {mape:.1f}%")
-    if best is None or mape < best[0]:
-      best = (mape, k, fit_typed(rows, y, types), cv, beta)
-  mape, k_best, coef, cv, beta_best = best
+    dec = [abs(c["err_pct"]) for c in cv if c["type"] == "decode"]
+    rest = [abs(c["err_pct"]) for c in cv if c["type"] != "decode"]
+    grid[(k, beta)] = (rows, float(np.mean(rest)) if rest else 0.0, float(np.mean(dec)) if dec else 0.0)
+    log(f"  learned k={k} beta={beta}: leave-one-program-out MAPE {np.mean([abs(c['err_pct']) for c in cv]):.1f}% "
+        f"(decode {grid[(k, beta)][2]:.1f}%, others {grid[(k, beta)][1]:.1f}%)")
+  best = min(grid, key=lambda kb: grid[kb][1])
+  best_dec = min(grid, key=lambda kb: grid[kb][2])
+  rows = [grid[best_dec if t == "decode" else best][0][i] for i, t in enumerate(types)]
+  coef = fit_typed(rows, y, types)
+  cv = loo_typed(rows, y, types, [p["name"] for p in programs], [p["noise"] for p in programs])
+  mape = float(np.mean([abs(c["err_pct"]) for c in cv]))
   for c in cv:
     log(f"  LOO {c['name']:>18}: measured {c['measured_s'] * 1e3:8.2f} ms predicted {c['predicted_s'] * 1e3:8.2f} ms "
         f"err {c['err_pct']:+6.1f}%")
-  return {"composition": coef, "loo": cv, "learned_k": k_best, "learned_beta": beta_best, "loo_mape": mape}
+  log(f"  learned: k={best[0]} beta={best[1]}, decode k={best_dec[0]} beta={best_dec[1]}: "
+      f"leave-one-program-out MAPE {mape:.1f}%")
+  return {"composition": coef, "loo": cv, "learned_k": best[0], "learned_beta": best[1],
+          "learned_k_decode": best_dec[0], "learned_beta_decode": best_dec[1], "loo_mape": mape}
 
 
 def _resolve_branches(g, cfg, hw) -> None:
@@ -426,15 +439,16 @@ def _resolve_branches(g, cfg, hw) -> None:
   branches.resolve(g, costs.make_chain(hw, "roofline"), branches.schedule_of(cfg), stage=None)
 
 
-def _node_samples(g, traced: dict, prog: str, phys) -> list:
-  """One learned-backend sample per distinct timed dot/fusion node of graph ``g``."""
+def _node_samples(g, traced: dict, prog: str, phys, sampler: bool = False) -> list:
+  """One learned-backend sample per distinct timed dot/fusion node of graph ``g``; a ``sampler`` program's
+  samples carry the decode class (learned.py: they are the neighbours of decode nodes)."""
   out, seen = [], set()
   for n, _ in g.walk():
     if n.kind not in ("dot", "fusion", "other") or n.name not in traced or n.name in seen:
       continue
     seen.add(n.name)
     p = phys.price(n)
-    out.append({"prog": prog, "cls": learned.node_class(n), "f": learned.features(n),
+    out.append({"prog": prog, "cls": learned.base_class(n) + (learned.DECODE if sampler else ""), "f": learned.features(n),
                 "t": trace_nodes.quantile(traced[n.name], 0.25), "phys": p.seconds if p else 0.0,
                 "P": n.program_bytes, "name": n.name, "fp": n.fingerprint})
   return out

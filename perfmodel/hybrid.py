@@ -43,14 +43,14 @@ class Hybrid:
     for s in samples:
       alone = self.db.seconds(s.get("fp"))
       if alone and alone > 0 and s["t"] > 0:
-        by_class.setdefault(s["cls"], []).append((s["f"], s["t"] / alone))
+        by_class.setdefault(learned.strip_context(s["cls"]), []).append((s["f"], s["t"] / alone))
     self.arrays = {c: (np.array([f for f, _ in v]), np.log(np.array([r for _, r in v])))
                    for c, v in by_class.items()}
 
   def context_ratio(self, node: Node) -> Optional[float]:
     """In-program / alone time of the nearest calibration samples of the node's class (weighted geometric mean);
     None for a class no sample has."""
-    arr = self.arrays.get(learned.node_class(node))
+    arr = self.arrays.get(learned.base_class(node))  # the hybrid's ratios keep one pool per class
     if arr is None:
       return None
     X, logR = arr

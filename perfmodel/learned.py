@@ -17,6 +17,13 @@ where it runs"):
 
 A query farther than ``ood_distance`` from every sample (or of a class never seen) is priced the same way but
 labelled ``learned(out-of-range)`` so the output shows it (the issue's "flags inputs outside its range").
+
+A third: *when* it runs. A node inside a sampler's decode loop (``Node.decode``) is one of ~120 tiny thunks run
+again every token with the weights and KV cache hot; its class's neighbours from training steps overpriced such
+nodes 1.2-2.4x (session 17, README "Decode nodes are priced by sampler programs"). So a decode node is priced
+from samples of the calibration's sampler programs only (their class carries ``@decode``), with its own k and
+beta, chosen by the decode programs' leave-one-program-out error; a class no sampler sample has falls back to
+all samples. Every other node is priced, as before, from all samples of its class.
 """
 from __future__ import annotations
 
@@ -43,7 +50,16 @@ def node_class(n: Node) -> str:
   """Neighbours are drawn from the query's own class only. Besides the op kind, two measured splits (README,
   "Power-of-two shapes, and what a node is"): a dot XLA emits itself ('dot', on this CPU a transposed operand
   the kernel library was not given) ran ~2x slower per flop than the library's (a 'ynn_fusion') of the same
-  m, n, k; a layout change that moves the minor-most dimension ran 2-4.5x slower per byte than one that keeps it."""
+  m, n, k; a layout change that moves the minor-most dimension ran 2-4.5x slower per byte than one that keeps it.
+  And a node of a decode loop (``Node.decode``) gets the suffix ``@decode``: see the module docstring."""
+  return base_class(n) + (DECODE if n.decode else "")
+
+
+DECODE = "@decode"  # class suffix of a node inside a decode loop (Node.decode)
+
+
+def base_class(n: Node) -> str:
+  """The class without the decode context."""
   if n.kind == "dot":
     return "dot:plain" if n.opcode == "dot" else "dot"
   op = n.opcode.split(":")
@@ -54,9 +70,14 @@ def node_class(n: Node) -> str:
   return {"copy": "copy" + minor, "transpose": "copy" + minor}.get(base, "op")
 
 
+def strip_context(cls: str) -> str:
+  return cls[:-len(DECODE)] if cls.endswith(DECODE) else cls
+
+
 # bumped whenever `features` or `node_class` change: a samples file of another version cannot be queried
-# (recalibrate, or `calibrate --refit-composition HLO_DIR` re-derives classes and features of the stored samples)
-FEATURES_VERSION = 3
+# (recalibrate, or `calibrate --refit-composition HLO_DIR` re-derives classes and features of the stored samples;
+# from version 3 only the decode context is added, perfmodel/refit.py)
+FEATURES_VERSION = 4
 _LAYOUT_OPS = {"copy", "transpose"}
 
 
@@ -91,17 +112,26 @@ class Learned:
   name = "learned"
 
   def __init__(self, hw: HardwareProfile, path: Optional[str] = None, k: Optional[int] = None,
-               ood_distance: float = 1.0, samples: Optional[list] = None, beta: Optional[float] = None):
-    # k, beta: the neighbour count and working-set exponent calibration chose by leave-one-program-out error
+               ood_distance: float = 1.0, samples: Optional[list] = None, beta: Optional[float] = None,
+               k_decode: Optional[int] = None, beta_decode: Optional[float] = None):
+    # k, beta: the neighbour count and working-set exponent calibration chose by leave-one-program-out error;
+    # k_decode, beta_decode: the same for decode nodes, chosen by the decode programs' (default: k, beta)
     k = k if k is not None else int(hw.calibration.get("learned_k", 4))
     beta = beta if beta is not None else float(hw.calibration.get("learned_beta", 0.0))
     self.hw, self.k, self.ood, self.beta = hw, k, ood_distance, beta
+    self.k_decode = int(k_decode if k_decode is not None else hw.calibration.get("learned_k_decode", k))
+    self.beta_decode = float(beta_decode if beta_decode is not None else hw.calibration.get("learned_beta_decode",
+                                                                                             beta))
     self.phys = Calibrated(hw)
     if samples is None:
       samples = load_samples(hw, path)
+    # a sample of a sampler program serves decode queries (its ``@decode`` class) and, like every sample,
+    # queries of its training class
     self.by_class = {}
     for s in samples:
-      self.by_class.setdefault(s["cls"], []).append(s)
+      self.by_class.setdefault(strip_context(s["cls"]), []).append(s)
+      if s["cls"].endswith(DECODE):
+        self.by_class.setdefault(s["cls"], []).append(s)
     self.arrays = {c: (np.array([s["f"] for s in ss]), np.array([s["t"] for s in ss]),
                        np.array([s["phys"] for s in ss]), np.array([s.get("P", 0.0) for s in ss]))
                    for c, ss in self.by_class.items()}
@@ -117,22 +147,25 @@ class Learned:
     phys = self.phys.price(node)
     if phys is None:
       return None
+    k, beta = (self.k_decode, self.beta_decode) if node.decode else (self.k, self.beta)
     arr = self.arrays.get(cls)
+    if arr is None and node.decode:  # no decode sample of this class: its training neighbours
+      arr, k, beta = self.arrays.get(base_class(node)), self.k, self.beta
     if arr is None:
       return Priced(phys.seconds * self._class_scale(), "learned(out-of-range)")
     X, T, PH, P = arr
     q = np.array(features(node))
     d = np.sqrt(((X - q) ** 2).sum(axis=1))
-    idx = np.argsort(d)[:self.k]
+    idx = np.argsort(d)[:k]
     w = 1.0 / (d[idx] + 0.05)
     est = T[idx] * (phys.seconds / PH[idx])
-    if self.beta and node.program_bytes > 0:  # working-set context (a neighbour without one: no scaling)
-      est = est * np.where(P[idx] > 0, (node.program_bytes / np.maximum(P[idx], 1.0)) ** self.beta, 1.0)
+    if beta and node.program_bytes > 0:  # working-set context (a neighbour without one: no scaling)
+      est = est * np.where(P[idx] > 0, (node.program_bytes / np.maximum(P[idx], 1.0)) ** beta, 1.0)
     # geometric weighted mean: times span decades, errors are multiplicative
     t = float(np.exp((w * np.log(np.maximum(est, 1e-9))).sum() / w.sum()))
     return Priced(t, "learned" if d[idx[0]] <= self.ood else "learned(out-of-range)")
 
   def _class_scale(self) -> float:
     """For an unseen class: the median measured/physical ratio over all samples."""
-    r = [T / PH for _, T, PH, _ in self.arrays.values()]
+    r = [T / PH for c, (_, T, PH, _) in self.arrays.items() if not c.endswith(DECODE)]  # each sample once
     return float(np.median(np.concatenate(r))) if r else 1.0

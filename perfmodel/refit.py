@@ -45,6 +45,7 @@ def _programs(hw, hlo_program, log):
       continue
     g = graph_lib.from_hlo_text(cap.hlo_text, cap.n_devices)
     region = decode_loop(g, gen).body if gen else None
+    graph_lib.mark_decode(g, region)
     if gen is None:  # as run() does: a pipelined program's row sees the work that runs
       cn._resolve_branches(g, cfg, hw)
     yield name, c, g, cap, region, gen is None and cn.pow2_tokens(cfg)
@@ -96,11 +97,12 @@ def _learned_without(hw, samples: list, name: str):
   return learned.Learned(hw, samples=[s for s in samples if s["prog"] != name])
 
 
-def refresh_samples(samples: list, graphs: dict) -> tuple:
+def refresh_samples(samples: list, graphs: dict, sampler: set = frozenset()) -> tuple:
   """The stored node samples with class and features recomputed by this code (``learned.node_class`` /
   ``features``) from each program's graph ({program: ExecGraph}); the measured time, physical estimate and
   working set are kept. A sample whose node is missing or whose fingerprint changed is dropped: the program
-  that was traced is not the one compiled now. Returns (samples, dropped count)."""
+  that was traced is not the one compiled now. A sample of a ``sampler`` program keeps the decode class
+  (calibrate_nodes._node_samples). Returns (samples, dropped count)."""
   by_prog = {name: {n.name: n for n, _ in g.walk()} for name, g in graphs.items()}
   out, dropped = [], 0
   for s in samples:
@@ -108,8 +110,19 @@ def refresh_samples(samples: list, graphs: dict) -> tuple:
     if n is None or (s.get("fp") and s["fp"] not in (n.fingerprint, graph_lib.legacy_fingerprint(n.fingerprint))):
       dropped += 1
       continue
-    out.append({**s, "cls": learned.node_class(n), "f": learned.features(n), "fp": n.fingerprint})
+    cls = learned.base_class(n) + (learned.DECODE if s["prog"] in sampler else "")
+    out.append({**s, "cls": cls, "f": learned.features(n), "fp": n.fingerprint})
   return out, dropped
+
+
+def add_decode_context(samples: list, programs: dict) -> tuple:
+  """Version-3 samples -> version 4: every sample of a sampler program (a program with a decode region, of
+  ``programs`` {name: {region, ...}}) gets the decode class, as calibrate_nodes._node_samples labels a sampler
+  program's samples. Returns (samples, how many are a sampler program's)."""
+  sampler = {name for name, p in programs.items() if p.get("region")}
+  out = [{**s, "cls": s["cls"] + learned.DECODE} if s["prog"] in sampler and not s["cls"].endswith(learned.DECODE)
+         else s for s in samples]
+  return out, sum(s["prog"] in sampler for s in samples)
 
 
 def refit(prof_path: str, hlo_dir: str, log=print) -> dict:
@@ -129,8 +142,14 @@ def refit(prof_path: str, hlo_dir: str, log=print) -> dict:
     programs.append({"name": name, "graph": g, "n": cap.n_devices, "measured": c["measured_s"],
                      "noise": c.get("noise_pct", 0.0), "region": region,
                      "temp": cap.memory.get("temp_size_in_bytes", 0.0), "pow2": pow2})
-  if data.get("meta", {}).get("features_version", 1) != learned.FEATURES_VERSION:
-    samples, dropped = refresh_samples(data["samples"], {p["name"]: p["graph"] for p in programs})
+  version = data.get("meta", {}).get("features_version", 1)
+  if version == 3:  # version 4 only adds the decode context: nothing needs re-deriving, nothing is dropped
+    samples, marked = add_decode_context(data["samples"], {p["name"]: p for p in programs})
+    log(f"  refit: {marked} of {len(samples)} node samples are a sampler program's (class{learned.DECODE})")
+    dropped = 0
+  elif version != learned.FEATURES_VERSION:
+    samples, dropped = refresh_samples(data["samples"], {p["name"]: p["graph"] for p in programs},
+                                       {p["name"] for p in programs if p["region"]})
     log(f"  refit: {len(samples)} node samples re-derived, {dropped} dropped (node gone or changed)")
   else:  # same features: re-deriving would only drop the samples of programs whose instruction names moved
     samples, dropped = data["samples"], 0
@@ -143,7 +162,8 @@ def refit(prof_path: str, hlo_dir: str, log=print) -> dict:
     json.dump(data, f)
   _store(prof_path, {"composition": res["composition"], "calibration_loo": _rounded(res["loo"]),
                      "calibration_loo_mape": res["loo_mape"], "learned_k": res["learned_k"],
-                     "learned_beta": res["learned_beta"]})
+                     "learned_beta": res["learned_beta"], "learned_k_decode": res["learned_k_decode"],
+                     "learned_beta_decode": res["learned_beta_decode"]})
   return {**res, "samples": len(samples), "dropped": dropped}
 
 
