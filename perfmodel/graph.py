@@ -103,8 +103,8 @@ class Node:
   # a node is": median 2-4.5x slower per byte than a layout change that keeps it)
   moves_minor: bool = False
   # inside a sampler's decode loop (set by :func:`mark_decode`): one token per sequence per trip, the weights and
-  # KV cache hot from the previous trip. Measured (session 17): such a node ran 1.2-2.4x faster than neighbours
-  # of its class from training steps predict (README, "Decode nodes are their own neighbours")
+  # KV cache hot from the previous trip. Measured (session 17): neighbours of its class from training steps
+  # overpriced such nodes 1.2-2.4x (perfmodel/README.md, "Decode nodes are priced by sampler programs")
   decode: bool = False
 
 

@@ -51,7 +51,8 @@ def node_class(n: Node) -> str:
   "Power-of-two shapes, and what a node is"): a dot XLA emits itself ('dot', on this CPU a transposed operand
   the kernel library was not given) ran ~2x slower per flop than the library's (a 'ynn_fusion') of the same
   m, n, k; a layout change that moves the minor-most dimension ran 2-4.5x slower per byte than one that keeps it.
-  And a node of a decode loop (``Node.decode``) gets the suffix ``@decode``: see the module docstring."""
+  And a node of a decode loop (``Node.decode``) gets the suffix ``@decode``: its neighbours are the sampler
+  programs' samples (module docstring)."""
   return base_class(n) + (DECODE if n.decode else "")
 
 
@@ -149,7 +150,7 @@ class Learned:
       return None
     k, beta = (self.k_decode, self.beta_decode) if node.decode else (self.k, self.beta)
     arr = self.arrays.get(cls)
-    if arr is None and node.decode:  # no decode sample of this class: its training neighbours
+    if arr is None and node.decode:  # no sampler program has this class: all samples of it
       arr, k, beta = self.arrays.get(base_class(node)), self.k, self.beta
     if arr is None:
       return Priced(phys.seconds * self._class_scale(), "learned(out-of-range)")
