@@ -147,7 +147,8 @@ def cmd_validate(a, overrides):
   from perfmodel import validate
   _print(validate.run(a.suite, reps=a.reps, backend=a.backend, png=a.png, results=not a.no_results,
                       limit=a.limit, measurements=a.measurements, hlo_cache=a.hlo_cache,
-                      probe=not a.no_probe, isolate=not a.in_process, rounds=a.rounds))
+                      probe=not a.no_probe, isolate=not a.in_process, rounds=a.rounds,
+                      anchors=not a.no_anchors))
 
 
 def cmd_search(a, overrides):
@@ -225,6 +226,8 @@ def main(argv=None):
                   help="do not time the host-speed probe around measurements (perfmodel/speed.py): raw errors only")
   va.add_argument("--in-process", action="store_true",
                   help="measure in this process (8 host devices) instead of one child per device count")
+  va.add_argument("--no-anchors", action="store_true",
+                  help="do not re-measure the calibration's anchor programs (suite.ANCHORS) in each round")
   se = sub.add_parser("search", help="rank layouts for a model on N devices under memory limits")
   se.add_argument("--config", required=True)
   se.add_argument("--hardware", default="cpu")

@@ -140,3 +140,11 @@ CALIBRATION_INFER = [
     dict(name="c_decode_p2_b2_d320", batch=2, prompt_len=64, gen_lens=(8, 56), model=dict(d_model=320, n_heads=8,
                                                                                          n_kv_heads=4, d_ff=1024)),
 ]
+
+# Speed anchors (session 18): calibration programs that `validate` re-measures in every round beside the suite, so
+# the host's speed relative to the calibration is read from programs the profile was fitted on, not from one probe.
+# Why: on session 17's sets s17_a and s17_c every training config ran 7-11% faster than predicted (one common
+# factor, taken from the suite itself, left 3.3-4.7% MAPE) while the BASE-step probe read only 1.03-1.06x.
+# Single-device training programs of 15-72 ms (the sub-millisecond ones are ±23-31% noisy), spanning width,
+# depth, sequence, batch and a power-of-two shape; chosen before any anchored measurement was taken.
+ANCHORS = ["c_d96_l3", "c_d80_l6", "c_d112_s72", "c_p2_d96_s128_b4", "c_d192_b12", "c_d320_b3"]

@@ -145,7 +145,8 @@ def measure_entries(suite_path, names: list, reps: int, probe: bool) -> dict:
   import jax  # noqa: PLC0415
   from perfmodel import speed  # noqa: PLC0415
   suite = _load_suite(suite_path)
-  by_name = {e["name"]: e for e in suite.SUITE + list(getattr(suite, "INFER", []))}
+  by_name = {e["name"]: e for e in (list(getattr(suite, "CALIBRATION", [])) + suite.SUITE
+                                    + list(getattr(suite, "INFER", [])))}
   prober = speed.Probe() if probe else None
   out = {}
   for name in names:
@@ -232,7 +233,7 @@ def _cached_capture(hlo_cache, name, compile_fn):
 
 def run(suite_path=None, reps: int = 7, backend: str = "auto", png: str = None, results: bool = True,
         limit: int = 0, hardware_name: str = "cpu", measurements=None, hlo_cache: str = None,
-        probe: bool = True, isolate: bool = True, rounds: int = 1) -> dict:
+        probe: bool = True, isolate: bool = True, rounds: int = 1, anchors: bool = True) -> dict:
   """isolate: measure in child processes, one per device count, each with exactly that many virtual devices
   (measure_isolated); False measures in this process (with its device count).
 
@@ -247,7 +248,11 @@ def run(suite_path=None, reps: int = 7, backend: str = "auto", png: str = None, 
   by up to 21% (session 8, deep8_narrow); repeating the suite is the only way to see past that drift.
 
   probe: time perfmodel.speed's probe around every measurement; the headline errors compare with the raw
-  measurements, and ``mape_speed_normalised`` also reports them at the calibration's host speed."""
+  measurements, and ``mape_speed_normalised`` also reports them at the calibration's host speed.
+
+  anchors: also measure ``suite.ANCHORS`` (calibration programs) in every round, interleaved with the one-device
+  entries, and report ``mape_anchored`` / ``tpot_mape_anchored``: the errors after the round's predictions are
+  scaled by how fast the host ran the anchors against the calibration's own step times (:func:`anchor_factor`)."""
   from perfmodel import speed
   hw = hardware.load(hardware_name)
   ref = hw.calibration.get("speed_probe_ref_s") if hw.name == "cpu" else None
@@ -265,6 +270,8 @@ def run(suite_path=None, reps: int = 7, backend: str = "auto", png: str = None, 
       with open(writable, "w") as f:
         json.dump(caches[0] if len(caches) == 1 else {"rounds": caches}, f, indent=1)
   entries = suite.SUITE[:limit] if limit else suite.SUITE
+  anchor_refs = anchor_references(suite, hw) if anchors and not limit else {}
+  anchor_names = list(anchor_refs)
   infer_entries = list(getattr(suite, "INFER", [])) if not limit else []
   for ri, cache in enumerate(caches):
     if isolate:  # each entry measured in a child with exactly its own device count (see measure_isolated)
@@ -272,6 +279,8 @@ def run(suite_path=None, reps: int = 7, backend: str = "auto", png: str = None, 
       for entry in entries + infer_entries:
         if entry["name"] not in cache:
           groups.setdefault(_entry_cfg(suite, entry)[1], []).append(entry["name"])
+      if anchor_names and groups.get(1) and not any(a in cache for a in anchor_names):
+        groups[1] = interleave(groups[1], anchor_names)
       for n_dev, names in sorted(groups.items()):
         print(f"round {ri + 1}/{len(caches)}: measuring {names} in a child process with {n_dev} host device(s)",
               file=sys.stderr, flush=True)
@@ -334,6 +343,7 @@ def run(suite_path=None, reps: int = 7, backend: str = "auto", png: str = None, 
   normalised = _normalise_rounds(rows + inf_rows, ref, hw.calibration.get("speed_probe_ref_by_devices")
                                  if hw.name == "cpu" else None)
   probes = [m["probe_s"] for r in rows + inf_rows for m in r["rounds"] if m.get("probe_s")]
+  anchored = _anchor_normalise(rows + inf_rows, caches, anchor_refs)
   out = {"mape": mape, "kendall_tau": kendall_tau(meas, prd), "n_configs": len(rows), "rounds": len(caches),
          "round_spread_pct": (float(np.median([r["round_spread_pct"] for r in rows])) if len(caches) > 1 else None),
          "mape_speed_normalised": (float(np.mean([abs(r["err_at_ref_pct"]) for r in rows]))
@@ -344,6 +354,10 @@ def run(suite_path=None, reps: int = 7, backend: str = "auto", png: str = None, 
                          "probe_range_s": [min(probes), max(probes)],
                          "speed_vs_calibration": ref / statistics.median(probes)} if normalised else
                         "not normalised: measurements without probe times or a profile without speed_probe_ref_s"),
+         "mape_anchored": (float(np.mean([abs(r["err_anchored_pct"]) for r in rows])) if anchored else None),
+         "tpot_mape_anchored": (float(np.mean([abs(r["err_anchored_pct"]) for r in inf_rows]))
+                                if anchored and inf_rows else None),
+         "anchors": anchored or "not anchored: no anchor measurements in these rounds (older sets, --no-anchors)",
          "noise_pct": float(np.median([r["noise_pct"] for r in rows])),
          "top1_regret_pct": regret, "signed_err_pct": {r["name"]: round(r["err_pct"], 2) for r in rows},
          "tpot_mape": float(np.mean([abs(r["err_pct"]) for r in inf_rows])) if inf_rows else None,
@@ -366,6 +380,57 @@ def run(suite_path=None, reps: int = 7, backend: str = "auto", png: str = None, 
     tail = (f" --backend {backend}" if backend != "auto" else "") + tail
     _append_results(out, tail + (f" --measurements {' '.join(stored)} (stored, written {taken})" if stored else ""))
   return out
+
+
+def interleave(names: list, extra: list) -> list:
+  """``names`` with ``extra`` spread evenly through it (first before the first name, last after the last), so
+  anchors sample the host's speed across the whole measuring child, not at one end of it."""
+  if not extra:
+    return list(names)
+  out, step = [], len(names) / max(1, len(extra) - 1)
+  slots = [round(i * step) for i in range(len(extra))] if len(extra) > 1 else [0]
+  for i, n in enumerate(names):
+    out += [a for a, s_ in zip(extra, slots) if s_ == i] + [n]
+  out += [a for a, s_ in zip(extra, slots) if s_ >= len(names)]
+  return out
+
+
+def anchor_references(suite, hw) -> dict:
+  """{anchor name: its step time in the calibration the profile was fitted on (at the reference speed)} for the
+  suite's ANCHORS the profile has (``calibration_loo[].measured_s``); empty when either side lacks them."""
+  names = list(getattr(suite, "ANCHORS", []))
+  cal = {r["name"]: r["measured_s"] for r in (hw.calibration or {}).get("calibration_loo", []) or []
+         if r.get("type") == "train"}
+  return {n: cal[n] for n in names if cal.get(n)}
+
+
+def anchor_factor(cache: dict, refs: dict):
+  """How much slower (> 1) or faster (< 1) this round's host ran than the calibration: the median over the
+  anchors of measured / calibration step time; None if the round has no anchor measurement. The median over 6
+  programs, so one anchor caught in a noisy window does not move it."""
+  ratios = [cache[n]["measured_s"] / ref for n, ref in refs.items() if n in cache and cache[n].get("measured_s")]
+  return (statistics.median(ratios), ratios) if ratios else (None, [])
+
+
+def _anchor_normalise(rows: list, caches: list, refs: dict):
+  """Adds ``measured_anchored_s`` / ``err_anchored_pct`` to every row: each round's measurement divided by the
+  round's anchor factor, then the median over rounds. Returns the per-round factors, or None when any round
+  has no anchors."""
+  if not refs or not rows:
+    return None
+  per_round = [anchor_factor(c, refs) for c in caches]
+  if any(f is None for f, _ in per_round) or any(len(r["rounds"]) != len(caches) for r in rows):
+    return None
+  for r in rows:
+    xs = [m["measured_s"] / f for m, (f, _) in zip(r["rounds"], per_round)]
+    for m, x in zip(r["rounds"], xs):
+      m["measured_anchored_s"] = x
+    r["measured_anchored_s"] = statistics.median(xs)
+    r["err_anchored_pct"] = 100 * (r["predicted_s"] - r["measured_anchored_s"]) / r["measured_anchored_s"]
+  return {"programs": list(refs), "factor_by_round": [round(f, 4) for f, _ in per_round],
+          "ratios_by_round": [[round(x, 4) for x in rs] for _, rs in per_round],
+          "meaning": "median over the anchors of measured / calibration step time (> 1: host slower than at "
+                     "calibration); each round's measurements are divided by its factor"}
 
 
 def load_rounds(path: str) -> list:
@@ -469,7 +534,7 @@ def _append_results(out, command_tail: str = ""):
           if k in ("mape", "kendall_tau", "n_configs", "rounds", "round_spread_pct", "noise_pct", "top1_regret_pct",
                    "tpot_mape", "tpot_noise_pct",
                    "peak_memory_max_err_pct_vs_memory_analysis", "load_avg", "clock", "calibration_loo_mape",
-                   "mape_speed_normalised", "tpot_mape_speed_normalised")}
+                   "mape_speed_normalised", "tpot_mape_speed_normalised", "mape_anchored", "tpot_mape_anchored")}
   if isinstance(out.get("host_speed"), dict):
     nums["speed_vs_calibration"] = round(out["host_speed"]["speed_vs_calibration"], 3)
   with open(path, "a") as f:

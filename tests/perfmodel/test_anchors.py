@@ -1,0 +1,47 @@
+"""Speed anchors in `validate`: calibration programs re-measured each round give the host's speed against the
+calibration, and each round's measurements are divided by it (perfmodel/validate.py)."""
+import types
+
+import pytest
+
+from perfmodel import suite, validate
+
+
+def test_interleave_spreads_anchors_from_first_to_last():
+  names = [f"n{i}" for i in range(14)]
+  out = validate.interleave(names, ["a", "b", "c"])
+  assert out[0] == "a" and out[-1] == "c" and sorted(out) == sorted(names + ["a", "b", "c"])
+  assert [x for x in out if not x.startswith("n") or x == "n"] == ["a", "b", "c"]
+  assert 5 <= out.index("b") <= 9  # the middle one sits in the middle
+  assert validate.interleave(names, []) == names
+
+
+def test_anchors_are_single_device_calibration_programs_disjoint_from_the_suite():
+  cal = {e["name"]: e for e in suite.CALIBRATION}
+  assert suite.ANCHORS and all(a in cal for a in suite.ANCHORS)
+  assert not set(suite.ANCHORS) & {e["name"] for e in suite.SUITE + suite.INFER}
+  assert all(not cal[a].get("mesh") for a in suite.ANCHORS)
+
+
+def test_anchor_references_come_from_the_calibrations_own_step_times():
+  hw = types.SimpleNamespace(calibration={"calibration_loo": [
+      {"name": "c1", "type": "train", "measured_s": 0.02}, {"name": "c2", "type": "multi", "measured_s": 0.03},
+      {"name": "c3", "type": "train", "measured_s": 0.04}]})
+  s = types.SimpleNamespace(ANCHORS=["c1", "c2", "c3", "missing"])
+  assert validate.anchor_references(s, hw) == {"c1": 0.02, "c3": 0.04}  # multi-device and unknown ones dropped
+  assert validate.anchor_references(types.SimpleNamespace(), hw) == {}
+
+
+def test_each_round_is_divided_by_its_own_anchor_factor():
+  refs = {"c1": 0.02, "c2": 0.04, "c3": 0.05}
+  # round 1: host 10% slower than at calibration (one anchor caught in a noisy window), round 2: 20% faster
+  c1 = {"c1": {"measured_s": 0.022}, "c2": {"measured_s": 0.044}, "c3": {"measured_s": 0.08}}
+  c2 = {"c1": {"measured_s": 0.016}, "c2": {"measured_s": 0.032}, "c3": {"measured_s": 0.04}}
+  assert validate.anchor_factor(c1, refs)[0] == pytest.approx(1.1)  # the median: the outlier does not move it
+  rows = [dict(name="x", predicted_s=0.1, rounds=[{"measured_s": 0.11}, {"measured_s": 0.08}])]
+  info = validate._anchor_normalise(rows, [c1, c2], refs)  # noqa: SLF001
+  assert info["factor_by_round"] == pytest.approx([1.1, 0.8])
+  assert [m["measured_anchored_s"] for m in rows[0]["rounds"]] == pytest.approx([0.1, 0.1])
+  assert rows[0]["err_anchored_pct"] == pytest.approx(0.0)
+  # a round without anchor measurements (an older stored set): no anchored figure
+  assert validate._anchor_normalise(rows, [c1, {}], refs) is None  # noqa: SLF001
