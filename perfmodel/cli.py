@@ -60,6 +60,9 @@ def cmd_predict(a, overrides):
     _profile(a, cap, hw)
     out = predict.predict_train(cfg, hw, a.backend, captured=cap)
     out["method"] = out["route"] = "compile"
+  if not a.no_anchor:
+    from perfmodel import anchor  # noqa: PLC0415
+    out = anchor.apply(out, hw)
   _print(out)
 
 
@@ -97,6 +100,13 @@ VALIDATE_DEVICES = 8  # virtual host devices in calibrate and validate processes
 
 def cmd_calibrate(a, overrides):
   from perfmodel import capture
+  if a.anchor:
+    _regime(a, trace=False)  # the calibration's regime (pinned core, CPU-time clock), as its step times were taken
+    from perfmodel import anchor  # noqa: PLC0415
+    rec = anchor.measure("cpu", rounds=a.step_rounds or 2)
+    anchor.store(rec, anchor.profile_path("cpu"))
+    _print({"speed_anchor": rec})
+    return
   if a.refit_composition:
     capture.ensure_devices(VALIDATE_DEVICES)  # the multi-device calibration programs compile on virtual devices
     import os
@@ -187,11 +197,16 @@ def main(argv=None):
   pr.add_argument("--profile-nodes", action="store_true",
                   help="time every compute instruction of this program alone on this host first (dots and fusions; "
                        "perfmodel/fusion_profiler.py); use with --backend profiled")
+  pr.add_argument("--no-anchor", action="store_true",
+                  help="ignore the profile's speed anchor (`calibrate --anchor`): times at the calibration's speed")
   pr.add_argument("--batch", type=int, default=1)
   pr.add_argument("--prompt-len", type=int, default=32)
   pr.add_argument("--gen-len", type=int, default=32)
   ca = sub.add_parser("calibrate", help="fit the cpu profile on this host (a few minutes)")
   ca.add_argument("--quick", action="store_true")
+  ca.add_argument("--anchor", action="store_true",
+                  help="only re-read the host's speed against the last calibration (suite.ANCHORS, about a minute; "
+                       "perfmodel/anchor.py): `predict` then scales its times by it")
   ca.add_argument("--no-nodes", action="store_true", help="micro-benchmarks only (skip the learned backend)")
   ca.add_argument("--nodes-only", action="store_true", help="only the calibration-program stage (keep the curves)")
   ca.add_argument("--max-loo", type=float, default=None, metavar="PCT",

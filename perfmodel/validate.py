@@ -344,6 +344,11 @@ def run(suite_path=None, reps: int = 7, backend: str = "auto", png: str = None, 
                                  if hw.name == "cpu" else None)
   probes = [m["probe_s"] for r in rows + inf_rows for m in r["rounds"] if m.get("probe_s")]
   anchored = _anchor_normalise(rows + inf_rows, caches, anchor_refs)
+  probe_anchored = (_probe_anchor_normalise(rows + inf_rows, caches, anchor_refs, ref,
+                                            hw.calibration.get("speed_probe_ref_by_devices"))
+                    if anchored and normalised else None)
+  if probe_anchored:
+    anchored["probe_then_anchor_factor_by_round"] = probe_anchored
   out = {"mape": mape, "kendall_tau": kendall_tau(meas, prd), "n_configs": len(rows), "rounds": len(caches),
          "round_spread_pct": (float(np.median([r["round_spread_pct"] for r in rows])) if len(caches) > 1 else None),
          "mape_speed_normalised": (float(np.mean([abs(r["err_at_ref_pct"]) for r in rows]))
@@ -357,6 +362,10 @@ def run(suite_path=None, reps: int = 7, backend: str = "auto", png: str = None, 
          "mape_anchored": (float(np.mean([abs(r["err_anchored_pct"]) for r in rows])) if anchored else None),
          "tpot_mape_anchored": (float(np.mean([abs(r["err_anchored_pct"]) for r in inf_rows]))
                                 if anchored and inf_rows else None),
+         "mape_probe_anchored": (float(np.mean([abs(r["err_probe_anchored_pct"]) for r in rows]))
+                                 if probe_anchored else None),
+         "tpot_mape_probe_anchored": (float(np.mean([abs(r["err_probe_anchored_pct"]) for r in inf_rows]))
+                                      if probe_anchored and inf_rows else None),
          "anchors": anchored or "not anchored: no anchor measurements in these rounds (older sets, --no-anchors)",
          "noise_pct": float(np.median([r["noise_pct"] for r in rows])),
          "top1_regret_pct": regret, "signed_err_pct": {r["name"]: round(r["err_pct"], 2) for r in rows},
@@ -407,9 +416,10 @@ def anchor_references(suite, hw) -> dict:
 def anchor_factor(cache: dict, refs: dict):
   """How much slower (> 1) or faster (< 1) this round's host ran than the calibration: the median over the
   anchors of measured / calibration step time; None if the round has no anchor measurement. The median over 6
-  programs, so one anchor caught in a noisy window does not move it."""
-  ratios = [cache[n]["measured_s"] / ref for n, ref in refs.items() if n in cache and cache[n].get("measured_s")]
-  return (statistics.median(ratios), ratios) if ratios else (None, [])
+  programs, so one anchor caught in a noisy window does not move it (perfmodel/anchor.py)."""
+  from perfmodel import anchor  # noqa: PLC0415
+  f, ratios = anchor.factor({n: (cache.get(n) or {}).get("measured_s") for n in refs}, refs)
+  return f, list(ratios.values())
 
 
 def _anchor_normalise(rows: list, caches: list, refs: dict):
@@ -431,6 +441,36 @@ def _anchor_normalise(rows: list, caches: list, refs: dict):
           "ratios_by_round": [[round(x, 4) for x in rs] for _, rs in per_round],
           "meaning": "median over the anchors of measured / calibration step time (> 1: host slower than at "
                      "calibration); each round's measurements are divided by its factor"}
+
+
+def _probe_anchor_normalise(rows: list, caches: list, refs: dict, ref, refs_by_devices: dict = None):
+  """The second anchored figure (``err_probe_anchored_pct``): first the probe's correction of drift *within* a
+  round (each measurement at the calibration's reference speed, :func:`_speed_normalise`), then the anchors'
+  reading of how the probe's speed maps to the calibration programs' speed. Each anchor is taken to the
+  reference speed with the probes pooled around it in measurement order (the cache keeps that order), exactly as
+  a suite entry is. Needs every row's ``rounds[i]["measured_at_ref_s"]`` (:func:`_normalise_rounds`)."""
+  ref1 = float((refs_by_devices or {}).get("1") or ref or 0)
+  if not refs or not rows or not ref1:
+    return None
+  factors = []
+  for c in caches:
+    seq = [(n, m) for n, m in c.items() if (m.get("host_devices") or 1) == 1 and m.get("probe_s")]
+    probes = [m["probe_s"] for _, m in seq]
+    ratios = []
+    for j, (n, m) in enumerate(seq):
+      if n in refs:
+        pooled = statistics.median(probes[max(0, j - SPEED_WINDOW):j + SPEED_WINDOW + 1])
+        ratios.append(m["measured_s"] * ref1 / pooled / refs[n])
+    if not ratios:
+      return None
+    factors.append(statistics.median(ratios))
+  if any(len(r["rounds"]) != len(caches) or any("measured_at_ref_s" not in m for m in r["rounds"]) for r in rows):
+    return None
+  for r in rows:
+    xs = [m["measured_at_ref_s"] / f for m, f in zip(r["rounds"], factors)]
+    r["measured_probe_anchored_s"] = statistics.median(xs)
+    r["err_probe_anchored_pct"] = 100 * (r["predicted_s"] - r["measured_probe_anchored_s"]) / r["measured_probe_anchored_s"]
+  return [round(f, 4) for f in factors]
 
 
 def load_rounds(path: str) -> list:
@@ -534,7 +574,8 @@ def _append_results(out, command_tail: str = ""):
           if k in ("mape", "kendall_tau", "n_configs", "rounds", "round_spread_pct", "noise_pct", "top1_regret_pct",
                    "tpot_mape", "tpot_noise_pct",
                    "peak_memory_max_err_pct_vs_memory_analysis", "load_avg", "clock", "calibration_loo_mape",
-                   "mape_speed_normalised", "tpot_mape_speed_normalised", "mape_anchored", "tpot_mape_anchored")}
+                   "mape_speed_normalised", "tpot_mape_speed_normalised", "mape_anchored", "tpot_mape_anchored",
+                   "mape_probe_anchored", "tpot_mape_probe_anchored")}
   if isinstance(out.get("host_speed"), dict):
     nums["speed_vs_calibration"] = round(out["host_speed"]["speed_vs_calibration"], 3)
   with open(path, "a") as f:

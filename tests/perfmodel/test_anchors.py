@@ -45,3 +45,39 @@ def test_each_round_is_divided_by_its_own_anchor_factor():
   assert rows[0]["err_anchored_pct"] == pytest.approx(0.0)
   # a round without anchor measurements (an older stored set): no anchored figure
   assert validate._anchor_normalise(rows, [c1, {}], refs) is None  # noqa: SLF001
+
+
+def test_predict_output_is_scaled_by_an_anchor_of_the_same_calibration_only():
+  from perfmodel import anchor
+  cal = {"date": "2026-12-01T22:23:27", "speed_anchor": {"factor": 0.9, "date": "2026-12-02T07:00:00",
+                                                           "calibration_date": "2026-12-01T22:23:27"}}
+  hw = types.SimpleNamespace(calibration=cal)
+  out = anchor.apply({"step_time_s": 0.1, "tokens_per_s": 1000.0, "mfu": 0.3, "peak_memory_bytes": 7}, hw)
+  assert out["step_time_s"] == pytest.approx(0.09) and out["tokens_per_s"] == pytest.approx(1000 / 0.9)
+  assert out["mfu"] == pytest.approx(0.3 / 0.9) and out["peak_memory_bytes"] == 7  # memory is not a speed
+  assert out["speed_anchor"]["applied"] and out["speed_anchor"]["unanchored"]["step_time_s"] == 0.1
+  stale = types.SimpleNamespace(calibration=dict(cal, date="2026-12-03T00:00:00"))  # recalibrated since
+  out = anchor.apply({"step_time_s": 0.1}, stale)
+  assert out["step_time_s"] == 0.1 and not out["speed_anchor"]["applied"]
+  out = anchor.apply({"tpot_s": 0.002}, types.SimpleNamespace(calibration={}))
+  assert out["tpot_s"] == 0.002 and "calibrate --anchor" in out["speed_anchor"]["reason"]
+
+
+def test_a_recalibration_drops_the_anchor():
+  from perfmodel import calibrate
+  assert "speed_anchor" in calibrate.STALE_AFTER_STEPS
+
+
+def test_probe_then_anchor_maps_the_probes_speed_to_the_programs_speed():
+  """Within a round the probe follows drift; the anchors (taken to the reference speed with their neighbours'
+  probes, in measurement order) say how far the programs' speed sits from the probe's."""
+  refs = {"c1": 0.02, "c2": 0.04}
+  # probe at 0.05 s against a 0.04 s reference (host 1.25x slower by the probe); the programs ran 1.25 x 0.9
+  cache = {"c1": {"measured_s": 0.02 * 1.125, "probe_s": 0.05}, "x": {"measured_s": 0.1125, "probe_s": 0.05},
+           "c2": {"measured_s": 0.04 * 1.125, "probe_s": 0.05}}
+  rows = [dict(name="x", predicted_s=0.1, rounds=[dict(cache["x"], host_devices=1)])]
+  assert validate._normalise_rounds(rows, ref=0.04)  # noqa: SLF001
+  assert rows[0]["rounds"][0]["measured_at_ref_s"] == pytest.approx(0.09)
+  factors = validate._probe_anchor_normalise(rows, [cache], refs, 0.04)  # noqa: SLF001
+  assert factors == pytest.approx([0.9])
+  assert rows[0]["err_probe_anchored_pct"] == pytest.approx(0.0)
