@@ -8,7 +8,7 @@ every step and the kernel faults and zeroes every one of them. Measured on the 2
 of temporaries) 79.0 -> 62.6 ms per step (0.80x), seq128 (55 MiB) 96.5 -> 77.7 ms (0.81x), batch32 (95 MiB)
 166.7 -> 136.7 ms (0.82x), 10,900-24,200 -> 0 faults per step; base (26 MiB) unchanged. The fault cost also
 moves with the hypervisor's state, independently of compute speed, which made it the noisiest part of a CPU
-step (perfmodel/README.md, "One allocator regime").
+step (perfmodel/JOURNAL.md, "One allocator regime").
 
 The settings: no mmap below 1 GiB, never trim the heap top, one arena for all threads (the main heap grows
 past 64 MiB). Freed memory then stays with the process: its resident size stays at its peak, which is what a

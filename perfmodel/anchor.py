@@ -14,8 +14,9 @@ import json
 import os
 import statistics
 
-# the time-valued fields of predict's output (tokens_per_s, mfu and decode_tokens_per_s are rates: divided)
-TIME_FIELDS = ("step_time_s", "ttft_s", "tpot_s", "total_s")
+# the time-valued fields of predict's output (tokens_per_s, mfu and decode_tokens_per_s are rates: divided);
+# total_s is the generation's time in infer mode only (in train mode it is how long the prediction took)
+TIME_FIELDS = ("step_time_s", "ttft_s", "tpot_s")
 RATE_FIELDS = ("tokens_per_s", "mfu", "decode_tokens_per_s")
 
 
@@ -65,9 +66,10 @@ def apply(out: dict, hw) -> dict:
     out["speed_anchor"] = {"applied": False, "reason": "the anchor was measured against an earlier calibration"}
     return out
   f = rec["factor"]
-  unanchored = {k: out[k] for k in TIME_FIELDS + RATE_FIELDS if isinstance(out.get(k), (int, float))}
+  fields = TIME_FIELDS + RATE_FIELDS + (("total_s",) if out.get("mode") == "infer" else ())
+  unanchored = {k: out[k] for k in fields if isinstance(out.get(k), (int, float))}
   for k, v in unanchored.items():
-    out[k] = v * f if k in TIME_FIELDS else v / f
+    out[k] = v / f if k in RATE_FIELDS else v * f
   out["speed_anchor"] = {"applied": True, "factor": f, "measured": rec.get("date"), "unanchored": unanchored}
   return out
 

@@ -39,7 +39,7 @@ def _cfg(entry: dict, base: dict = None):
 # default settings, blocks above its largest dynamic mmap threshold (DEFAULT_MMAP_THRESHOLD_MAX, 32 MiB on 64-bit)
 # come from a fresh mmap and are unmapped on free, so such a step page-faults its whole temp buffer every time:
 # measured here, minor faults per step = temp bytes / 4096 above 32 MiB and ~0 below, 0.4-0.5 ms of system time
-# per MiB (README, "fresh temp buffer"). Node traces do not see it as a node of its own. The project's processes
+# per MiB (perfmodel/JOURNAL.md, "fresh temp"). Node traces do not see it as a node of its own. The project's processes
 # switch this off (framework/host_memory.py); the fresh-temp term (g) prices it for profiles calibrated without.
 FRESH_ALLOC_THRESHOLD = 32 * 2 ** 20
 
@@ -87,7 +87,7 @@ def composition_features(g: graph_lib.ExecGraph, price, n_devices: int, region: 
 def pow2_tokens(cfg) -> bool:
   """Whether a training step's tokens per device (global batch x sequence / data-parallel ways) are a power of
   two. XLA:CPU is shape-specific: in the calibration's power-of-two programs the same node classes ran
-  1.2-1.65x their physical estimate against the other programs (README, "Power-of-two shapes"), which the
+  1.2-1.65x their physical estimate against the other programs (perfmodel/JOURNAL.md, "Power-of-two shapes"), which the
   learned backend's neighbours, mostly from other programs, do not carry; the composition's p term
   (train type) lets the fit learn that scale from those programs."""
   ways = max(1, cfg.mesh.data * cfg.mesh.fsdp)
@@ -95,7 +95,7 @@ def pow2_tokens(cfg) -> bool:
   return rem == 0 and tokens > 0 and tokens & (tokens - 1) == 0
 
 
-# Program types compose differently on this host (measured, see README): a single-device training step,
+# Program types compose differently on this host (measured, see perfmodel/JOURNAL.md): a single-device training step,
 # N virtual devices time-sharing the pinned core (their threads interleave at every collective), and a decode
 # step inside the sampler's while loop (hot caches, tiny thunks). Each type has its own coefficients; which
 # features a type may use is fixed here (few calibration programs per type: keep the forms small).
@@ -117,7 +117,7 @@ SIGNED = {"decode": (1,)}
 # leave-one-program-out error of the whole fit includes the choice). The power-of-two term p (session 16): on the
 # 22:23 calibration it took the learned backend's training programs from 10.4% to 8.6% (its five power-of-two
 # programs from -9.5..-19.1% to -7.9..+5.5%, p = 0.18) and did nothing for the profiled prices (p = 0), which
-# already carry the shape (README, "Power-of-two steps in the composition").
+# already carry the shape (perfmodel/JOURNAL.md, "Power-of-two steps in the composition").
 OPTIONAL = {"train": (8,)}
 COEF_NAMES = ("a", "b", "c", "e", "f", "g", "h", "i", "p")
 # A decode step streams its weights and KV cache. Measured with long generations (8 vs 56 tokens, ±2%): its time

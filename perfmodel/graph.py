@@ -99,12 +99,12 @@ class Node:
   # context: on a CPU a node runs slower per byte inside a program that streams more; perfmodel/learned.py)
   program_bytes: float = 0.0
   # a layout change (copy/transpose, alone or fused) that moves the minor-most dimension: every element is
-  # gathered with a stride instead of copied in contiguous runs (measured, README "Power-of-two shapes, and what
+  # gathered with a stride instead of copied in contiguous runs (measured, perfmodel/JOURNAL.md "Power-of-two shapes, and what
   # a node is": median 2-4.5x slower per byte than a layout change that keeps it)
   moves_minor: bool = False
   # inside a sampler's decode loop (set by :func:`mark_decode`): one token per sequence per trip, the weights and
   # KV cache hot from the previous trip. Measured (session 17): neighbours of its class from training steps
-  # overpriced such nodes 1.2-2.4x (perfmodel/README.md, "Decode nodes are priced by sampler programs")
+  # overpriced such nodes 1.2-2.4x (perfmodel/JOURNAL.md, "Decode nodes are priced by sampler programs")
   decode: bool = False
 
 
@@ -420,7 +420,7 @@ class _Builder:
     fp = f"{node_kind}|{opcode}|{shapes}|f{int(flops)}|t{int(trans)}|b{int(nbytes)}"
     if dot is not None:
       fp = f"dot|{dot.dtype}|b{dot.batch}m{dot.m}n{dot.n}k{dot.k}|extra_f{int(flops - 2 * dot.batch * dot.m * dot.n * dot.k)}"
-    # the profiled database keys on the fingerprint: nodes that run differently must not share one (README,
+    # the profiled database keys on the fingerprint: nodes that run differently must not share one (perfmodel/JOURNAL.md,
     # "Power-of-two shapes, and what a node is": a plain XLA dot ~2x a library dot of the same m, n, k; a
     # minor-moving layout change 2-4.5x one that keeps the minor dimension)
     fp += FP_TAGS[0] if dot is not None and op == "dot" else ""

@@ -1,7 +1,7 @@
 """Hybrid cost backend: a node's profiled time (its instruction timed alone, at its exact shapes) times how much
 slower such a node ran *inside* the calibration programs than alone, from the nearest calibration samples.
 
-Why (perfmodel/README.md, "The hybrid backend"): the two fitted backends fail in opposite ways on this CPU.
+Why (perfmodel/JOURNAL.md, "The hybrid backend"): the two fitted backends fail in opposite ways on this CPU.
 * The learned backend prices from neighbours of other shapes, scaled by a physical estimate. XLA:CPU is
   shape-specific (power-of-two shapes ran 1.2-1.65x slower per physical estimate), so it under-predicts
   programs whose shapes the samples do not have.

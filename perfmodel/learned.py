@@ -5,7 +5,7 @@ copy of a calibration suite of real training steps (disjoint from the validation
 by XLA's TraceMe (perfmodel/trace_nodes.py). A query node is priced from the k nearest samples of its class
 in log feature space (bytes, flops, transcendentals; m, n, k, batch for dots), each neighbour's time scaled
 by the ratio of the physical (calibrated-curve) estimates of query and neighbour: data where there is data,
-physics for the gap. Two measured effects the bytes/flops features alone miss (README, "What a fusion moves and
+physics for the gap. Two measured effects the bytes/flops features alone miss (perfmodel/JOURNAL.md, "What a fusion moves and
 where it runs"):
 
 * *what* a fusion moves: bytes written (a broadcast writes all it moves, a multiply-add a quarter) and whether it
@@ -20,7 +20,7 @@ labelled ``learned(out-of-range)`` so the output shows it (the issue's "flags in
 
 A third: *when* it runs. A node inside a sampler's decode loop (``Node.decode``) is one of ~120 tiny thunks run
 again every token with the weights and KV cache hot; its class's neighbours from training steps overpriced such
-nodes 1.2-2.4x (session 17, README "Decode nodes are priced by sampler programs"). So a decode node is priced
+nodes 1.2-2.4x (session 17, perfmodel/JOURNAL.md, "Decode nodes are priced by sampler programs"). So a decode node is priced
 from samples of the calibration's sampler programs only (their class carries ``@decode``), with its own k and
 beta, chosen by the decode programs' leave-one-program-out error; a class no sampler sample has falls back to
 all samples. Every other node is priced, as before, from all samples of its class.
@@ -47,7 +47,7 @@ def samples_path(profile: str) -> str:
 
 
 def node_class(n: Node) -> str:
-  """Neighbours are drawn from the query's own class only. Besides the op kind, two measured splits (README,
+  """Neighbours are drawn from the query's own class only. Besides the op kind, two measured splits (perfmodel/JOURNAL.md,
   "Power-of-two shapes, and what a node is"): a dot XLA emits itself ('dot', on this CPU a transposed operand
   the kernel library was not given) ran ~2x slower per flop than the library's (a 'ynn_fusion') of the same
   m, n, k; a layout change that moves the minor-most dimension ran 2-4.5x slower per byte than one that keeps it.

@@ -94,7 +94,7 @@ CALIBRATION = [
     # power-of-two token counts (512-2048), as real configs (and the validation suite) use them, at widths no
     # validation config has. Every program above avoids powers of two, and XLA:CPU is shape-specific: in session
     # 14's calibrations these programs' nodes ran 1.2-1.65x their physical estimate relative to the same node
-    # classes in the programs above (README, "Power-of-two shapes").
+    # classes in the programs above (perfmodel/JOURNAL.md, "Power-of-two shapes").
     dict(name="c_p2_d192_s64_b16", model=dict(d_model=192, n_heads=6, n_kv_heads=3, d_ff=512),
          data=dict(seq_len=64, global_batch=16)),
     dict(name="c_p2_d96_s128_b4", model=dict(d_model=96, n_heads=4, n_kv_heads=2, d_ff=256),
@@ -131,7 +131,7 @@ CALIBRATION_INFER = [
     dict(name="c_decode_b5_d112", batch=5, prompt_len=24, gen_lens=(8, 56), model=dict(d_model=112, n_heads=4,
                                                                                       n_kv_heads=2, d_ff=320)),
     # a second batch-1 program (session 8): with c_decode_b1_d64 alone (0.04 ms), a batch-1 step of a few MB had
-    # no neighbour of its kind and the validation's decode_b1 was over-predicted by 34-54% (README)
+    # no neighbour of its kind and the validation's decode_b1 was over-predicted by 34-54% (perfmodel/JOURNAL.md)
     dict(name="c_decode_b1_d176", batch=1, prompt_len=24, gen_lens=(8, 56), model=dict(d_model=176, n_heads=4,
                                                                                       n_kv_heads=2, d_ff=480)),
     # power-of-two batches and prompts (as the training programs above)

@@ -52,7 +52,11 @@ def test_predict_output_is_scaled_by_an_anchor_of_the_same_calibration_only():
   cal = {"date": "2026-12-01T22:23:27", "speed_anchor": {"factor": 0.9, "date": "2026-12-02T07:00:00",
                                                            "calibration_date": "2026-12-01T22:23:27"}}
   hw = types.SimpleNamespace(calibration=cal)
-  out = anchor.apply({"step_time_s": 0.1, "tokens_per_s": 1000.0, "mfu": 0.3, "peak_memory_bytes": 7}, hw)
+  out = anchor.apply({"mode": "train", "step_time_s": 0.1, "tokens_per_s": 1000.0, "mfu": 0.3, "total_s": 0.5,
+                      "peak_memory_bytes": 7}, hw)
+  assert out["total_s"] == 0.5  # in train mode: how long the prediction took, not a step time
+  inf = anchor.apply({"mode": "infer", "tpot_s": 0.002, "ttft_s": 0.01, "total_s": 0.2}, hw)
+  assert (inf["tpot_s"], inf["ttft_s"], inf["total_s"]) == pytest.approx((0.0018, 0.009, 0.18))
   assert out["step_time_s"] == pytest.approx(0.09) and out["tokens_per_s"] == pytest.approx(1000 / 0.9)
   assert out["mfu"] == pytest.approx(0.3 / 0.9) and out["peak_memory_bytes"] == 7  # memory is not a speed
   assert out["speed_anchor"]["applied"] and out["speed_anchor"]["unanchored"]["step_time_s"] == 0.1
