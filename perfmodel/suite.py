@@ -148,3 +148,7 @@ CALIBRATION_INFER = [
 # Single-device training programs of 15-72 ms (the sub-millisecond ones are ±23-31% noisy), spanning width,
 # depth, sequence, batch and a power-of-two shape; chosen before any anchored measurement was taken.
 ANCHORS = ["c_d96_l3", "c_d80_l6", "c_d112_s72", "c_p2_d96_s128_b4", "c_d192_b12", "c_d320_b3"]
+# Decode anchors (session 18, after s18_a-c): calibration sampler programs (TPOT 0.3-0.9 ms), re-measured the same
+# way. Why: in those three sets the decode configs ran 13-15% slower than predicted while the training configs sat
+# at 0.99-1.04x, so one factor from training programs could not correct both.
+ANCHORS_DECODE = ["c_decode_b5_d112", "c_decode_b2_d160_l3", "c_decode_b6", "c_decode_p2_b8_d192"]

@@ -145,8 +145,9 @@ def measure_entries(suite_path, names: list, reps: int, probe: bool) -> dict:
   import jax  # noqa: PLC0415
   from perfmodel import speed  # noqa: PLC0415
   suite = _load_suite(suite_path)
-  by_name = {e["name"]: e for e in (list(getattr(suite, "CALIBRATION", [])) + suite.SUITE
-                                    + list(getattr(suite, "INFER", [])))}
+  by_name = {e["name"]: e for e in (list(getattr(suite, "CALIBRATION", []))
+                                    + list(getattr(suite, "CALIBRATION_INFER", []))
+                                    + suite.SUITE + list(getattr(suite, "INFER", [])))}
   prober = speed.Probe() if probe else None
   out = {}
   for name in names:
@@ -271,7 +272,10 @@ def run(suite_path=None, reps: int = 7, backend: str = "auto", png: str = None, 
         json.dump(caches[0] if len(caches) == 1 else {"rounds": caches}, f, indent=1)
   entries = suite.SUITE[:limit] if limit else suite.SUITE
   anchor_refs = anchor_references(suite, hw) if anchors and not limit else {}
-  anchor_names = list(anchor_refs)
+  decode_refs = anchor_references(suite, hw, "decode") if anchors and not limit else {}
+  # training and decode anchors alternate, then spread through the one-device child's list
+  t_, d_ = list(anchor_refs), list(decode_refs)
+  anchor_names = [x for pair in zip(t_, d_) for x in pair] + t_[len(d_):] + d_[len(t_):]
   infer_entries = list(getattr(suite, "INFER", [])) if not limit else []
   for ri, cache in enumerate(caches):
     if isolate:  # each entry measured in a child with exactly its own device count (see measure_isolated)
@@ -344,6 +348,10 @@ def run(suite_path=None, reps: int = 7, backend: str = "auto", png: str = None, 
                                  if hw.name == "cpu" else None)
   probes = [m["probe_s"] for r in rows + inf_rows for m in r["rounds"] if m.get("probe_s")]
   anchored = _anchor_normalise(rows + inf_rows, caches, anchor_refs)
+  # decode rows once more, each round divided by its decode anchors' factor (the sampler programs' speed)
+  decode_anchored = _anchor_normalise(inf_rows, caches, decode_refs, key="decode_anchored") if inf_rows else None
+  if anchored and decode_anchored:
+    anchored["decode"] = decode_anchored
   probe_anchored = (_probe_anchor_normalise(rows + inf_rows, caches, anchor_refs, ref,
                                             hw.calibration.get("speed_probe_ref_by_devices"))
                     if anchored and normalised else None)
@@ -362,6 +370,8 @@ def run(suite_path=None, reps: int = 7, backend: str = "auto", png: str = None, 
          "mape_anchored": (float(np.mean([abs(r["err_anchored_pct"]) for r in rows])) if anchored else None),
          "tpot_mape_anchored": (float(np.mean([abs(r["err_anchored_pct"]) for r in inf_rows]))
                                 if anchored and inf_rows else None),
+         "tpot_mape_decode_anchored": (float(np.mean([abs(r["err_decode_anchored_pct"]) for r in inf_rows]))
+                                       if decode_anchored else None),
          "mape_probe_anchored": (float(np.mean([abs(r["err_probe_anchored_pct"]) for r in rows]))
                                  if probe_anchored else None),
          "tpot_mape_probe_anchored": (float(np.mean([abs(r["err_probe_anchored_pct"]) for r in inf_rows]))
@@ -404,12 +414,13 @@ def interleave(names: list, extra: list) -> list:
   return out
 
 
-def anchor_references(suite, hw) -> dict:
-  """{anchor name: its step time in the calibration the profile was fitted on (at the reference speed)} for the
-  suite's ANCHORS the profile has (``calibration_loo[].measured_s``); empty when either side lacks them."""
-  names = list(getattr(suite, "ANCHORS", []))
+def anchor_references(suite, hw, kind: str = "train") -> dict:
+  """{anchor name: its step time (decode: TPOT) in the calibration the profile was fitted on (at the reference
+  speed)} for the suite's ANCHORS (kind "decode": ANCHORS_DECODE) the profile has (``calibration_loo[].measured_s``);
+  empty when either side lacks them."""
+  names = list(getattr(suite, "ANCHORS_DECODE" if kind == "decode" else "ANCHORS", []))
   cal = {r["name"]: r["measured_s"] for r in (hw.calibration or {}).get("calibration_loo", []) or []
-         if r.get("type") == "train"}
+         if r.get("type") == kind}
   return {n: cal[n] for n in names if cal.get(n)}
 
 
@@ -422,8 +433,8 @@ def anchor_factor(cache: dict, refs: dict):
   return f, list(ratios.values())
 
 
-def _anchor_normalise(rows: list, caches: list, refs: dict):
-  """Adds ``measured_anchored_s`` / ``err_anchored_pct`` to every row: each round's measurement divided by the
+def _anchor_normalise(rows: list, caches: list, refs: dict, key: str = "anchored"):
+  """Adds ``measured_<key>_s`` / ``err_<key>_pct`` to every row: each round's measurement divided by the
   round's anchor factor, then the median over rounds. Returns the per-round factors, or None when any round
   has no anchors."""
   if not refs or not rows:
@@ -434,9 +445,9 @@ def _anchor_normalise(rows: list, caches: list, refs: dict):
   for r in rows:
     xs = [m["measured_s"] / f for m, (f, _) in zip(r["rounds"], per_round)]
     for m, x in zip(r["rounds"], xs):
-      m["measured_anchored_s"] = x
-    r["measured_anchored_s"] = statistics.median(xs)
-    r["err_anchored_pct"] = 100 * (r["predicted_s"] - r["measured_anchored_s"]) / r["measured_anchored_s"]
+      m[f"measured_{key}_s"] = x
+    r[f"measured_{key}_s"] = statistics.median(xs)
+    r[f"err_{key}_pct"] = 100 * (r["predicted_s"] - r[f"measured_{key}_s"]) / r[f"measured_{key}_s"]
   return {"programs": list(refs), "factor_by_round": [round(f, 4) for f, _ in per_round],
           "ratios_by_round": [[round(x, 4) for x in rs] for _, rs in per_round],
           "meaning": "median over the anchors of measured / calibration step time (> 1: host slower than at "
@@ -469,7 +480,8 @@ def _probe_anchor_normalise(rows: list, caches: list, refs: dict, ref, refs_by_d
   for r in rows:
     xs = [m["measured_at_ref_s"] / f for m, f in zip(r["rounds"], factors)]
     r["measured_probe_anchored_s"] = statistics.median(xs)
-    r["err_probe_anchored_pct"] = 100 * (r["predicted_s"] - r["measured_probe_anchored_s"]) / r["measured_probe_anchored_s"]
+    m_ = r["measured_probe_anchored_s"]
+    r["err_probe_anchored_pct"] = 100 * (r["predicted_s"] - m_) / m_
   return [round(f, 4) for f in factors]
 
 
@@ -575,6 +587,7 @@ def _append_results(out, command_tail: str = ""):
                    "tpot_mape", "tpot_noise_pct",
                    "peak_memory_max_err_pct_vs_memory_analysis", "load_avg", "clock", "calibration_loo_mape",
                    "mape_speed_normalised", "tpot_mape_speed_normalised", "mape_anchored", "tpot_mape_anchored",
+                   "tpot_mape_decode_anchored",
                    "mape_probe_anchored", "tpot_mape_probe_anchored")}
   if isinstance(out.get("host_speed"), dict):
     nums["speed_vs_calibration"] = round(out["host_speed"]["speed_vs_calibration"], 3)

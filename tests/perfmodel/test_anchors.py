@@ -85,3 +85,17 @@ def test_probe_then_anchor_maps_the_probes_speed_to_the_programs_speed():
   factors = validate._probe_anchor_normalise(rows, [cache], refs, 0.04)  # noqa: SLF001
   assert factors == pytest.approx([0.9])
   assert rows[0]["err_probe_anchored_pct"] == pytest.approx(0.0)
+
+
+def test_decode_anchors_are_sampler_calibration_programs_priced_against_their_own_tpot():
+  cal = {e["name"] for e in suite.CALIBRATION_INFER}
+  assert suite.ANCHORS_DECODE and set(suite.ANCHORS_DECODE) <= cal
+  hw = types.SimpleNamespace(calibration={"calibration_loo": [
+      {"name": "c_decode_b6", "type": "decode", "measured_s": 7e-4}, {"name": "c_d96_l3", "type": "train",
+                                                                      "measured_s": 0.015}]})
+  assert validate.anchor_references(suite, hw, "decode") == {"c_decode_b6": 7e-4}
+  rows = [dict(name="d", predicted_s=1e-4, rounds=[{"measured_s": 1.2e-4}])]
+  caches = [{"c_decode_b6": {"measured_s": 8.4e-4}}]
+  info = validate._anchor_normalise(rows, caches, {"c_decode_b6": 7e-4}, key="decode_anchored")  # noqa: SLF001
+  assert info["factor_by_round"] == pytest.approx([1.2]) and rows[0]["err_decode_anchored_pct"] == pytest.approx(0.0)
+  assert "err_anchored_pct" not in rows[0]
