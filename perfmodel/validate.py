@@ -21,7 +21,7 @@ import sys
 import numpy as np
 
 from framework.config import from_dict, validate as validate_cfg
-from perfmodel import bench, capture, costs, fusion_profiler, hardware, predict
+from perfmodel import anchor, bench, capture, costs, fusion_profiler, hardware, predict
 
 
 def _merge(base: dict, over: dict) -> dict:
@@ -253,7 +253,7 @@ def run(suite_path=None, reps: int = 7, backend: str = "auto", png: str = None, 
 
   anchors: also measure ``suite.ANCHORS`` (calibration programs) in every round, interleaved with the one-device
   entries, and report ``mape_anchored`` / ``tpot_mape_anchored``: the errors after the round's predictions are
-  scaled by how fast the host ran the anchors against the calibration's own step times (:func:`anchor_factor`)."""
+  scaled by how fast the host ran the anchors against the calibration's own step times (perfmodel/anchor.py)."""
   from perfmodel import speed
   hw = hardware.load(hardware_name)
   ref = hw.calibration.get("speed_probe_ref_s") if hw.name == "cpu" else None
@@ -271,8 +271,8 @@ def run(suite_path=None, reps: int = 7, backend: str = "auto", png: str = None, 
       with open(writable, "w") as f:
         json.dump(caches[0] if len(caches) == 1 else {"rounds": caches}, f, indent=1)
   entries = suite.SUITE[:limit] if limit else suite.SUITE
-  anchor_refs = anchor_references(suite, hw) if anchors and not limit else {}
-  decode_refs = anchor_references(suite, hw, "decode") if anchors and not limit else {}
+  anchor_refs = anchor.references(suite, hw) if anchors and not limit else {}
+  decode_refs = anchor.references(suite, hw, "decode") if anchors and not limit else {}
   # training and decode anchors alternate, then spread through the one-device child's list
   t_, d_ = list(anchor_refs), list(decode_refs)
   anchor_names = [x for pair in zip(t_, d_) for x in pair] + t_[len(d_):] + d_[len(t_):]
@@ -284,7 +284,7 @@ def run(suite_path=None, reps: int = 7, backend: str = "auto", png: str = None, 
         if entry["name"] not in cache:
           groups.setdefault(_entry_cfg(suite, entry)[1], []).append(entry["name"])
       if anchor_names and groups.get(1) and not any(a in cache for a in anchor_names):
-        groups[1] = interleave(groups[1], anchor_names)
+        groups[1] = anchor.interleave(groups[1], anchor_names)
       for n_dev, names in sorted(groups.items()):
         print(f"round {ri + 1}/{len(caches)}: measuring {names} in a child process with {n_dev} host device(s)",
               file=sys.stderr, flush=True)
@@ -347,12 +347,12 @@ def run(suite_path=None, reps: int = 7, backend: str = "auto", png: str = None, 
   normalised = _normalise_rounds(rows + inf_rows, ref, hw.calibration.get("speed_probe_ref_by_devices")
                                  if hw.name == "cpu" else None)
   probes = [m["probe_s"] for r in rows + inf_rows for m in r["rounds"] if m.get("probe_s")]
-  anchored = _anchor_normalise(rows + inf_rows, caches, anchor_refs)
+  anchored = anchor.normalise(rows + inf_rows, caches, anchor_refs)
   # decode rows once more, each round divided by its decode anchors' factor (the sampler programs' speed)
-  decode_anchored = _anchor_normalise(inf_rows, caches, decode_refs, key="decode_anchored") if inf_rows else None
+  decode_anchored = anchor.normalise(inf_rows, caches, decode_refs, key="decode_anchored") if inf_rows else None
   if anchored and decode_anchored:
     anchored["decode"] = decode_anchored
-  probe_anchored = (_probe_anchor_normalise(rows + inf_rows, caches, anchor_refs, ref,
+  probe_anchored = (anchor.probe_then_normalise(rows + inf_rows, caches, anchor_refs, ref,
                                             hw.calibration.get("speed_probe_ref_by_devices"))
                     if anchored and normalised else None)
   if probe_anchored:
@@ -399,90 +399,6 @@ def run(suite_path=None, reps: int = 7, backend: str = "auto", png: str = None, 
     tail = (f" --backend {backend}" if backend != "auto" else "") + tail
     _append_results(out, tail + (f" --measurements {' '.join(stored)} (stored, written {taken})" if stored else ""))
   return out
-
-
-def interleave(names: list, extra: list) -> list:
-  """``names`` with ``extra`` spread evenly through it (first before the first name, last after the last), so
-  anchors sample the host's speed across the whole measuring child, not at one end of it."""
-  if not extra:
-    return list(names)
-  out, step = [], len(names) / max(1, len(extra) - 1)
-  slots = [round(i * step) for i in range(len(extra))] if len(extra) > 1 else [0]
-  for i, n in enumerate(names):
-    out += [a for a, s_ in zip(extra, slots) if s_ == i] + [n]
-  out += [a for a, s_ in zip(extra, slots) if s_ >= len(names)]
-  return out
-
-
-def anchor_references(suite, hw, kind: str = "train") -> dict:
-  """{anchor name: its step time (decode: TPOT) in the calibration the profile was fitted on (at the reference
-  speed)} for the suite's ANCHORS (kind "decode": ANCHORS_DECODE) the profile has (``calibration_loo[].measured_s``);
-  empty when either side lacks them."""
-  names = list(getattr(suite, "ANCHORS_DECODE" if kind == "decode" else "ANCHORS", []))
-  cal = {r["name"]: r["measured_s"] for r in (hw.calibration or {}).get("calibration_loo", []) or []
-         if r.get("type") == kind}
-  return {n: cal[n] for n in names if cal.get(n)}
-
-
-def anchor_factor(cache: dict, refs: dict):
-  """How much slower (> 1) or faster (< 1) this round's host ran than the calibration: the median over the
-  anchors of measured / calibration step time; None if the round has no anchor measurement. The median over 6
-  programs, so one anchor caught in a noisy window does not move it (perfmodel/anchor.py)."""
-  from perfmodel import anchor  # noqa: PLC0415
-  f, ratios = anchor.factor({n: (cache.get(n) or {}).get("measured_s") for n in refs}, refs)
-  return f, list(ratios.values())
-
-
-def _anchor_normalise(rows: list, caches: list, refs: dict, key: str = "anchored"):
-  """Adds ``measured_<key>_s`` / ``err_<key>_pct`` to every row: each round's measurement divided by the
-  round's anchor factor, then the median over rounds. Returns the per-round factors, or None when any round
-  has no anchors."""
-  if not refs or not rows:
-    return None
-  per_round = [anchor_factor(c, refs) for c in caches]
-  if any(f is None for f, _ in per_round) or any(len(r["rounds"]) != len(caches) for r in rows):
-    return None
-  for r in rows:
-    xs = [m["measured_s"] / f for m, (f, _) in zip(r["rounds"], per_round)]
-    for m, x in zip(r["rounds"], xs):
-      m[f"measured_{key}_s"] = x
-    r[f"measured_{key}_s"] = statistics.median(xs)
-    r[f"err_{key}_pct"] = 100 * (r["predicted_s"] - r[f"measured_{key}_s"]) / r[f"measured_{key}_s"]
-  return {"programs": list(refs), "factor_by_round": [round(f, 4) for f, _ in per_round],
-          "ratios_by_round": [[round(x, 4) for x in rs] for _, rs in per_round],
-          "meaning": "median over the anchors of measured / calibration step time (> 1: host slower than at "
-                     "calibration); each round's measurements are divided by its factor"}
-
-
-def _probe_anchor_normalise(rows: list, caches: list, refs: dict, ref, refs_by_devices: dict = None):
-  """The second anchored figure (``err_probe_anchored_pct``): first the probe's correction of drift *within* a
-  round (each measurement at the calibration's reference speed, :func:`_speed_normalise`), then the anchors'
-  reading of how the probe's speed maps to the calibration programs' speed. Each anchor is taken to the
-  reference speed with the probes pooled around it in measurement order (the cache keeps that order), exactly as
-  a suite entry is. Needs every row's ``rounds[i]["measured_at_ref_s"]`` (:func:`_normalise_rounds`)."""
-  ref1 = float((refs_by_devices or {}).get("1") or ref or 0)
-  if not refs or not rows or not ref1:
-    return None
-  factors = []
-  for c in caches:
-    seq = [(n, m) for n, m in c.items() if (m.get("host_devices") or 1) == 1 and m.get("probe_s")]
-    probes = [m["probe_s"] for _, m in seq]
-    ratios = []
-    for j, (n, m) in enumerate(seq):
-      if n in refs:
-        pooled = statistics.median(probes[max(0, j - SPEED_WINDOW):j + SPEED_WINDOW + 1])
-        ratios.append(m["measured_s"] * ref1 / pooled / refs[n])
-    if not ratios:
-      return None
-    factors.append(statistics.median(ratios))
-  if any(len(r["rounds"]) != len(caches) or any("measured_at_ref_s" not in m for m in r["rounds"]) for r in rows):
-    return None
-  for r in rows:
-    xs = [m["measured_at_ref_s"] / f for m, f in zip(r["rounds"], factors)]
-    r["measured_probe_anchored_s"] = statistics.median(xs)
-    m_ = r["measured_probe_anchored_s"]
-    r["err_probe_anchored_pct"] = 100 * (r["predicted_s"] - m_) / m_
-  return [round(f, 4) for f in factors]
 
 
 def load_rounds(path: str) -> list:

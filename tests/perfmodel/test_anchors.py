@@ -1,19 +1,19 @@
 """Speed anchors in `validate`: calibration programs re-measured each round give the host's speed against the
-calibration, and each round's measurements are divided by it (perfmodel/validate.py)."""
+calibration, and each round's measurements are divided by it (perfmodel/anchor.py)."""
 import types
 
 import pytest
 
-from perfmodel import suite, validate
+from perfmodel import anchor, suite, validate
 
 
 def test_interleave_spreads_anchors_from_first_to_last():
   names = [f"n{i}" for i in range(14)]
-  out = validate.interleave(names, ["a", "b", "c"])
+  out = anchor.interleave(names, ["a", "b", "c"])
   assert out[0] == "a" and out[-1] == "c" and sorted(out) == sorted(names + ["a", "b", "c"])
   assert [x for x in out if not x.startswith("n") or x == "n"] == ["a", "b", "c"]
   assert 5 <= out.index("b") <= 9  # the middle one sits in the middle
-  assert validate.interleave(names, []) == names
+  assert anchor.interleave(names, []) == names
 
 
 def test_anchors_are_single_device_calibration_programs_disjoint_from_the_suite():
@@ -28,8 +28,8 @@ def test_anchor_references_come_from_the_calibrations_own_step_times():
       {"name": "c1", "type": "train", "measured_s": 0.02}, {"name": "c2", "type": "multi", "measured_s": 0.03},
       {"name": "c3", "type": "train", "measured_s": 0.04}]})
   s = types.SimpleNamespace(ANCHORS=["c1", "c2", "c3", "missing"])
-  assert validate.anchor_references(s, hw) == {"c1": 0.02, "c3": 0.04}  # multi-device and unknown ones dropped
-  assert validate.anchor_references(types.SimpleNamespace(), hw) == {}
+  assert anchor.references(s, hw) == {"c1": 0.02, "c3": 0.04}  # multi-device and unknown ones dropped
+  assert anchor.references(types.SimpleNamespace(), hw) == {}
 
 
 def test_each_round_is_divided_by_its_own_anchor_factor():
@@ -37,14 +37,14 @@ def test_each_round_is_divided_by_its_own_anchor_factor():
   # round 1: host 10% slower than at calibration (one anchor caught in a noisy window), round 2: 20% faster
   c1 = {"c1": {"measured_s": 0.022}, "c2": {"measured_s": 0.044}, "c3": {"measured_s": 0.08}}
   c2 = {"c1": {"measured_s": 0.016}, "c2": {"measured_s": 0.032}, "c3": {"measured_s": 0.04}}
-  assert validate.anchor_factor(c1, refs)[0] == pytest.approx(1.1)  # the median: the outlier does not move it
+  assert anchor.round_factor(c1, refs)[0] == pytest.approx(1.1)  # the median: the outlier does not move it
   rows = [dict(name="x", predicted_s=0.1, rounds=[{"measured_s": 0.11}, {"measured_s": 0.08}])]
-  info = validate._anchor_normalise(rows, [c1, c2], refs)  # noqa: SLF001
+  info = anchor.normalise(rows, [c1, c2], refs)
   assert info["factor_by_round"] == pytest.approx([1.1, 0.8])
   assert [m["measured_anchored_s"] for m in rows[0]["rounds"]] == pytest.approx([0.1, 0.1])
   assert rows[0]["err_anchored_pct"] == pytest.approx(0.0)
   # a round without anchor measurements (an older stored set): no anchored figure
-  assert validate._anchor_normalise(rows, [c1, {}], refs) is None  # noqa: SLF001
+  assert anchor.normalise(rows, [c1, {}], refs) is None
 
 
 def test_predict_output_is_scaled_by_an_anchor_of_the_same_calibration_only():
@@ -80,9 +80,9 @@ def test_probe_then_anchor_maps_the_probes_speed_to_the_programs_speed():
   cache = {"c1": {"measured_s": 0.02 * 1.125, "probe_s": 0.05}, "x": {"measured_s": 0.1125, "probe_s": 0.05},
            "c2": {"measured_s": 0.04 * 1.125, "probe_s": 0.05}}
   rows = [dict(name="x", predicted_s=0.1, rounds=[dict(cache["x"], host_devices=1)])]
-  assert validate._normalise_rounds(rows, ref=0.04)  # noqa: SLF001
+  assert validate._normalise_rounds(rows, ref=0.04)
   assert rows[0]["rounds"][0]["measured_at_ref_s"] == pytest.approx(0.09)
-  factors = validate._probe_anchor_normalise(rows, [cache], refs, 0.04)  # noqa: SLF001
+  factors = anchor.probe_then_normalise(rows, [cache], refs, 0.04)
   assert factors == pytest.approx([0.9])
   assert rows[0]["err_probe_anchored_pct"] == pytest.approx(0.0)
 
@@ -93,9 +93,9 @@ def test_decode_anchors_are_sampler_calibration_programs_priced_against_their_ow
   hw = types.SimpleNamespace(calibration={"calibration_loo": [
       {"name": "c_decode_b6", "type": "decode", "measured_s": 7e-4}, {"name": "c_d96_l3", "type": "train",
                                                                       "measured_s": 0.015}]})
-  assert validate.anchor_references(suite, hw, "decode") == {"c_decode_b6": 7e-4}
+  assert anchor.references(suite, hw, "decode") == {"c_decode_b6": 7e-4}
   rows = [dict(name="d", predicted_s=1e-4, rounds=[{"measured_s": 1.2e-4}])]
   caches = [{"c_decode_b6": {"measured_s": 8.4e-4}}]
-  info = validate._anchor_normalise(rows, caches, {"c_decode_b6": 7e-4}, key="decode_anchored")  # noqa: SLF001
+  info = anchor.normalise(rows, caches, {"c_decode_b6": 7e-4}, key="decode_anchored")
   assert info["factor_by_round"] == pytest.approx([1.2]) and rows[0]["err_decode_anchored_pct"] == pytest.approx(0.0)
   assert "err_anchored_pct" not in rows[0]
