@@ -348,10 +348,17 @@ def _worker_main() -> int:
 
 
 def profile_program(hlo_text: str, n_devices: int = 1, profile: str = "cpu", path: Optional[str] = None,
-                    batches: int = 5, log=None) -> dict:
+                    batches: int = 5, log=None, retime_other_boots: bool = False) -> dict:
   """Times every distinct compute node (by fingerprint) of a compiled program alone and adds the results to
-  the profiled database ``path`` (costs.db_path(profile) by default). Returns what was timed and skipped."""
+  the profiled database ``path`` (costs.db_path(profile) by default). Returns what was timed and skipped.
+
+  Each entry records the boot that timed it (``bench.boot_id``). ``retime_other_boots``: an entry timed on
+  another boot (or before entries recorded one) is timed again, as `calibrate` does before fitting a composition
+  on these prices. Why: the database is keyed by device kind and jax version, and two VMs of the same kind
+  differed by up to 7x in memory bandwidth (perfmodel/JOURNAL.md, session 19); a composition fitted on one
+  machine's step times and another's node times is fitted on neither."""
   path = path or costs.db_path(profile)
+  boot = bench.boot_id()
   data = {"meta": {}, "entries": {}}
   if os.path.exists(path):
     with open(path) as f:
@@ -367,7 +374,8 @@ def profile_program(hlo_text: str, n_devices: int = 1, profile: str = "cpu", pat
         continue
       seen.add(n.fingerprint)
       old = data["entries"].get(n.fingerprint)
-      if isinstance(old, dict) and old.get("method") == "isolated-traced":
+      if (isinstance(old, dict) and old.get("method") == "isolated-traced"
+          and not (retime_other_boots and old.get("boot") != boot)):
         cached += 1
         continue
       try:
@@ -379,7 +387,7 @@ def profile_program(hlo_text: str, n_devices: int = 1, profile: str = "cpu", pat
       if "error" in r:
         skipped[r["error"]] = skipped.get(r["error"], 0) + 1
         continue
-      data["entries"][n.fingerprint] = {"s": r["s"], "method": "isolated-traced", "op": n.opcode}
+      data["entries"][n.fingerprint] = {"s": r["s"], "method": "isolated-traced", "op": n.opcode, "boot": boot}
       seconds[n.name] = r["s"]
       timed += 1
       if log:

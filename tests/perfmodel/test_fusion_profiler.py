@@ -6,7 +6,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from perfmodel import costs, fusion_profiler as fp, graph as G, hardware, hlo_parse as hp
+from perfmodel import bench, costs, fusion_profiler as fp, graph as G, hardware, hlo_parse as hp
 
 TRANSPOSE_COPY = """HloModule t
 
@@ -157,6 +157,22 @@ def test_profile_program_times_every_compute_node_or_says_why(tmp_path):
   before = db.read_text()
   again = fp.profile_program(text, 1, path=str(db))
   assert again["timed"] == 0 and again["cached"] == res["timed"] and db.read_text() == before
+
+
+def test_entries_of_another_boot_are_timed_again_only_when_asked(tmp_path):
+  """A calibration fits its composition on this boot's node times; a plain prediction may reuse any entry."""
+  text = _compiled_text()
+  db = tmp_path / "db.json"
+  res = fp.profile_program(text, 1, path=str(db))
+  data = json.loads(db.read_text())
+  assert {e["boot"] for e in data["entries"].values()} == {bench.boot_id()}
+  for e in data["entries"].values():
+    e["boot"], e["s"] = "another-vm", 1.0  # as if timed on another machine
+  db.write_text(json.dumps(data))
+  assert fp.profile_program(text, 1, path=str(db))["timed"] == 0  # reused as they are
+  again = fp.profile_program(text, 1, path=str(db), retime_other_boots=True)
+  assert again["timed"] == res["timed"] and again["cached"] == 0
+  assert all(e["s"] < 1.0 and e["boot"] == bench.boot_id() for e in json.loads(db.read_text())["entries"].values())
 
 
 def test_profile_program_times_an_in_place_update(tmp_path):
