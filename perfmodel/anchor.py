@@ -74,7 +74,6 @@ def apply(out: dict, hw) -> dict:
   return out
 
 
-
 # --- per validation round (validate.run measures the anchors in every round itself) ---
 
 def interleave(names: list, extra: list) -> list:
