@@ -119,6 +119,12 @@ SIGNED = {"decode": (1,)}
 # programs from -9.5..-19.1% to -7.9..+5.5%, p = 0.18) and did nothing for the profiled prices (p = 0), which
 # already carry the shape (perfmodel/JOURNAL.md, "Power-of-two steps in the composition").
 OPTIONAL = {"train": (8,)}
+# Coefficients a type takes from another when none of its own calibration programs can fit them. The power-of-two
+# term p belongs to the nodes' shapes (XLA:CPU's kernels at power-of-two extents), not to the device count, but the
+# calibration's multi-device programs are none of them power-of-two steps, so the multi type could never learn
+# it: a multi-device step whose tokens per device are a power of two (all four of the validation suite's) took no
+# uplift at all. Measured (session 20, perfmodel/JOURNAL.md) by re-pricing stored sets: see there.
+BORROWED = {"multi": ("train", (8,))}
 COEF_NAMES = ("a", "b", "c", "e", "f", "g", "h", "i", "p")
 # A decode step streams its weights and KV cache. Measured with long generations (8 vs 56 tokens, ±2%): its time
 # per byte grows with the bytes it moves, 26 ps/B at 1.7 MB to 47 ps/B at 40+ MB, as the step falls out of the
@@ -209,6 +215,11 @@ def fit_typed(rows: list, y: list, types: list) -> dict:
     out[t] = _fit_cols(sub, ys, cols, knee, signed)
   for t in TYPE_FEATURES:
     out.setdefault(t, out.get("train", _coef([1.0, 0, 0, 0, 0])))
+  for t, (src, cols) in BORROWED.items():  # only where the type's own rows leave the column empty
+    own = [rows[i] for i, tt in enumerate(types) if tt == t]
+    for c in cols:
+      if src in out and t in out and not any(c < len(r) and r[c] for r in own):
+        out[t] = {**out[t], COEF_NAMES[c]: out[src].get(COEF_NAMES[c], 0.0)}
   return out
 
 

@@ -208,6 +208,31 @@ def test_train_fit_learns_the_power_of_two_scale_and_old_coefficients_ignore_it(
   assert cn.compose({"train": {"a": 1.1, "c": 1e-4}}, rows[0], "train") == pytest.approx(1.1 * rows[0][0] + 1e-4)
 
 
+
+def test_multi_device_steps_borrow_the_training_power_of_two_term_only_without_their_own():
+  """The calibration's multi-device programs are no power-of-two steps: the multi type takes the training type's p
+  (a power-of-two multi-device step is priced with it, another is not), and leaves its own fit alone."""
+  from perfmodel import calibrate_nodes as cn
+  import numpy as np
+  rng = np.random.default_rng(2)
+  rows, y, types = [], [], []
+  for i in range(12):  # single-device steps, a third of them power-of-two
+    a, pow2 = rng.uniform(1e-3, 0.1), i % 3 == 0
+    rows.append([a, 1000, 1, 0.0, 0, 0.0, 0.0, 0.0, a if pow2 else 0.0])
+    y.append(1.1 * a + (0.25 * a if pow2 else 0.0))
+    types.append("train")
+  for _ in range(6):  # two-device steps, none power-of-two
+    a, coll = rng.uniform(1e-3, 0.1), rng.uniform(1e-4, 1e-2)
+    rows.append([a, 1000, 2, coll, 4, 0.0, 0.0, 0.0, 0.0])
+    y.append(1.3 * a + 2.0 * coll)
+    types.append("multi")
+  coef = cn.fit_typed(rows, y, types)
+  assert coef["multi"]["a"] == pytest.approx(1.3, rel=1e-3) and coef["multi"]["e"] == pytest.approx(2.0, rel=1e-3)
+  assert coef["multi"]["p"] == pytest.approx(coef["train"]["p"]) == pytest.approx(0.25, rel=1e-2)
+  f = [0.05, 1000, 2, 1e-3, 4, 0.0, 0.0, 0.0]
+  plain, pow2 = cn.compose(coef, f + [0.0], "multi"), cn.compose(coef, f + [0.05], "multi")
+  assert pow2 - plain == pytest.approx(0.25 * 0.05, rel=1e-2)
+
 def test_pin_regime_sets_single_core_and_single_threaded_xla(monkeypatch):
   import os
   from perfmodel import bench
