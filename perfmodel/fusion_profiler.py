@@ -348,15 +348,17 @@ def _worker_main() -> int:
 
 
 def profile_program(hlo_text: str, n_devices: int = 1, profile: str = "cpu", path: Optional[str] = None,
-                    batches: int = 5, log=None, retime_other_boots: bool = False) -> dict:
+                    batches: int = 5, log=None, retime_other_boots: bool = True) -> dict:
   """Times every distinct compute node (by fingerprint) of a compiled program alone and adds the results to
   the profiled database ``path`` (costs.db_path(profile) by default). Returns what was timed and skipped.
 
-  Each entry records the boot that timed it (``bench.boot_id``). ``retime_other_boots``: an entry timed on
-  another boot (or before entries recorded one) is timed again, as `calibrate` does before fitting a composition
-  on these prices. Why: the database is keyed by device kind and jax version, and two VMs of the same kind
-  differed by up to 7x in memory bandwidth (perfmodel/JOURNAL.md, session 19); a composition fitted on one
-  machine's step times and another's node times is fitted on neither."""
+  Each entry records the boot that timed it (``bench.boot_id``). ``retime_other_boots`` (default): an entry timed
+  on another boot (or before entries recorded one) is timed again, by a calibration before it fits a composition
+  on these prices and by a prediction before it prices with them. Why: the database is keyed by device kind and
+  jax version, and two VMs of the same kind differed by up to 7x in memory bandwidth (perfmodel/JOURNAL.md,
+  session 19); a composition fitted on one machine's step times and another's node times is fitted on neither,
+  and a prediction priced with the old VM's entries came out +50% on the new one (session 20). False reuses
+  every entry (a test, or a database carried on purpose)."""
   path = path or costs.db_path(profile)
   boot = bench.boot_id()
   data = {"meta": {}, "entries": {}}

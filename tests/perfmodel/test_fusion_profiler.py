@@ -159,8 +159,9 @@ def test_profile_program_times_every_compute_node_or_says_why(tmp_path):
   assert again["timed"] == 0 and again["cached"] == res["timed"] and db.read_text() == before
 
 
-def test_entries_of_another_boot_are_timed_again_only_when_asked(tmp_path):
-  """A calibration fits its composition on this boot's node times; a plain prediction may reuse any entry."""
+def test_entries_of_another_boot_are_timed_again_unless_told_to_reuse_them(tmp_path):
+  """A calibration fits its composition on this boot's node times and a prediction prices with them: entries of
+  another boot (another machine, perhaps) are timed again; ``retime_other_boots=False`` reuses them."""
   text = _compiled_text()
   db = tmp_path / "db.json"
   res = fp.profile_program(text, 1, path=str(db))
@@ -169,8 +170,8 @@ def test_entries_of_another_boot_are_timed_again_only_when_asked(tmp_path):
   for e in data["entries"].values():
     e["boot"], e["s"] = "another-vm", 1.0  # as if timed on another machine
   db.write_text(json.dumps(data))
-  assert fp.profile_program(text, 1, path=str(db))["timed"] == 0  # reused as they are
-  again = fp.profile_program(text, 1, path=str(db), retime_other_boots=True)
+  assert fp.profile_program(text, 1, path=str(db), retime_other_boots=False)["timed"] == 0  # reused as they are
+  again = fp.profile_program(text, 1, path=str(db))
   assert again["timed"] == res["timed"] and again["cached"] == 0
   assert all(e["s"] < 1.0 and e["boot"] == bench.boot_id() for e in json.loads(db.read_text())["entries"].values())
 
