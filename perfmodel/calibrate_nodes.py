@@ -218,7 +218,7 @@ def fit_typed(rows: list, y: list, types: list) -> dict:
   for t, (src, cols) in BORROWED.items():  # only where the type's own rows leave the column empty
     own = [rows[i] for i, tt in enumerate(types) if tt == t]
     for c in cols:
-      if src in out and t in out and not any(c < len(r) and r[c] for r in own):
+      if not any(c < len(r) and r[c] for r in own):  # every type is in ``out`` by now
         out[t] = {**out[t], COEF_NAMES[c]: out[src].get(COEF_NAMES[c], 0.0)}
   return out
 

@@ -186,8 +186,9 @@ def fit_profiled(prof_path: str, hlo_cache: str = None, log=print, samples_file:
   skipped = {}
 
   def price_for(name, cap):
-    # the composition is fitted on these prices and this boot's step times: node times of another boot are redone
-    r = fusion_profiler.profile_program(cap.hlo_text, cap.n_devices, hw.name, path=db, retime_other_boots=True)
+    # the composition is fitted on these prices and this boot's step times: profile_program redoes node times of
+    # another boot (its default)
+    r = fusion_profiler.profile_program(cap.hlo_text, cap.n_devices, hw.name, path=db)
     for k, v in r["skipped"].items():
       skipped[k] = skipped.get(k, 0) + v
     log(f"  profiled {name:>20}: {r['timed']} nodes timed alone, skipped {r['skipped'] or 'none'}")

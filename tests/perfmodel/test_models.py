@@ -208,7 +208,6 @@ def test_train_fit_learns_the_power_of_two_scale_and_old_coefficients_ignore_it(
   assert cn.compose({"train": {"a": 1.1, "c": 1e-4}}, rows[0], "train") == pytest.approx(1.1 * rows[0][0] + 1e-4)
 
 
-
 def test_multi_device_steps_borrow_the_training_power_of_two_term_only_without_their_own():
   """The calibration's multi-device programs are no power-of-two steps: the multi type takes the training type's p
   (a power-of-two multi-device step is priced with it, another is not), and leaves its own fit alone."""
@@ -232,6 +231,7 @@ def test_multi_device_steps_borrow_the_training_power_of_two_term_only_without_t
   f = [0.05, 1000, 2, 1e-3, 4, 0.0, 0.0, 0.0]
   plain, pow2 = cn.compose(coef, f + [0.0], "multi"), cn.compose(coef, f + [0.05], "multi")
   assert pow2 - plain == pytest.approx(0.25 * 0.05, rel=1e-2)
+
 
 def test_pin_regime_sets_single_core_and_single_threaded_xla(monkeypatch):
   import os
