@@ -98,9 +98,12 @@ def emulate(cfg: Config, ranks: Optional[Sequence[int]] = None, hardware: str = 
   target job's ranks share one host's memory system (CPU hosts); the real rank is then timed while
   ``colocated - 1`` shadow processes replay its peers' load on the other cores (perfmodel/emulate/shadow.py).
   ``stragglers``: when the rank runs on the target's device kind, add the wait for the slowest of the job's
-  ranks, with the peers varying like the measured rank's steps (``straggler_wait_s``).
+  ranks, with the peers varying like the measured rank's steps (``straggler_estimate_s``; what is added,
+  ``straggler_wait_s``, is what it exceeds the per-call waits by).
   ``replay_collectives``: for the ``cpu`` target, time the program's own 2-rank collective calls between 2
-  real gloo processes on this host (``gloo_calibration.replay``) instead of pricing them from the curves.
+  real gloo processes on this host (``gloo_calibration.replay``) instead of pricing them from the curves;
+  each call among symmetric peers then also gets the measured wait for the later peer
+  (``timeline.add_call_waits``; ``per_call_wait_s`` per step).
   ``trace_nodes``: split each rank's measured step over its instructions by their traced in-program times
   (XLA TraceMe; ``perfmodel.trace_nodes.enable()`` must have run before jax started) instead of by roofline."""
   t0 = time.perf_counter()
@@ -144,6 +147,9 @@ def emulate(cfg: Config, ranks: Optional[Sequence[int]] = None, hardware: str = 
         straggle[r] = max(0.0, tl_lib.median_max(xs, space.n) - statistics.median(xs))
   reps = {c.label: c.representative for c in sl.classes}
 
+  call_waits = {}  # replayed calls: a rank's expected wait for its symmetric peer at each (add_call_waits)
+  per_call, straggle_added = {}, {}
+
   def timelines(hw) -> dict:
     out = {}
     for r in to_run:
@@ -152,22 +158,32 @@ def emulate(cfg: Config, ranks: Optional[Sequence[int]] = None, hardware: str = 
                                     space, hw, local_hw, algorithm, branch_trace=runs[r].branch_trace,
                                     combine=combine, compute_hw=None if execute else hw,
                                     node_times=runs[r].node_times)
+      out[r], per_call[r] = tl_lib.add_call_waits(out[r], call_waits, sl.structural)
     composed = tl_lib.compose({lab: out[r] for lab, r in reps.items()}, sl.structural)
     for lab, r in reps.items():
       out[r] = composed[lab]
     for r, w in straggle.items():
-      out[r] = tl_lib.add_straggler_wait(out[r], w)
+      # The per-call waits already hold the step's wait for its slowest peer (a sum of per-segment maxima is
+      # at least the maximum of the sums): only what the whole-step estimate exceeds them by is added.
+      straggle_added[r] = max(0.0, w - per_call.get(r, 0.0))
+      out[r] = tl_lib.add_straggler_wait(out[r], straggle_added[r])
     return out
   tls = timelines(target_hw)
   replayed, curve_iteration = None, {}
   if replay_collectives and execute and target_hw.device_kind == "cpu":
     calls = _calls_to_replay(tls.values())
     t_replay = time.perf_counter()
-    table = gc.replay(calls)
+    table, both = gc.replay(calls, reps=9, per_process=True)  # 9, not 5: the spread between the processes is used
     curve_iteration = {r: tl.iteration_s for r, tl in tls.items()}
     target_hw = dataclasses.replace(target_hw, collective_calls=table)
+    # The process that arrived first at a call measured the transfer plus its wait for the other one, the
+    # later one the transfer alone (the table: the min). Symmetric peers are each the later one half the
+    # time, so a rank's expected wait at the call is the mean over the two minus the min.
+    call_waits.update({k: statistics.mean(ts) - min(ts) for k, ts in both.items()})
     tls = timelines(target_hw)
-    replayed = {"calls": len(table), "wall_s": time.perf_counter() - t_replay, "seconds": dict(table)}
+    replayed = {"calls": len(table), "wall_s": time.perf_counter() - t_replay, "seconds": dict(table),
+                "seconds_per_process": both, "burst_s": {coll_model.call_key(c["kind"], c["sizes"]): c["burst_s"]
+                                                         for c in calls}}
     coll_source += f"; {len(table)} 2-rank call(s) replayed between 2 gloo processes (gloo_calibration.replay)"
   exact = None
   if exact_memory is not None and space.n <= EXACT_MEMORY_MAX_DEVICES:
@@ -184,7 +200,9 @@ def emulate(cfg: Config, ranks: Optional[Sequence[int]] = None, hardware: str = 
         "branches_taken": tl.branches, "untraced_branch_executions": tl.untraced_branches,
         "cond_sites": run.n_cond_sites, "host_data": run.host_data,
         "compute_s": tl.compute_s, "comm_s": tl.comm_s, "wait_s": tl.wait_s,
-        "straggler_wait_s": straggle.get(r),
+        # the whole-step estimate, what of it was added beyond the per-call waits, and those
+        "straggler_estimate_s": straggle.get(r), "straggler_wait_s": straggle_added.get(r),
+        "per_call_wait_s": per_call.get(r, 0.0),
         "iteration_time_s_curves": curve_iteration.get(r),  # with replay: the same rank priced by the curves
         "measured_standin_program_s": run.compute_s if execute else None,
         "standin_local_s": tl.standin_local_s, "noise_p10_p90": run.noise, "step_times_s": run.step_times_s,

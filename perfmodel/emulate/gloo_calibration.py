@@ -182,12 +182,13 @@ def _replay_child(coord: str, pid: int, spec_path: str) -> None:
   print("@@" + json.dumps({"seconds": out, "burst_iter_s": per_iter}))  # each process: the parent keeps the min
 
 
-def replay(calls, reps: int = 5, timeout_s: float = 600.0) -> dict:
+def replay(calls, reps: int = 5, timeout_s: float = 600.0, per_process: bool = False):
   """Measures the given calls ({kind, sizes, burst_s}) between 2 real processes over gloo, each as the program
   issues it (one combined call of all its buffers, after compute as long as the program's before it, capped at
   ``REPLAY_MAX_BURST_S``). Returns ``{perfmodel.collectives.call_key(kind, sizes): seconds}`` for
   ``HardwareProfile.collective_calls``. The faithful choice when the target is this host's own 2-rank gloo
-  job: no curve, no interpolation between sizes, no model of how a tuple's buffers add up."""
+  job: no curve, no interpolation between sizes, no model of how a tuple's buffers add up.
+  ``per_process``: also return ``{key: [process 0's seconds, process 1's]}``."""
   import tempfile  # noqa: PLC0415
 
   from parallelism.distributed import free_port  # noqa: PLC0415
@@ -195,7 +196,7 @@ def replay(calls, reps: int = 5, timeout_s: float = 600.0) -> dict:
   from perfmodel.emulate import localrun  # noqa: PLC0415
   calls = list(calls)
   if not calls:
-    return {}
+    return ({}, {}) if per_process else {}
   cores = localrun.machine_cores()  # the emulator itself may be pinned to one core
   if len(cores) < 2:
     raise RuntimeError("replaying collectives needs 2 cores (one per process)")
@@ -216,7 +217,10 @@ def replay(calls, reps: int = 5, timeout_s: float = 600.0) -> dict:
   # The process whose compute finished first also waits for the other one inside the call; the one that arrives
   # last sees the transfer alone. Keep that (the min over the two): the wait for the slower rank is the
   # emulator's straggler term, which would otherwise be counted twice.
-  return {collectives.call_key(c["kind"], c["sizes"]): min(ts) for c, ts in zip(calls, zip(*per_proc))}
+  table = {collectives.call_key(c["kind"], c["sizes"]): min(ts) for c, ts in zip(calls, zip(*per_proc))}
+  if per_process:
+    return table, {collectives.call_key(c["kind"], c["sizes"]): list(ts) for c, ts in zip(calls, zip(*per_proc))}
+  return table
 
 
 _NESTED = " (kinds "

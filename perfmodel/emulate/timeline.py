@@ -17,8 +17,9 @@ scheduled, so text order is execution order; loops are expanded trip by trip):
 
 Ranks whose programs differ (pipeline stages) are composed by :func:`compose`: a collective over an
 axis that separates classes is a synchronisation point where every class waits for the slowest
-(this is what makes pipeline bubbles appear); collectives inside one class need no waiting, its
-members run the same program.
+(this is what makes pipeline bubbles appear). Collectives inside one class meet peers that run the same
+program: no structural wait, only the noise of who arrives last, added per call by :func:`add_call_waits`
+where it was measured (replayed calls), else once per step by :func:`add_straggler_wait`.
 """
 from __future__ import annotations
 
@@ -92,6 +93,31 @@ def add_straggler_wait(tl: RankTimeline, seconds: float) -> RankTimeline:
   events = (tl.events[:at] + [Event("wait (straggling peers)", "wait", start, seconds)]
             + [dataclasses.replace(e, start=e.start + seconds) for e in tl.events[at:]])
   return dataclasses.replace(tl, events=events, wait_s=tl.wait_s + seconds)
+
+
+def add_call_waits(tl: RankTimeline, waits: dict, structural: tuple) -> tuple:
+  """Adds, before each collective call that ``waits`` prices (``collectives.call_key`` -> seconds), the rank's
+  expected wait for its peer at that call; returns (timeline, seconds added). Only calls among *symmetric*
+  peers get one: ranks of the rank's own class (no ``structural`` axis in the call), which arrive after the
+  same program's compute, so either may be the later one and the earlier waits. Calls over a structural
+  axis (pipeline stages) are aligned by :func:`compose` from the stages' own timelines instead.
+
+  Why per call: a step with K synchronising calls lasts the sum over its K segments of the later rank's
+  arrival, not the later rank's whole step; with independent noise per segment the sum of the K per-segment
+  maxima exceeds the max of the sums (the straggler term) and grows with K."""
+  if not waits or not tl.events:
+    return tl, 0.0
+  out, shift, added = [], 0.0, 0.0
+  for e in tl.events:
+    w = 0.0
+    if (e.cat == "comm" and "sizes" in e.args and not set(e.args.get("axes", ())) & set(structural)):
+      w = waits.get(coll_model.call_key(e.args["kind"], e.args["sizes"]), 0.0)
+    if w > 0:
+      out.append(Event("wait (peer, this call)", "wait", e.start + shift, w, {"call": e.name}))
+      shift += w
+      added += w
+    out.append(dataclasses.replace(e, start=e.start + shift))
+  return dataclasses.replace(tl, events=out, wait_s=tl.wait_s + added), added
 
 
 def build_graph(module):

@@ -104,6 +104,27 @@ def test_straggler_wait_is_the_median_max_over_ranks_and_lands_before_the_last_c
   assert [e.start for e in out.events if e.name == "opt"] == [1.5]  # events before it do not move
 
 
+def test_per_call_waits_land_before_symmetric_calls_only_and_shift_what_follows():
+  """A replayed call among ranks of one class gets the measured wait for the later peer in front of it; a call
+  over a structural (pipeline) axis does not (compose aligns those); an unmeasured call gets none."""
+  def comm(name, start, dur, axes, sizes):
+    return tl_lib.Event(name, "comm", start, dur, {"kind": "all-reduce", "axes": axes, "sizes": sizes})
+  ev = [tl_lib.Event("fwd", "compute", 0.0, 1.0), comm("ar tensor", 1.0, 0.1, ["tensor"], [8.0]),
+        tl_lib.Event("bwd", "compute", 1.1, 1.0), comm("ar pipeline", 2.1, 0.1, ["pipeline"], [8.0]),
+        comm("ar tensor 2", 2.2, 0.1, ["tensor"], [8.0, 8.0]), comm("ar unmeasured", 2.3, 0.1, ["tensor"], [4.0])]
+  tl = tl_lib.RankTimeline(rank=0, events=ev, compute_s=2.0, standin_local_s=0.0, comm_s=0.4)
+  waits = {collectives.call_key("all-reduce", [8.0]): 0.01, collectives.call_key("all-reduce", [8.0, 8.0]): 0.02}
+  out, added = tl_lib.add_call_waits(tl, waits, ("pipeline",))
+  assert added == pytest.approx(0.03) and out.wait_s == pytest.approx(0.03)
+  assert out.iteration_s == pytest.approx(tl.iteration_s + 0.03)
+  w = [e for e in out.events if e.cat == "wait"]
+  assert [(e.args["call"], round(e.start, 6), e.dur) for e in w] == [("ar tensor", 1.0, 0.01), ("ar tensor 2", 2.21, 0.02)]
+  start = {e.name: e.start for e in out.events if e.cat != "wait"}
+  assert start["fwd"] == 0.0 and start["ar tensor"] == pytest.approx(1.01)
+  assert start["ar pipeline"] == pytest.approx(2.11) and start["ar unmeasured"] == pytest.approx(2.33)
+  assert tl_lib.add_call_waits(tl, {}, ())[1] == 0.0  # nothing measured: the timeline as it was
+
+
 def _gloo_hw(tmp_path, first=1e-3, nxt=None):
   path = tmp_path / "gloo.json"
   curves = {k: [[1024.0, first], [1048576.0, 4 * first]] for k in gloo_calibration.KINDS}
@@ -164,9 +185,10 @@ def test_replay_times_the_programs_own_calls_between_two_gloo_processes():
     pytest.skip("replay needs 2 cores")
   calls = [{"kind": "all-reduce", "sizes": [4096.0, 4.0], "burst_s": 0.002},
            {"kind": "collective-permute", "sizes": [65536.0], "burst_s": 0.002}]
-  table = gloo_calibration.replay(calls, reps=3, timeout_s=300)
-  assert set(table) == {collectives.call_key(c["kind"], c["sizes"]) for c in calls}
+  table, both = gloo_calibration.replay(calls, reps=3, timeout_s=300, per_process=True)
+  assert set(table) == set(both) == {collectives.call_key(c["kind"], c["sizes"]) for c in calls}
   assert all(0 < s < 1.0 for s in table.values())
+  assert all(len(ts) == 2 and table[k] == min(ts) for k, ts in both.items())  # the table: the later process
 
 
 def test_traced_node_times_split_the_measured_step():
