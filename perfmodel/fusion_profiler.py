@@ -348,7 +348,8 @@ def _worker_main() -> int:
 
 
 def profile_program(hlo_text: str, n_devices: int = 1, profile: str = "cpu", path: Optional[str] = None,
-                    batches: int = 5, log=None, retime_other_boots: bool = True) -> dict:
+                    batches: int = 5, log=None, retime_other_boots: bool = True,
+                    stale_before: Optional[str] = None) -> dict:
   """Times every distinct compute node (by fingerprint) of a compiled program alone and adds the results to
   the profiled database ``path`` (costs.db_path(profile) by default). Returns what was timed and skipped.
 
@@ -358,7 +359,13 @@ def profile_program(hlo_text: str, n_devices: int = 1, profile: str = "cpu", pat
   jax version, and two VMs of the same kind differed by up to 7x in memory bandwidth (perfmodel/JOURNAL.md,
   session 19); a composition fitted on one machine's step times and another's node times is fitted on neither,
   and a prediction priced with the old VM's entries came out +50% on the new one (session 20). False reuses
-  every entry (a test, or a database carried on purpose)."""
+  every entry (a test, or a database carried on purpose).
+
+  ``stale_before`` (an ISO time, the profile's calibration date where callers pass it): an entry timed before
+  it, or with no ``timed_at``, is timed again too. Why (session 22): the hybrid backend divides the calibration's
+  in-program node times by these alone times, and on this shared VM the host's speed moves 10% within hours; an
+  entry timed hours before (or after) the calibration carries that drift into every ratio. After a calibration
+  every entry it prices with is timed from then on."""
   path = path or costs.db_path(profile)
   boot = bench.boot_id()
   data = {"meta": {}, "entries": {}}
@@ -377,7 +384,8 @@ def profile_program(hlo_text: str, n_devices: int = 1, profile: str = "cpu", pat
       seen.add(n.fingerprint)
       old = data["entries"].get(n.fingerprint)
       if (isinstance(old, dict) and old.get("method") == "isolated-traced"
-          and not (retime_other_boots and old.get("boot") != boot)):
+          and not (retime_other_boots and old.get("boot") != boot)
+          and not (stale_before and (old.get("timed_at") or "") < stale_before)):
         cached += 1
         continue
       try:
@@ -389,7 +397,8 @@ def profile_program(hlo_text: str, n_devices: int = 1, profile: str = "cpu", pat
       if "error" in r:
         skipped[r["error"]] = skipped.get(r["error"], 0) + 1
         continue
-      data["entries"][n.fingerprint] = {"s": r["s"], "method": "isolated-traced", "op": n.opcode, "boot": boot}
+      data["entries"][n.fingerprint] = {"s": r["s"], "method": "isolated-traced", "op": n.opcode, "boot": boot,
+                                        "timed_at": datetime.datetime.now().isoformat(timespec="seconds")}
       seconds[n.name] = r["s"]
       timed += 1
       if log:

@@ -186,9 +186,10 @@ def fit_profiled(prof_path: str, hlo_cache: str = None, log=print, samples_file:
   skipped = {}
 
   def price_for(name, cap):
-    # the composition is fitted on these prices and this boot's step times: profile_program redoes node times of
-    # another boot (its default)
-    r = fusion_profiler.profile_program(cap.hlo_text, cap.n_devices, hw.name, path=db)
+    # the composition is fitted on these prices and this calibration's step times: profile_program redoes node
+    # times of another boot (its default) and those timed before the calibration (stale_before)
+    r = fusion_profiler.profile_program(cap.hlo_text, cap.n_devices, hw.name, path=db,
+                                        stale_before=(hw.calibration or {}).get("date"))
     for k, v in r["skipped"].items():
       skipped[k] = skipped.get(k, 0) + v
     log(f"  profiled {name:>20}: {r['timed']} nodes timed alone, skipped {r['skipped'] or 'none'}")

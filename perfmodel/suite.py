@@ -139,6 +139,12 @@ CALIBRATION_INFER = [
                                                                                          n_kv_heads=3, d_ff=512)),
     dict(name="c_decode_p2_b2_d320", batch=2, prompt_len=64, gen_lens=(8, 56), model=dict(d_model=320, n_heads=8,
                                                                                          n_kv_heads=4, d_ff=1024)),
+    # power-of-two widths (session 22): every other decode program but c_decode_b1_d64 has a width that is not a
+    # power of two, while XLA:CPU's kernels are shape-specific (as the training programs' power-of-two term shows)
+    dict(name="c_decode_w128_b6", batch=6, prompt_len=24, gen_lens=(8, 56), model=dict(d_model=128, n_heads=4,
+                                                                                      n_kv_heads=2, d_ff=512)),
+    dict(name="c_decode_w256_b3", batch=3, prompt_len=40, gen_lens=(8, 56), model=dict(d_model=256, n_heads=8,
+                                                                                      n_kv_heads=4, d_ff=640)),
 ]
 
 # Speed anchors (session 18): calibration programs that `validate` re-measures in every round beside the suite, so

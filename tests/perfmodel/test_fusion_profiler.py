@@ -176,6 +176,29 @@ def test_entries_of_another_boot_are_timed_again_unless_told_to_reuse_them(tmp_p
   assert all(e["s"] < 1.0 and e["boot"] == bench.boot_id() for e in json.loads(db.read_text())["entries"].values())
 
 
+def test_entries_timed_before_the_calibration_are_timed_again(tmp_path):
+  """``stale_before`` (the profile's calibration date): an entry timed before it, or with no ``timed_at``, is
+  timed again; one timed after it is reused."""
+  text = _compiled_text()
+  db = tmp_path / "db.json"
+  res = fp.profile_program(text, 1, path=str(db))
+  data = json.loads(db.read_text())
+  stamps = {e["timed_at"] for e in data["entries"].values()}
+  assert stamps and all(len(t) == 19 and t[10] == "T" for t in stamps)  # ISO, seconds
+  assert fp.profile_program(text, 1, path=str(db), stale_before=min(stamps))["timed"] == 0  # not before: reused
+  for e in data["entries"].values():
+    e["timed_at"], e["s"] = "2000-01-01T00:00:00", 1.0  # as if timed long before the calibration
+  db.write_text(json.dumps(data))
+  assert fp.profile_program(text, 1, path=str(db))["timed"] == 0  # no calibration date given: reused
+  again = fp.profile_program(text, 1, path=str(db), stale_before="2026-01-01T00:00:00")
+  assert again["timed"] == res["timed"] and again["cached"] == 0
+  assert all(e["s"] < 1.0 and e["timed_at"] > "2026" for e in json.loads(db.read_text())["entries"].values())
+  for e in data["entries"].values():
+    del e["timed_at"]  # entries written before timed_at existed count as stale
+  db.write_text(json.dumps(data))
+  assert fp.profile_program(text, 1, path=str(db), stale_before="2026-01-01T00:00:00")["timed"] == res["timed"]
+
+
 def test_profile_program_times_an_in_place_update(tmp_path):
   res = fp.profile_program(IN_PLACE, 1, path=str(tmp_path / "db.json"))
   assert res["timed"] == 1 and not res["skipped"], res
