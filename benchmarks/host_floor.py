@@ -35,7 +35,6 @@ import sys
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 sys.path.insert(0, ROOT)
-DECODE_PREFIX = "decode_"  # the suite's inference entries (perfmodel/suite.py INFER) measure TPOT
 EMULATE_JSON = "benchmarks/emulate_validate.json"
 
 
@@ -55,9 +54,24 @@ def session_of(path: str, rounds: list) -> str:
   return SAME_HOST.get(session, session)
 
 
+def _scored(pred: dict, meas: dict, decode: bool) -> list:
+  """The validation configs both sets have, as `validate` scores them: the suite's training configs, or its
+  decode configs. The calibration anchors timed beside them (c_*, perfmodel/suite.py ANCHORS) are not scored."""
+  from perfmodel import suite  # noqa: PLC0415
+  scored = {c["name"] for c in (suite.INFER if decode else suite.SUITE)}
+  return sorted(n for n in pred if n in meas and n in scored)
+
+
 def _mape(pred: dict, meas: dict, decode: bool) -> float:
-  names = [n for n in pred if n in meas and n.startswith(DECODE_PREFIX) == decode]
+  names = _scored(pred, meas, decode)
   return statistics.mean(abs(pred[n] / meas[n] - 1) * 100 for n in names) if names else float("nan")
+
+
+def _tau(pred: dict, meas: dict) -> float:
+  """Kendall tau over the training configs both sets have, as `validate` scores a model's ranking."""
+  from perfmodel import validate  # noqa: PLC0415
+  names = _scored(pred, meas, False)
+  return validate.kendall_tau([pred[n] for n in names], [meas[n] for n in names])
 
 
 def _at_probe_speed(rounds: list) -> list:
@@ -85,13 +99,16 @@ def perfmodel_floor(paths: list, normalised: bool = False) -> dict:
     one_round[name] = {k: statistics.mean(_mape(p, m, k == "tpot") for p, m in zip(loo, meas))
                        for k in ("train", "tpot")}
   pairs = [dict(reference=a, target=b, same_session=host[a] == host[b],
-                train_mape=_mape(med[a], med[b], False), tpot_mape=_mape(med[a], med[b], True))
+                train_mape=_mape(med[a], med[b], False), tpot_mape=_mape(med[a], med[b], True),
+                train_tau=_tau(med[a], med[b]))
            for a, b in itertools.permutations(sets, 2)]
 
   def pooled(same):
     sel = [p for p in pairs if p["same_session"] == same]
     return {"train_mape": statistics.median(p["train_mape"] for p in sel),
-            "tpot_mape": statistics.median(p["tpot_mape"] for p in sel), "ordered_pairs": len(sel)} if sel else None
+            "tpot_mape": statistics.median(p["tpot_mape"] for p in sel),
+            "train_tau": statistics.median(p["train_tau"] for p in sel),
+            "train_tau_at_least_0_9": sum(p["train_tau"] >= 0.9 for p in sel), "ordered_pairs": len(sel)} if sel else None
   return {"sets": sorted(sets), "one_round": one_round,
           "one_round_train_mape_median": statistics.median(v["train"] for v in one_round.values()),
           "same_session": pooled(True), "other_session": pooled(False), "pairs": pairs}
@@ -128,7 +145,7 @@ def main(argv=None) -> dict:
          "perfmodel_at_probe_speed": perfmodel_floor(paths, normalised=True), "emulate": emulate_floor()}
   for p, q in zip(out["perfmodel"]["pairs"], out["perfmodel_at_probe_speed"]["pairs"]):
     print(f"{p['reference']:>38} -> {p['target']:<38} train {p['train_mape']:5.1f}% ({q['train_mape']:4.1f}% at one "
-          f"speed)  TPOT {p['tpot_mape']:5.1f}% ({q['tpot_mape']:4.1f}%)  "
+          f"speed)  TPOT {p['tpot_mape']:5.1f}% ({q['tpot_mape']:4.1f}%)  tau {p['train_tau']:.3f}  "
           f"{'same session' if p['same_session'] else 'other session'}", file=sys.stderr)
   for r in out["emulate"]["runs"]:
     print(f"emulate run {r['commit']} ({r['committed']}): real before vs after {r['mean_abs_before_vs_after_pct']:.1f}%"
@@ -136,7 +153,8 @@ def main(argv=None) -> dict:
   print(json.dumps(out))
   if not args.no_results:
     pm, pn, em = out["perfmodel"], out["perfmodel_at_probe_speed"], out["emulate"]
-    f = lambda d: f"training {d['train_mape']:.1f}% / TPOT {d['tpot_mape']:.1f}% ({d['ordered_pairs']} ordered pairs)"
+    f = lambda d: (f"training {d['train_mape']:.1f}% / TPOT {d['tpot_mape']:.1f}% / Kendall tau {d['train_tau']:.3f}, "
+                   f">= 0.9 in {d['train_tau_at_least_0_9']} ({d['ordered_pairs']} ordered pairs)")
     row = (f"| {datetime.datetime.now().isoformat(timespec='minutes')} | `PYTHONPATH=. python benchmarks/host_floor.py`"
            f" | offline (stored measurements) | reproducibility floor, a perfect model = another measurement of the "
            f"same configs: perfmodel validate ({len(pm['sets'])} stored 3-round sets): one round vs the other rounds "
