@@ -75,7 +75,7 @@ def _profile(a, cap, hw):
   if a.profile_nodes or costs.resolve_backend(hw, a.backend) in costs.NEEDS_PROFILED_PROGRAM:
     from perfmodel import fusion_profiler
     r = fusion_profiler.profile_program(cap.hlo_text, cap.n_devices, profile,
-                                        stale_before=(hw.calibration or {}).get("date"))
+                                        stale_before=fusion_profiler.stale_before(hw))
     print(json.dumps({"profiled_nodes": {k: v for k, v in r.items() if k != "seconds"}}), file=sys.stderr)
   elif a.profile_dots:
     from perfmodel import graph, profiler

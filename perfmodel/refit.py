@@ -184,12 +184,13 @@ def fit_profiled(prof_path: str, hlo_cache: str = None, log=print, samples_file:
   hw = hardware.load(prof_path)
   samples = _samples(hw, samples_file)
   skipped = {}
+  profiled_date = datetime.datetime.now().isoformat(timespec="seconds")
 
   def price_for(name, cap):
-    # the composition is fitted on these prices and this calibration's step times: profile_program redoes node
-    # times of another boot (its default) and those timed before the calibration (stale_before)
-    r = fusion_profiler.profile_program(cap.hlo_text, cap.n_devices, hw.name, path=db,
-                                        stale_before=(hw.calibration or {}).get("date"))
+    # the composition is fitted on these prices and this calibration's step times: every calibration program's
+    # instructions are timed now (stale_before), so the ratios of the hybrid come from one sitting; entries of
+    # validation programs timed before this are timed again when they are next used (fusion_profiler.stale_before)
+    r = fusion_profiler.profile_program(cap.hlo_text, cap.n_devices, hw.name, path=db, stale_before=profiled_date)
     for k, v in r["skipped"].items():
       skipped[k] = skipped.get(k, 0) + v
     log(f"  profiled {name:>20}: {r['timed']} nodes timed alone, skipped {r['skipped'] or 'none'}")
@@ -205,7 +206,7 @@ def fit_profiled(prof_path: str, hlo_cache: str = None, log=print, samples_file:
             f"composition)")
   cal = _store(prof_path, {
       "composition_profiled": coef, "calibration_loo_profiled": _rounded(cv), "calibration_loo_profiled_mape": mape,
-      "composition_profiled_source": source,
+      "composition_profiled_source": source, "profiled_date": profiled_date,
       "composition_hybrid": hyb["composition"], "calibration_loo_hybrid": _rounded(hyb["loo"]),
       "calibration_loo_hybrid_mape": hyb["loo_mape"], "hybrid_k": hyb["k"], "composition_hybrid_source": source})
   return {"composition_profiled": coef, "loo_mape_profiled": mape, "loo_mape_learned": cal.get("calibration_loo_mape"),

@@ -258,7 +258,7 @@ def run(suite_path=None, reps: int = 7, backend: str = "auto", png: str = None, 
   hw = hardware.load(hardware_name)
   ref = hw.calibration.get("speed_probe_ref_s") if hw.name == "cpu" else None
   resolved = costs.resolve_backend(hw, backend)  # auto may mean the profiled backend (costs.resolve_backend)
-  stale = (hw.calibration or {}).get("date")  # profiled entries timed before the calibration are timed again
+  stale = fusion_profiler.stale_before(hw)  # entries timed before the calibration are timed again
   suite = _load_suite(suite_path)
   files = [measurements] if isinstance(measurements, str) else list(measurements or [])
   stored = [f for f in files if os.path.exists(f)]
