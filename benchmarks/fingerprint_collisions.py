@@ -58,7 +58,7 @@ def main(argv=None) -> dict:
   bad = {k for k, v in sigs.items() if len(v) > 1}
   share = {}
   for name, ns in nodes.items():
-    priced = [(n, m, (chain.price(n).seconds if chain.price(n) else 0.0)) for n, m in ns]
+    priced = [(n, m, getattr(chain.price(n), "seconds", 0.0)) for n, m in ns]  # one pricing per node
     tot = sum(s * m for _, m, s in priced)
     share[name] = {"pct_of_priced_time": round(100 * sum(s * m for n, m, s in priced if n.fingerprint in bad) / tot, 1),
                    "nodes": sum(n.fingerprint in bad for n, _, _ in priced)}
