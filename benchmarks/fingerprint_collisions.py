@@ -9,7 +9,8 @@ dynamic-update-slice of decode_b8_wide priced with the alone time of a broadcast
 vs 13 us). This compiles the named suite / calibration programs (nothing is timed), gives every compute
 instruction a structure signature (its opcode and its fused computation's opcode sequence) and counts the
 fingerprints that carry more than one signature across the programs, and per program the share of the
-hybrid's priced time that sits on such fingerprints. Prints one JSON object; appends a row to
+hybrid's priced time that sits on such fingerprints. Since session 24 the fingerprint carries a hash of the fused
+opcode sequence (graph.structure_tag), so this checks that no key names two structures (70 of 1021 before). Prints one JSON object; appends a row to
 benchmarks/RESULTS.md unless --no-results.
 """
 from __future__ import annotations

@@ -77,8 +77,9 @@ def strip_context(cls: str) -> str:
 
 # bumped whenever `features` or `node_class` change: a samples file of another version cannot be queried
 # (recalibrate, or `calibrate --refit-composition HLO_DIR` re-derives classes and features of the stored samples;
-# from version 3 only the decode context is added, perfmodel/refit.py)
-FEATURES_VERSION = 4
+# from version 3 only the decode context is added, perfmodel/refit.py; version 5 re-keys the samples' fingerprints
+# with graph.structure_tag, which the hybrid backend matches against the profiled database)
+FEATURES_VERSION = 5
 _LAYOUT_OPS = {"copy", "transpose"}
 
 

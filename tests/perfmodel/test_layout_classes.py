@@ -154,6 +154,47 @@ ENTRY %main (x: f32[64,32], w: f32[32,16]) -> f32[64,16] {
   a, b = n["copy_fusion.1"], n["copy_fusion.2"]
   assert a.moves_minor and not b.moves_minor
   assert a.fingerprint != b.fingerprint
-  assert G.legacy_fingerprint(a.fingerprint) == b.fingerprint  # the key both had before the tag
+  assert G.legacy_fingerprint(a.fingerprint) == G.legacy_fingerprint(b.fingerprint)  # the key both had before
   assert n["dot.1"].fingerprint.endswith("|plain")
   assert G.legacy_fingerprint(n["dot.1"].fingerprint) + "|plain" == n["dot.1"].fingerprint
+
+
+def test_fusions_of_different_structure_do_not_share_a_profiled_fingerprint():
+  """Same kind, output shape, flops and bytes, different fused computation (session 23: a KV-cache update and a
+  broadcast filling the cache shared one database entry): the structure tag keeps them apart, the same structure
+  keeps one key, and a sample stored under the key without the tag is still matched by refit."""
+  mod = """HloModule m
+%sum (a: f32[8,64], b: f32[8,64]) -> f32[8,64] {
+  %a = f32[8,64]{1,0} parameter(0)
+  %b = f32[8,64]{1,0} parameter(1)
+  ROOT %s = f32[8,64]{1,0} add(%a, %b)
+}
+%top (a2: f32[8,64], b2: f32[8,64]) -> f32[8,64] {
+  %a2 = f32[8,64]{1,0} parameter(0)
+  %b2 = f32[8,64]{1,0} parameter(1)
+  ROOT %m = f32[8,64]{1,0} maximum(%a2, %b2)
+}
+%sum2 (a3: f32[8,64], b3: f32[8,64]) -> f32[8,64] {
+  %a3 = f32[8,64]{1,0} parameter(0)
+  %b3 = f32[8,64]{1,0} parameter(1)
+  ROOT %s3 = f32[8,64]{1,0} add(%a3, %b3)
+}
+ENTRY %main (x: f32[8,64], y: f32[8,64]) -> f32[8,64] {
+  %x = f32[8,64]{1,0} parameter(0)
+  %y = f32[8,64]{1,0} parameter(1)
+  %add_fusion.1 = f32[8,64]{1,0} fusion(%x, %y), kind=kLoop, calls=%sum
+  %maximum_fusion.2 = f32[8,64]{1,0} fusion(%x, %y), kind=kLoop, calls=%top
+  ROOT %add_fusion.3 = f32[8,64]{1,0} fusion(%add_fusion.1, %maximum_fusion.2), kind=kLoop, calls=%sum2
+}
+"""
+  g = G.from_hlo_text(mod, 1)
+  n = {x.name: x for x, _ in g.walk()}
+  add, top, add2 = n["add_fusion.1"], n["maximum_fusion.2"], n["add_fusion.3"]
+  assert G.without_structure(add.fingerprint) == G.without_structure(top.fingerprint)  # the old key collided
+  assert add.fingerprint != top.fingerprint
+  assert add.fingerprint == add2.fingerprint
+  assert G.legacy_fingerprint(add.fingerprint) == G.without_structure(add.fingerprint)
+  old = {"prog": "p", "name": "add_fusion.1", "fp": G.without_structure(add.fingerprint), "cls": "fusion:kLoop",
+         "f": [0.0], "t": 1e-3, "phys": 1e-4, "P": 0.0}
+  out, dropped = refit.refresh_samples([old], {"p": g})
+  assert dropped == 0 and out[0]["fp"] == add.fingerprint
