@@ -85,8 +85,8 @@ def _at_probe_speed(rounds: list) -> list:
 
 
 def perfmodel_floor(paths: list, normalised: bool = False) -> dict:
-  from perfmodel import validate  # noqa: PLC0415 (reads the files exactly as validate does)
-  loaded = {os.path.basename(p): validate.load_rounds(p) for p in paths}
+  from perfmodel import rounds as R  # noqa: PLC0415 (reads the files exactly as validate does)
+  loaded = {os.path.basename(p): R.load_rounds(p) for p in paths}
   host = {k: session_of(k, v) for k, v in loaded.items()}
   sets = {k: (_at_probe_speed(v) if normalised else v) for k, v in loaded.items() if len(v) >= 2}
   med = {k: {n: statistics.median(r[n]["measured_s"] for r in v if n in r) for n in set().union(*v)}

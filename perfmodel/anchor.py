@@ -130,11 +130,11 @@ def normalise(rows: list, caches: list, refs: dict, key: str = "anchored"):
 
 def probe_then_normalise(rows: list, caches: list, refs: dict, ref, refs_by_devices: dict = None):
   """The second anchored figure (``err_probe_anchored_pct``): first the probe's correction of drift *within* a
-  round (each measurement at the calibration's reference speed, validate._speed_normalise), then the anchors'
+  round (each measurement at the calibration's reference speed, rounds.speed_normalise), then the anchors'
   reading of how the probe's speed maps to the calibration programs' speed. Each anchor is taken to the
   reference speed with the probes pooled around it in measurement order (the cache keeps that order), exactly as
-  a suite entry is. Needs every row's ``rounds[i]["measured_at_ref_s"]`` (validate._normalise_rounds)."""
-  from perfmodel.validate import SPEED_WINDOW as window  # noqa: PLC0415
+  a suite entry is. Needs every row's ``rounds[i]["measured_at_ref_s"]`` (rounds.normalise_rounds)."""
+  from perfmodel.rounds import SPEED_WINDOW as window  # noqa: PLC0415
   ref1 = float((refs_by_devices or {}).get("1") or ref or 0)
   if not refs or not rows or not ref1:
     return None

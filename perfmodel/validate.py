@@ -22,6 +22,7 @@ import numpy as np
 
 from framework.config import from_dict, validate as validate_cfg
 from perfmodel import anchor, bench, capture, costs, fusion_profiler, hardware, predict
+from perfmodel.rounds import load_rounds, normalise_rounds, pool_rounds
 
 
 def _merge(base: dict, over: dict) -> dict:
@@ -345,7 +346,7 @@ def run(suite_path=None, reps: int = 7, backend: str = "auto", png: str = None, 
   regret = 100 * (1 - tps_m[best_pred] / max(tps_m))
   mem_err = float(np.max([abs(r["mem_pred"] - r["mem_xla"]) / r["mem_xla"] * 100 for r in rows]))
   mem_ana = float(np.mean([abs(r["mem_analytic"] - r["mem_xla"]) / r["mem_xla"] * 100 for r in rows]))
-  normalised = _normalise_rounds(rows + inf_rows, ref, hw.calibration.get("speed_probe_ref_by_devices")
+  normalised = normalise_rounds(rows + inf_rows, ref, hw.calibration.get("speed_probe_ref_by_devices")
                                  if hw.name == "cpu" else None)
   probes = [m["probe_s"] for r in rows + inf_rows for m in r["rounds"] if m.get("probe_s")]
   anchored = anchor.normalise(rows + inf_rows, caches, anchor_refs)
@@ -400,75 +401,6 @@ def run(suite_path=None, reps: int = 7, backend: str = "auto", png: str = None, 
     tail = (f" --backend {backend}" if backend != "auto" else "") + tail
     _append_results(out, tail + (f" --measurements {' '.join(stored)} (stored, written {taken})" if stored else ""))
   return out
-
-
-def load_rounds(path: str) -> list:
-  """The measurement rounds stored in ``path``: a file from before rounds (one {name: measurement}) is one."""
-  with open(path) as f:
-    d = json.load(f)
-  if "rounds" in d and isinstance(d["rounds"], list):
-    return d["rounds"]
-  return [d]
-
-
-def pool_rounds(ms: list) -> dict:
-  """One config's measurement over rounds: the median of the rounds' medians; noise = the larger of the rounds'
-  median noise and half the spread between rounds. ``rounds`` keeps each round's raw measurement."""
-  xs = [m["measured_s"] for m in ms]
-  med = statistics.median(xs)
-  spread = 100 * (max(xs) - min(xs)) / med if med > 0 else 0.0
-  return {"measured_s": med, "noise_pct": max(statistics.median(m["noise_pct"] for m in ms), spread / 2),
-          "wall_s": statistics.median(m.get("wall_s", m["measured_s"]) for m in ms),
-          "probe_s": ms[0].get("probe_s") if len(ms) == 1 else None, "host_devices": ms[0].get("host_devices"),
-          "round_spread_pct": spread,
-          "rounds": [{k: m.get(k) for k in ("measured_s", "noise_pct", "probe_s", "host_devices")} for m in ms]}
-
-
-def _normalise_rounds(rows: list, ref, refs_by_devices: dict = None) -> bool:
-  """Speed-normalises each round on its own (its probes, its measurement order: :func:`_speed_normalise`) and
-  gives every row the median over rounds (``measured_at_ref_s``, ``err_at_ref_pct``; per round in
-  ``rounds[i]["measured_at_ref_s"]``)."""
-  n_rounds = len(rows[0]["rounds"]) if rows else 0
-  if not n_rounds or any(len(r["rounds"]) != n_rounds for r in rows):
-    return False
-  per_round = []
-  for i in range(n_rounds):
-    rr = [dict(r["rounds"][i], predicted_s=r["predicted_s"]) for r in rows]
-    if not _speed_normalise(rr, ref, refs_by_devices):
-      return False
-    per_round.append(rr)
-  for j, r in enumerate(rows):
-    for i in range(n_rounds):
-      r["rounds"][i]["measured_at_ref_s"] = per_round[i][j]["measured_at_ref_s"]
-    r["measured_at_ref_s"] = statistics.median(pr[j]["measured_at_ref_s"] for pr in per_round)
-    r["err_at_ref_pct"] = 100 * (r["predicted_s"] - r["measured_at_ref_s"]) / r["measured_at_ref_s"]
-  return True
-
-
-SPEED_WINDOW = 4  # probe times of this many measurements either side are pooled (median) per measurement
-
-
-def _speed_normalise(rows: list, ref, refs_by_devices: dict = None) -> bool:
-  """Adds ``measured_at_ref_s`` / ``err_at_ref_pct`` to every row: the measurement at the calibration's
-  reference speed (perfmodel/speed.py), using the median probe time of the rows measured around it (in
-  row order = measurement order). The drift being corrected is slow (minutes); one probe pair is as noisy
-  as any single measurement (+-6-10%), so pooling neighbours keeps the correction from adding noise.
-
-  ``refs_by_devices``: {host device count: reference}. Rows measured in a child with N virtual devices carry
-  probes timed there (slower with more idle devices), so they are pooled and scaled within their own count."""
-  if not ref or not rows or not all(r.get("probe_s") for r in rows):
-    return False
-  refs = {int(k): v for k, v in (refs_by_devices or {}).items()}
-  groups = {}
-  for r in rows:
-    groups.setdefault(r.get("host_devices") if refs else None, []).append(r)
-  for n, group in groups.items():
-    probes = [r["probe_s"] for r in group]
-    for i, r in enumerate(group):
-      pooled = statistics.median(probes[max(0, i - SPEED_WINDOW):i + SPEED_WINDOW + 1])
-      r["measured_at_ref_s"] = r["measured_s"] * refs.get(n, ref) / pooled
-      r["err_at_ref_pct"] = 100 * (r["predicted_s"] - r["measured_at_ref_s"]) / r["measured_at_ref_s"]
-  return True
 
 
 def _plot(rows, path):

@@ -4,7 +4,7 @@ import types
 
 import pytest
 
-from perfmodel import anchor, suite, validate
+from perfmodel import anchor, rounds, suite, validate
 
 
 def test_interleave_spreads_anchors_from_first_to_last():
@@ -80,7 +80,7 @@ def test_probe_then_anchor_maps_the_probes_speed_to_the_programs_speed():
   cache = {"c1": {"measured_s": 0.02 * 1.125, "probe_s": 0.05}, "x": {"measured_s": 0.1125, "probe_s": 0.05},
            "c2": {"measured_s": 0.04 * 1.125, "probe_s": 0.05}}
   rows = [dict(name="x", predicted_s=0.1, rounds=[dict(cache["x"], host_devices=1)])]
-  assert validate._normalise_rounds(rows, ref=0.04)  # noqa: SLF001
+  assert rounds.normalise_rounds(rows, ref=0.04)
   assert rows[0]["rounds"][0]["measured_at_ref_s"] == pytest.approx(0.09)
   factors = anchor.probe_then_normalise(rows, [cache], refs, 0.04)
   assert factors == pytest.approx([0.9])

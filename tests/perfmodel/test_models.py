@@ -292,17 +292,17 @@ def test_decode_fit_takes_a_signed_per_thunk_term_and_training_stays_non_negativ
 
 
 def test_speed_normalisation_pools_neighbouring_probes_and_scales_to_the_reference():
-  from perfmodel import speed, validate
+  from perfmodel import rounds, speed
   assert speed.normalise(2.0, 0.05, 0.04) == pytest.approx(1.6)
   assert speed.normalise(2.0, None, 0.04) == 2.0 and speed.normalise(2.0, 0.05, None) == 2.0
   # a host 25% slower than at calibration, plus one outlier probe: the outlier does not move its row
   rows = [{"measured_s": 1.25, "predicted_s": 1.0, "probe_s": 0.05} for _ in range(9)]
   rows[4]["probe_s"] = 0.09
-  assert validate._speed_normalise(rows, ref=0.04)
+  assert rounds.speed_normalise(rows, ref=0.04)
   for r in rows:
     assert r["measured_at_ref_s"] == pytest.approx(1.0) and r["err_at_ref_pct"] == pytest.approx(0.0, abs=1e-9)
   rows[0].pop("probe_s")
-  assert not validate._speed_normalise(rows, ref=0.04)  # a row without a probe: no normalised figure
+  assert not rounds.speed_normalise(rows, ref=0.04)  # a row without a probe: no normalised figure
 
 
 def test_validate_rounds_pool_to_the_median_and_each_round_is_normalised_with_its_own_probes(tmp_path):
@@ -310,26 +310,26 @@ def test_validate_rounds_pool_to_the_median_and_each_round_is_normalised_with_it
   gives the same reference-speed time, so the pooled error at the reference speed is the model's alone; the raw
   measurement is the median over rounds and the noise shows the spread between them."""
   import json
-  from perfmodel import validate
+  from perfmodel import rounds as R
   r1 = {n: {"measured_s": t, "noise_pct": 2.0, "probe_s": 0.04, "host_devices": 1} for n, t in (("a", 1.0), ("b", 2.0))}
   r2 = {n: {"measured_s": 1.5 * m["measured_s"], "noise_pct": 3.0, "probe_s": 0.06, "host_devices": 1}
         for n, m in r1.items()}
   old, new = tmp_path / "old.json", tmp_path / "new.json"
   old.write_text(json.dumps(r1))  # a file written before rounds existed is one round
   new.write_text(json.dumps({"rounds": [r2]}))
-  rounds = validate.load_rounds(str(old)) + validate.load_rounds(str(new))
+  rounds = R.load_rounds(str(old)) + R.load_rounds(str(new))
   assert len(rounds) == 2 and rounds[0]["a"]["measured_s"] == 1.0
-  pooled = {n: validate.pool_rounds([c[n] for c in rounds]) for n in ("a", "b")}
+  pooled = {n: R.pool_rounds([c[n] for c in rounds]) for n in ("a", "b")}
   assert pooled["a"]["measured_s"] == pytest.approx(1.25)  # median of two = their mean
   assert pooled["a"]["round_spread_pct"] == pytest.approx(40.0) and pooled["a"]["noise_pct"] == pytest.approx(20.0)
   rows = [dict(name=n, predicted_s=1.1 * r1[n]["measured_s"], rounds=pooled[n]["rounds"]) for n in ("a", "b")]
-  assert validate._normalise_rounds(rows, ref=0.04)  # noqa: SLF001
+  assert R.normalise_rounds(rows, ref=0.04)
   for r in rows:
     assert [x["measured_at_ref_s"] for x in r["rounds"]] == pytest.approx([r["predicted_s"] / 1.1] * 2)
     assert r["err_at_ref_pct"] == pytest.approx(10.0)
   # a round without probe times: no normalised figure
   rows[0]["rounds"][1]["probe_s"] = None
-  assert not validate._normalise_rounds(rows, ref=0.04)  # noqa: SLF001
+  assert not R.normalise_rounds(rows, ref=0.04)
 
 
 def test_decode_bytes_are_priced_piecewise_and_the_knee_is_recovered_by_leave_one_out():
@@ -390,11 +390,11 @@ def test_validate_measures_each_entry_in_a_child_with_exactly_its_device_count(t
 
 
 def test_speed_normalisation_scales_each_device_count_by_its_own_reference():
-  from perfmodel import validate
+  from perfmodel import rounds
   # probes timed in a 4-device child are 1.3x slower than in the 1-device child at the same host speed
   rows = ([{"measured_s": 1.0, "predicted_s": 1.0, "probe_s": 0.04, "host_devices": 1} for _ in range(3)] +
           [{"measured_s": 2.0, "predicted_s": 2.0, "probe_s": 0.052, "host_devices": 4} for _ in range(3)])
-  assert validate._speed_normalise(rows, ref=0.04, refs_by_devices={"1": 0.04, "4": 0.052})  # noqa: SLF001
+  assert rounds.speed_normalise(rows, ref=0.04, refs_by_devices={"1": 0.04, "4": 0.052})
   for r in rows:
     assert r["err_at_ref_pct"] == pytest.approx(0.0, abs=1e-9)
 
