@@ -24,12 +24,12 @@ from ``perfmodel.collectives``.
 from __future__ import annotations
 
 import dataclasses
-import hashlib
 import math
 import re
 from typing import Iterator, Optional
 
 from perfmodel import hlo_parse as hp
+from perfmodel.fingerprint import FP_TAGS, legacy_fingerprint, structure_tag, without_structure  # noqa: F401
 
 FREE_OPS = {"parameter", "constant", "get-tuple-element", "tuple", "bitcast", "partition-id", "replica-id",
             "after-all", "opt-barrier", "add-dependency", "iota", "domain", "get-dimension-size"}
@@ -431,33 +431,6 @@ class _Builder:
     return Node(id=self.new_id(), name=ins.name, kind=node_kind, opcode=opcode, flops=flops, transcendentals=trans,
                 bytes=nbytes, out_bytes=ins.out_bytes, deps=deps, attribution=attr, dot=dot, fingerprint=fp,
                 moves_minor=minor)
-
-
-FP_TAGS = ("|plain", "|minor")  # fingerprint suffixes added in session 14 (earlier samples lack them)
-_STRUCTURE = re.compile(r"\|s[0-9a-f]{8}$")
-
-
-def structure_tag(body: hp.Computation) -> str:
-  """`|s` + 8 hex digits of a hash of a fusion's fused-computation opcode sequence (added in session 24).
-
-  Kind, opcode, output shape, flops and bytes do not tell fusions apart: a KV-cache dynamic-update-slice and a
-  broadcast filling the whole cache shared one profiled-database entry and so one alone time (28.7 vs 13 us;
-  perfmodel/JOURNAL.md, session 23; benchmarks/fingerprint_collisions.py counts such keys)."""
-  seq = ";".join(i.opcode for i in body.instructions)
-  return "|s" + hashlib.sha1(seq.encode()).hexdigest()[:8]
-
-
-def without_structure(fp: str) -> str:
-  """A fingerprint as written before `structure_tag` (sessions 14-23's stored samples and database entries)."""
-  return _STRUCTURE.sub("", fp)
-
-
-def legacy_fingerprint(fp: str) -> str:
-  """A fingerprint as written before the FP_TAGS suffixes and the structure tag (the oldest stored samples)."""
-  fp = without_structure(fp)
-  for tag in FP_TAGS:
-    fp = fp.replace(tag, "")
-  return fp
 
 
 def build_graph(module: hp.Module, n_devices: Optional[int] = None) -> ExecGraph:
