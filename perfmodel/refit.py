@@ -107,9 +107,8 @@ def refresh_samples(samples: list, graphs: dict, sampler: set = frozenset()) -> 
   out, dropped = [], 0
   for s in samples:
     n = by_prog.get(s["prog"], {}).get(s.get("name"))
-    known = () if n is None else (n.fingerprint, graph_lib.without_structure(n.fingerprint),
-                                  graph_lib.legacy_fingerprint(n.fingerprint))
-    if n is None or (s.get("fp") and s["fp"] not in known):
+    if n is None or (s.get("fp") and s["fp"] not in (n.fingerprint, graph_lib.without_structure(n.fingerprint),
+                                                     graph_lib.legacy_fingerprint(n.fingerprint))):
       dropped += 1
       continue
     cls = learned.base_class(n) + (learned.DECODE if s["prog"] in sampler else "")
