@@ -29,7 +29,8 @@ def _median_rate(work, r):
 # `calibrate --profiled`, which `calibrate` runs itself once the gate accepts, `auto` is learned)
 STALE_AFTER_STEPS = ("composition_profiled", "calibration_loo_profiled", "calibration_loo_profiled_mape",
                      "composition_profiled_source", "composition_hybrid", "calibration_loo_hybrid",
-                     "calibration_loo_hybrid_mape", "hybrid_k", "composition_hybrid_source",
+                     "calibration_loo_hybrid_mape", "hybrid_k", "hybrid_k_decode", "hybrid_stat",
+                     "hybrid_stat_decode", "composition_hybrid_source",
                      "speed_anchor")  # an anchor reads the host against the step times being replaced
 # rounds of the calibration programs' step measurement (pool_step_rounds); about 11 minutes each on this host
 # (a calibration with 3 took 47 minutes, 22:23-23:10 on 2026-12-01; --step-rounds 1: about 25)
@@ -318,17 +319,14 @@ def _node_stage(quick: bool, prof_path: str = None, step_rounds: int = STEP_ROUN
   spath = learned.samples_path(hw.name)
   os.makedirs(os.path.dirname(spath), exist_ok=True)
   with open(spath, "w") as f:
-    json.dump({"meta": {"source": src, "method": "XLA TraceMe per thunk, p25 of occurrences, calibration suite "
+    json.dump({"meta": {"source": src, "method": "XLA TraceMe per thunk, p25 (t), median (t50), mean (tm) of occurrences, calibration suite "
                         "perfmodel/suite.py:CALIBRATION(+_INFER)", "features_version": learned.FEATURES_VERSION},
                "samples": res["samples"]}, f)
   cal = base["calibration"]["value"]
   for key in STALE_AFTER_STEPS:  # fitted on the step times this calibration replaces
     cal.pop(key, None)
   cal["composition"] = res["composition"]
-  cal["learned_k"] = res["learned_k"]
-  cal["learned_beta"] = res["learned_beta"]
-  cal["learned_k_decode"] = res["learned_k_decode"]
-  cal["learned_beta_decode"] = res["learned_beta_decode"]
+  cal.update({key: res[key] for key in calibrate_nodes.LEARNED_CHOICES})
   cal["calibration_loo_mape"] = res["loo_mape"]
   cal["calibration_loo"] = [{k: (round(v, 6) if isinstance(v, float) else v) for k, v in c.items()}
                             for c in res["loo"]]
@@ -347,8 +345,6 @@ def _node_stage(quick: bool, prof_path: str = None, step_rounds: int = STEP_ROUN
   with open(prof_path, "w") as f:
     json.dump(base, f, indent=1)
   return {"profile": prof_path, "nodes": {"samples": len(res["samples"]), "composition": res["composition"],
-                                          "loo_mape": res["loo_mape"], "learned_k": res["learned_k"],
-                                          "learned_beta": res["learned_beta"],
-                                          "learned_k_decode": res["learned_k_decode"],
-                                          "learned_beta_decode": res["learned_beta_decode"],
+                                          "loo_mape": res["loo_mape"],
+                                          **{key: res[key] for key in calibrate_nodes.LEARNED_CHOICES},
                                           "node_noise_pct": res["noise_pct_median"]}}

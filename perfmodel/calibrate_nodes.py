@@ -402,6 +402,11 @@ def run(hw, reps: int = 7, trace_reps: int = 3, entries: list = None, log=print,
           "host_malloc": "keep_freed" if keeps else "default"}
 
 
+# what select_learned chooses, stored in the profile's calibration under these names (learned.Learned reads them)
+LEARNED_CHOICES = ("learned_k", "learned_beta", "learned_stat", "learned_k_decode", "learned_beta_decode",
+                   "learned_stat_decode")
+
+
 def select_learned(hw, programs: list, samples: list, keeps: bool, log=print) -> dict:
   """The learned backend's neighbour count k and working-set exponent beta, and the step composition, chosen by
   leave-one-program-out error over the calibration ``programs`` ({name, graph, n, measured, noise[, region,
@@ -410,10 +415,10 @@ def select_learned(hw, programs: list, samples: list, keeps: bool, log=print) ->
   (learned.py), so a decode program's row depends only on the decode (k, beta), and each type's fit only on its
   own rows: the decode pair is chosen by the decode programs' mean error, the other by the others'."""
   grid = {}
-  for k, beta in [(k, b) for k in LEARNED_K for b in LEARNED_BETA]:
+  for k, beta, stat in [(k, b, st) for k in LEARNED_K for b in LEARNED_BETA for st in learned.stats_of(samples)]:
     rows, y = [], []
     for p in programs:
-      model = learned.Learned(hw, k=k, beta=beta, k_decode=k, beta_decode=beta,
+      model = learned.Learned(hw, k=k, beta=beta, k_decode=k, beta_decode=beta, stat=stat, stat_decode=stat,
                               samples=[s for s in samples if s["prog"] != p["name"]])
       f = composition_features(p["graph"], lambda n: model.price(n).seconds, p["n"], p.get("region"),
                                p.get("temp", 0.0), hw=hw, keeps=keeps, pow2=p.get("pow2", False))
@@ -425,9 +430,10 @@ def select_learned(hw, programs: list, samples: list, keeps: bool, log=print) ->
     cv = loo_typed(rows, y, types, [p["name"] for p in programs], [p["noise"] for p in programs])
     dec = [abs(c["err_pct"]) for c in cv if c["type"] == "decode"]
     rest = [abs(c["err_pct"]) for c in cv if c["type"] != "decode"]
-    grid[(k, beta)] = (rows, float(np.mean(rest)) if rest else 0.0, float(np.mean(dec)) if dec else 0.0)
-    log(f"  learned k={k} beta={beta}: leave-one-program-out MAPE {np.mean([abs(c['err_pct']) for c in cv]):.1f}% "
-        f"(decode {grid[(k, beta)][2]:.1f}%, others {grid[(k, beta)][1]:.1f}%)")
+    grid[(k, beta, stat)] = (rows, float(np.mean(rest)) if rest else 0.0, float(np.mean(dec)) if dec else 0.0)
+    log(f"  learned k={k} beta={beta} {stat}: leave-one-program-out MAPE "
+        f"{np.mean([abs(c['err_pct']) for c in cv]):.1f}% (decode {grid[(k, beta, stat)][2]:.1f}%, others "
+        f"{grid[(k, beta, stat)][1]:.1f}%)")
   best = min(grid, key=lambda kb: grid[kb][1])
   best_dec = min(grid, key=lambda kb: grid[kb][2])
   rows = [grid[best_dec if t == "decode" else best][0][i] for i, t in enumerate(types)]
@@ -437,10 +443,11 @@ def select_learned(hw, programs: list, samples: list, keeps: bool, log=print) ->
   for c in cv:
     log(f"  LOO {c['name']:>18}: measured {c['measured_s'] * 1e3:8.2f} ms predicted {c['predicted_s'] * 1e3:8.2f} ms "
         f"err {c['err_pct']:+6.1f}%")
-  log(f"  learned: k={best[0]} beta={best[1]}, decode k={best_dec[0]} beta={best_dec[1]}: "
+  log(f"  learned: k={best[0]} beta={best[1]} {best[2]}, decode k={best_dec[0]} beta={best_dec[1]} {best_dec[2]}: "
       f"leave-one-program-out MAPE {mape:.1f}%")
-  return {"composition": coef, "loo": cv, "learned_k": best[0], "learned_beta": best[1],
-          "learned_k_decode": best_dec[0], "learned_beta_decode": best_dec[1], "loo_mape": mape}
+  return {"composition": coef, "loo": cv, "learned_k": best[0], "learned_beta": best[1], "learned_stat": best[2],
+          "learned_k_decode": best_dec[0], "learned_beta_decode": best_dec[1], "learned_stat_decode": best_dec[2],
+          "loo_mape": mape}
 
 
 def _resolve_branches(g, cfg, hw) -> None:
@@ -460,7 +467,8 @@ def _node_samples(g, traced: dict, prog: str, phys, sampler: bool = False) -> li
     seen.add(n.name)
     p = phys.price(n)
     out.append({"prog": prog, "cls": learned.base_class(n) + (learned.DECODE if sampler else ""), "f": learned.features(n),
-                "t": trace_nodes.quantile(traced[n.name], 0.25), "phys": p.seconds if p else 0.0,
+                "t": trace_nodes.quantile(traced[n.name], 0.25), "t50": trace_nodes.quantile(traced[n.name], 0.5),
+                "tm": float(np.mean(traced[n.name])), "phys": p.seconds if p else 0.0,
                 "P": n.program_bytes, "name": n.name, "fp": n.fingerprint})
   return out
 

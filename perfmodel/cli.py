@@ -114,8 +114,8 @@ def cmd_calibrate(a, overrides):
     from perfmodel import hardware, refit
     res = refit.refit(os.path.join(hardware.PROFILE_DIR, "cpu.json"), a.refit_composition,
                                 log=lambda m: print(m, file=sys.stderr))
-    _print({k: res[k] for k in ("composition", "loo_mape", "learned_k", "learned_beta", "learned_k_decode",
-                             "learned_beta_decode", "samples", "dropped")})
+    from perfmodel.calibrate_nodes import LEARNED_CHOICES
+    _print({k: res[k] for k in ("composition", "loo_mape", *LEARNED_CHOICES, "samples", "dropped")})
     return
   if a.profiled:
     _regime(a, trace=False)

@@ -26,36 +26,56 @@ from perfmodel.costs import Priced, Profiled
 from perfmodel.graph import Node
 from perfmodel.hardware import HardwareProfile
 
-# neighbour counts tried by `calibrate --profiled` (leave-one-program-out picks one; stored as hybrid_k)
+# neighbour counts tried by `calibrate --profiled` (leave-one-program-out picks one for decode nodes, hybrid_k_decode,
+# and one for the others, hybrid_k)
 K_GRID = (2, 4, 8, 16)
+
+
+def _arrays(by_class: dict) -> dict:
+  return {c: (np.array([f for f, _ in v]), np.log(np.array([r for _, r in v]))) for c, v in by_class.items()}
 
 
 class Hybrid:
   name = "hybrid"
 
   def __init__(self, hw: HardwareProfile, samples: Optional[list] = None, db: Optional[Profiled] = None,
-               k: Optional[int] = None):
+               k: Optional[int] = None, k_decode: Optional[int] = None, decode_pools: bool = True,
+               stat: Optional[str] = None, stat_decode: Optional[str] = None):
     self.k = int(k if k is not None else hw.calibration.get("hybrid_k", 4))
+    self.k_decode = int(k_decode if k_decode is not None else hw.calibration.get("hybrid_k_decode", self.k))
+    # the statistic of the in-program samples (learned.STATS) in the ratios of other nodes and of decode nodes
+    self.stat = stat or hw.calibration.get("hybrid_stat", "t")
+    self.stat_decode = stat_decode or hw.calibration.get("hybrid_stat_decode", self.stat)
     self.db = db if db is not None else Profiled(hw)
     if samples is None:
       samples = learned.load_samples(hw)
-    by_class = {}
+    by_class, by_decode = {}, {}
     for s in samples:
       alone = self.db.seconds(s.get("fp"))
       if alone and alone > 0 and s["t"] > 0:
-        by_class.setdefault(learned.strip_context(s["cls"]), []).append((s["f"], s["t"] / alone))
-    self.arrays = {c: (np.array([f for f, _ in v]), np.log(np.array([r for _, r in v])))
-                   for c, v in by_class.items()}
+        by_class.setdefault(learned.strip_context(s["cls"]), []).append((s["f"], s[self.stat] / alone))
+        if decode_pools and s["cls"].endswith(learned.DECODE):
+          by_decode.setdefault(learned.strip_context(s["cls"]), []).append((s["f"], s[self.stat_decode] / alone))
+    self.arrays = _arrays(by_class)
+    # a decode loop's node draws its ratio from the sampler programs' samples (as the learned backend prices it,
+    # learned.py): in the loop, with the weights hot and the KV cache just written, a class runs at another
+    # in-program/alone ratio than in a training step (perfmodel/JOURNAL.md, session 25)
+    self.decode_arrays = _arrays(by_decode)
 
   def context_ratio(self, node: Node) -> Optional[float]:
     """In-program / alone time of the nearest calibration samples of the node's class (weighted geometric mean);
-    None for a class no sample has."""
-    arr = self.arrays.get(learned.base_class(node))  # the hybrid's ratios keep one pool per class
+    a decode node's from the sampler programs' samples where they have its class; None for a class no sample
+    has."""
+    cls = learned.base_class(node)
+    arr = self.decode_arrays.get(cls) if node.decode else None
+    k = self.k_decode if node.decode else self.k
+    if arr is None:
+      arr = self.arrays.get(cls)
     if arr is None:
       return None
     X, logR = arr
     d = np.sqrt(((X - np.array(learned.features(node))) ** 2).sum(axis=1))
-    idx = np.argsort(d)[:self.k]
+    idx = np.argsort(d)[:k]
     w = 1.0 / (d[idx] + 0.05)
     return float(np.exp((w * logR[idx]).sum() / w.sum()))
 

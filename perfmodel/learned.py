@@ -57,6 +57,16 @@ def node_class(n: Node) -> str:
 
 
 DECODE = "@decode"  # class suffix of a node inside a decode loop (Node.decode)
+# Which statistic of a node's in-program times a sample stands for (calibrate_nodes._node_samples): "t" the p25
+# (against preemption by other processes), "t50" the median, "tm" the mean (what a step pays when the spread is
+# the program's own: a decode loop's KV-cache reads, session 24). Calibration chooses one for the training and
+# multi-device nodes and one for decode nodes, by leave-one-program-out error, among those every sample has.
+STATS = ("t", "t50", "tm")
+
+
+def stats_of(samples: list) -> tuple:
+  """The statistics of STATS that every sample carries (samples written before session 25 have only "t")."""
+  return tuple(st for st in STATS if samples and all(st in s for s in samples)) or ("t",)
 
 
 def base_class(n: Node) -> str:
@@ -115,7 +125,8 @@ class Learned:
 
   def __init__(self, hw: HardwareProfile, path: Optional[str] = None, k: Optional[int] = None,
                ood_distance: float = 1.0, samples: Optional[list] = None, beta: Optional[float] = None,
-               k_decode: Optional[int] = None, beta_decode: Optional[float] = None):
+               k_decode: Optional[int] = None, beta_decode: Optional[float] = None, stat: Optional[str] = None,
+               stat_decode: Optional[str] = None):
     # k, beta: the neighbour count and working-set exponent calibration chose by leave-one-program-out error;
     # k_decode, beta_decode: the same for decode nodes, chosen by the decode programs' (default: k, beta)
     k = k if k is not None else int(hw.calibration.get("learned_k", 4))
@@ -124,6 +135,9 @@ class Learned:
     self.k_decode = int(k_decode if k_decode is not None else hw.calibration.get("learned_k_decode", k))
     self.beta_decode = float(beta_decode if beta_decode is not None else hw.calibration.get("learned_beta_decode",
                                                                                              beta))
+    # stat, stat_decode: the statistic (STATS) of the samples that price other nodes and decode nodes
+    self.stat = stat or hw.calibration.get("learned_stat", "t")
+    self.stat_decode = stat_decode or hw.calibration.get("learned_stat_decode", self.stat)
     self.phys = Calibrated(hw)
     if samples is None:
       samples = load_samples(hw, path)
@@ -134,7 +148,8 @@ class Learned:
       self.by_class.setdefault(strip_context(s["cls"]), []).append(s)
       if s["cls"].endswith(DECODE):
         self.by_class.setdefault(s["cls"], []).append(s)
-    self.arrays = {c: (np.array([s["f"] for s in ss]), np.array([s["t"] for s in ss]),
+    self.arrays = {c: (np.array([s["f"] for s in ss]),
+                       np.array([s[self.stat_decode if c.endswith(DECODE) else self.stat] for s in ss]),
                        np.array([s["phys"] for s in ss]), np.array([s.get("P", 0.0) for s in ss]))
                    for c, ss in self.by_class.items()}
 

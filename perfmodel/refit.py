@@ -162,9 +162,8 @@ def refit(prof_path: str, hlo_dir: str, log=print) -> dict:
   with open(spath, "w") as f:
     json.dump(data, f)
   _store(prof_path, {"composition": res["composition"], "calibration_loo": _rounded(res["loo"]),
-                     "calibration_loo_mape": res["loo_mape"], "learned_k": res["learned_k"],
-                     "learned_beta": res["learned_beta"], "learned_k_decode": res["learned_k_decode"],
-                     "learned_beta_decode": res["learned_beta_decode"]})
+                     "calibration_loo_mape": res["loo_mape"],
+                     **{key: res[key] for key in cn.LEARNED_CHOICES}})
   return {**res, "samples": len(samples), "dropped": dropped}
 
 
@@ -209,32 +208,49 @@ def fit_profiled(prof_path: str, hlo_cache: str = None, log=print, samples_file:
       "composition_profiled": coef, "calibration_loo_profiled": _rounded(cv), "calibration_loo_profiled_mape": mape,
       "composition_profiled_source": source, "profiled_date": profiled_date,
       "composition_hybrid": hyb["composition"], "calibration_loo_hybrid": _rounded(hyb["loo"]),
-      "calibration_loo_hybrid_mape": hyb["loo_mape"], "hybrid_k": hyb["k"], "composition_hybrid_source": source})
+      "calibration_loo_hybrid_mape": hyb["loo_mape"], **hyb["choices"],
+      "composition_hybrid_source": source})
   return {"composition_profiled": coef, "loo_mape_profiled": mape, "loo_mape_learned": cal.get("calibration_loo_mape"),
-          "loo_mape_hybrid": hyb["loo_mape"], "hybrid_k": hyb["k"], "loo_mape_hybrid_by_k": hyb["by_k"],
+          "loo_mape_hybrid": hyb["loo_mape"], **hyb["choices"],
+          "loo_mape_hybrid_by_k": hyb["by_k"],
           "backend_auto": costs.resolve_backend(hardware.load(prof_path)), "skipped": skipped, "loo": cv}
 
 
 def fit_hybrid(hw, programs, samples: list, db, log=print) -> dict:
   """The hybrid backend's composition (perfmodel/hybrid.py: profiled time x in-program/alone ratio of the
-  nearest samples), for each neighbour count of ``hybrid.K_GRID``; the one with the lowest leave-one-program-out
-  error is kept, as ``select_learned`` chooses the learned backend's k. Leaving a program out removes its own
-  samples from the ratios and its row from the fit. Nodes without a database entry go to the learned backend
-  without the program's samples, as ``--backend hybrid`` prices them (costs.make_chain)."""
+  nearest samples), for each neighbour count of ``hybrid.K_GRID`` and each statistic of the samples
+  (``learned.STATS``). As ``select_learned`` chooses the learned backend's, the training and multi-device rows
+  choose ``hybrid_k`` / ``hybrid_stat`` and the decode rows ``hybrid_k_decode`` / ``hybrid_stat_decode``
+  (lowest leave-one-program-out error of each group; the types' fits are independent and a decode row prices
+  only decode nodes, so the two choices do not interact). Leaving a program out removes its own samples from
+  the ratios and its row from the fit. Nodes without a database entry go to the learned backend without the
+  program's samples, as ``--backend hybrid`` prices them (costs.make_chain)."""
   from perfmodel import hybrid  # noqa: PLC0415
-  best, by_k = None, {}
-  for k in hybrid.K_GRID:
-    def price_for(name, cap, k=k):
+  runs, by_k = {}, {}
+  for k, stat in [(k, st) for k in hybrid.K_GRID for st in learned.stats_of(samples)]:
+    def price_for(name, cap, k=k, stat=stat):
       rest = [s for s in samples if s["prog"] != name]
-      chain = costs.Chain([hybrid.Hybrid(hw, rest, db, k), learned.Learned(hw, samples=rest)], hw)
+      chain = costs.Chain([hybrid.Hybrid(hw, rest, db, k, k, stat=stat, stat_decode=stat),
+                           learned.Learned(hw, samples=rest)], hw)
       return lambda n: chain.price(n).seconds
     coef, cv = _fit(hw, programs, price_for, lambda *a: None, " hybrid")
-    mape = float(np.mean([abs(c["err_pct"]) for c in cv]))
-    by_k[k] = mape
-    log(f"  hybrid k={k}: leave-one-program-out MAPE {mape:.2f}%")
-    if best is None or mape < best["loo_mape"]:
-      best = {"composition": coef, "loo": cv, "loo_mape": mape, "k": k}
-  for c in best["loo"]:
+    runs[(k, stat)] = (coef, cv)
+    by_k[f"{k} {stat}"] = float(np.mean([abs(c["err_pct"]) for c in cv]))
+    log(f"  hybrid k={k} {stat}: leave-one-program-out MAPE {by_k[f'{k} {stat}']:.2f}%")
+
+  def group_mape(choice, decode):
+    errs = [abs(c["err_pct"]) for c in runs[choice][1] if (c["type"] == "decode") == decode]
+    return float(np.mean(errs)) if errs else 0.0
+  best = min(runs, key=lambda ch: group_mape(ch, False))
+  best_dec = min(runs, key=lambda ch: group_mape(ch, True))
+  coef = {t: (runs[best_dec] if t == "decode" else runs[best])[0][t] for t in runs[best][0]}
+  cv = [c for c in runs[best][1] if c["type"] != "decode"] + [c for c in runs[best_dec][1] if c["type"] == "decode"]
+  mape = float(np.mean([abs(c["err_pct"]) for c in cv]))
+  log(f"  hybrid: k={best[0]} {best[1]}, decode k={best_dec[0]} {best_dec[1]}: leave-one-program-out MAPE "
+      f"{mape:.2f}%")
+  for c in cv:
     log(f"  LOO hybrid {c['name']:>18} ({c['type']:>6}): measured {c['measured_s'] * 1e3:8.3f} ms predicted "
         f"{c['predicted_s'] * 1e3:8.3f} ms err {c['err_pct']:+6.1f}%")
-  return {**best, "by_k": by_k}
+  return {"composition": coef, "loo": cv, "loo_mape": mape, "by_k": by_k,
+          "choices": {"hybrid_k": best[0], "hybrid_stat": best[1], "hybrid_k_decode": best_dec[0],
+                      "hybrid_stat_decode": best_dec[1]}}

@@ -8,8 +8,9 @@ it runs a calibration suite of training steps (disjoint from the validation suit
 per (program, instruction). Validation never uses these traces of its own configs.
 
 The durations are wall clock within the executing thread. A thunk preempted by another process looks
-longer, so each instruction's time is a low quantile (p25) of its occurrences (loop trips x repeats x
-virtual devices); the calibration fits how the sum of those relates to the step's CPU time.
+longer, so each instruction's sample keeps a low quantile (p25) of its occurrences (loop trips x repeats x
+virtual devices), and beside it their median and mean: calibration chooses which of the three the backends price
+with (``learned.STATS``, by leave-one-program-out error) and fits how their sum relates to the step's CPU time.
 """
 from __future__ import annotations
 

@@ -42,6 +42,47 @@ def test_price_is_the_profiled_time_times_the_neighbours_in_program_ratio(tmp_pa
   assert h.price(other) is None
 
 
+def test_a_decode_node_takes_its_ratio_from_the_sampler_programs_samples(tmp_path):
+  node = _nodes()[0]
+  db = _db(tmp_path, {node.fingerprint: {"s": 2e-5}, "a": {"s": 1e-4}, "b": {"s": 1e-4}})
+  train = _sample(node, "a", 1e-4, prog="train")  # ratio 1 in a training step
+  dec = {**_sample(node, "b", 3e-4, prog="sampler"), "cls": learned.node_class(node) + learned.DECODE}  # 3 in a loop
+  h = hybrid.Hybrid(hardware.load("cpu"), [train, dec], db, k=1, k_decode=1)
+  in_loop = dataclasses.replace(node, decode=True)
+  assert abs(h.price(in_loop).seconds - 6e-5) < 1e-12  # the sampler program's ratio, though both are as near
+  assert abs(hybrid.Hybrid(hardware.load("cpu"), [train, dec], db, k=2).price(node).seconds - 2e-5 * 3 ** 0.5) < 1e-12
+  # without a sampler sample of its class a decode node falls back to all samples of the class
+  assert abs(hybrid.Hybrid(hardware.load("cpu"), [train], db, k=1).price(in_loop).seconds - 2e-5) < 1e-12
+
+
+def test_the_ratio_uses_the_statistic_calibration_chose(tmp_path):
+  node = _nodes()[0]
+  db = _db(tmp_path, {node.fingerprint: {"s": 2e-5}, "a": {"s": 1e-4}})
+  s = {**_sample(node, "a", 1e-4), "t50": 2e-4, "tm": 4e-4}  # p25 / median / mean of the in-program times
+  assert learned.stats_of([s]) == ("t", "t50", "tm")
+  assert learned.stats_of([s, _sample(node, "a", 1e-4)]) == ("t",)  # a sample without them: p25 only
+  for stat, ratio in (("t", 1.0), ("t50", 2.0), ("tm", 4.0)):
+    assert abs(hybrid.Hybrid(hardware.load("cpu"), [s], db, k=1, stat=stat).price(node).seconds - 2e-5 * ratio) < 1e-12
+  # decode nodes have their own statistic
+  h = hybrid.Hybrid(hardware.load("cpu"), [{**s, "cls": s["cls"] + learned.DECODE}], db, k=1, stat="t",
+                    stat_decode="tm")
+  assert abs(h.price(dataclasses.replace(node, decode=True)).seconds - 8e-5) < 1e-12
+  lrn = learned.Learned(hardware.load("cpu"), samples=[s], k=1, beta=0.0, stat="t50")
+  assert abs(lrn.price(node).seconds / learned.Learned(hardware.load("cpu"), samples=[s], k=1, beta=0.0,
+                                                       stat="t").price(node).seconds - 2.0) < 1e-9
+
+
+def test_a_calibration_sample_carries_p25_median_and_mean_of_its_in_program_times():
+  from perfmodel import calibrate_nodes
+  x = jax.ShapeDtypeStruct((64, 128), jnp.float32)
+  w = jax.ShapeDtypeStruct((128, 96), jnp.float32)
+  g = G.from_hlo_text(jax.jit(lambda x, w: (jnp.tanh(x) @ w).T * 2.0).lower(x, w).compile().as_text(), 1)
+  node = next(n for n, _ in g.walk() if n.kind == "dot")
+  times = [1e-4, 2e-4, 3e-4, 4e-4, 1e-2]  # one preempted occurrence: the mean pays it, p25 and the median do not
+  (s,) = calibrate_nodes._node_samples(g, {node.name: times}, "p", costs.Calibrated(hardware.load("cpu")))
+  assert (s["t"], s["t50"]) == (2e-4, 3e-4) and abs(s["tm"] - sum(times) / 5) < 1e-15
+
+
 def test_a_class_without_samples_is_left_to_the_learned_backend(tmp_path):
   dot = next(n for n in _nodes() if n.kind == "dot")
   fusion = next(n for n in _nodes() if n.kind == "fusion")
