@@ -49,6 +49,8 @@ class Hybrid:
     self.db = db if db is not None else Profiled(hw)
     if samples is None:
       samples = learned.load_samples(hw)
+    self.stat = learned.usable_stat(self.stat, samples)
+    self.stat_decode = learned.usable_stat(self.stat_decode, samples)
     by_class, by_decode = {}, {}
     for s in samples:
       alone = self.db.seconds(s.get("fp"))

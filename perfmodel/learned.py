@@ -69,6 +69,12 @@ def stats_of(samples: list) -> tuple:
   return tuple(st for st in STATS if samples and all(st in s for s in samples)) or ("t",)
 
 
+def usable_stat(stat: str, samples: list) -> str:
+  """``stat`` where every sample carries it, else p25 ("t"): samples written before the statistic was stored (or
+  by hand, in tests) can only be priced at their p25, whatever the profile chose."""
+  return stat if stat == "t" or stat in stats_of(samples) else "t"
+
+
 def base_class(n: Node) -> str:
   """The class without the decode context."""
   if n.kind == "dot":
@@ -143,6 +149,7 @@ class Learned:
       samples = load_samples(hw, path)
     # a sample of a sampler program serves decode queries (its ``@decode`` class) and, like every sample,
     # queries of its training class
+    self.stat, self.stat_decode = usable_stat(self.stat, samples), usable_stat(self.stat_decode, samples)
     self.by_class = {}
     for s in samples:
       self.by_class.setdefault(strip_context(s["cls"]), []).append(s)

@@ -67,6 +67,10 @@ def test_the_ratio_uses_the_statistic_calibration_chose(tmp_path):
   h = hybrid.Hybrid(hardware.load("cpu"), [{**s, "cls": s["cls"] + learned.DECODE}], db, k=1, stat="t",
                     stat_decode="tm")
   assert abs(h.price(dataclasses.replace(node, decode=True)).seconds - 8e-5) < 1e-12
+  # samples without the chosen statistic are priced at their p25
+  plain = _sample(node, "a", 1e-4)
+  assert abs(hybrid.Hybrid(hardware.load("cpu"), [plain], db, k=1, stat="tm").price(node).seconds - 2e-5) < 1e-12
+  assert learned.Learned(hardware.load("cpu"), samples=[plain], stat="tm", stat_decode="t50").stat_decode == "t"
   lrn = learned.Learned(hardware.load("cpu"), samples=[s], k=1, beta=0.0, stat="t50")
   assert abs(lrn.price(node).seconds / learned.Learned(hardware.load("cpu"), samples=[s], k=1, beta=0.0,
                                                        stat="t").price(node).seconds - 2.0) < 1e-9
