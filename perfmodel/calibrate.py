@@ -319,8 +319,9 @@ def _node_stage(quick: bool, prof_path: str = None, step_rounds: int = STEP_ROUN
   spath = learned.samples_path(hw.name)
   os.makedirs(os.path.dirname(spath), exist_ok=True)
   with open(spath, "w") as f:
-    json.dump({"meta": {"source": src, "method": "XLA TraceMe per thunk, p25 (t), median (t50), mean (tm) of occurrences, calibration suite "
-                        "perfmodel/suite.py:CALIBRATION(+_INFER)", "features_version": learned.FEATURES_VERSION},
+    json.dump({"meta": {"source": src, "method": "XLA TraceMe per thunk, p25 (t), median (t50), mean (tm) of "
+                        "occurrences, calibration suite perfmodel/suite.py:CALIBRATION(+_INFER)",
+                        "features_version": learned.FEATURES_VERSION},
                "samples": res["samples"]}, f)
   cal = base["calibration"]["value"]
   for key in STALE_AFTER_STEPS:  # fitted on the step times this calibration replaces

@@ -39,24 +39,23 @@ class Hybrid:
   name = "hybrid"
 
   def __init__(self, hw: HardwareProfile, samples: Optional[list] = None, db: Optional[Profiled] = None,
-               k: Optional[int] = None, k_decode: Optional[int] = None, decode_pools: bool = True,
-               stat: Optional[str] = None, stat_decode: Optional[str] = None):
+               k: Optional[int] = None, k_decode: Optional[int] = None, stat: Optional[str] = None,
+               stat_decode: Optional[str] = None):
     self.k = int(k if k is not None else hw.calibration.get("hybrid_k", 4))
     self.k_decode = int(k_decode if k_decode is not None else hw.calibration.get("hybrid_k_decode", self.k))
-    # the statistic of the in-program samples (learned.STATS) in the ratios of other nodes and of decode nodes
-    self.stat = stat or hw.calibration.get("hybrid_stat", "t")
-    self.stat_decode = stat_decode or hw.calibration.get("hybrid_stat_decode", self.stat)
     self.db = db if db is not None else Profiled(hw)
     if samples is None:
       samples = learned.load_samples(hw)
-    self.stat = learned.usable_stat(self.stat, samples)
-    self.stat_decode = learned.usable_stat(self.stat_decode, samples)
+    # the statistic of the in-program samples (learned.STATS) in the ratios of other nodes and of decode nodes
+    stat = stat or hw.calibration.get("hybrid_stat", "t")
+    self.stat = learned.usable_stat(stat, samples)
+    self.stat_decode = learned.usable_stat(stat_decode or hw.calibration.get("hybrid_stat_decode", stat), samples)
     by_class, by_decode = {}, {}
     for s in samples:
       alone = self.db.seconds(s.get("fp"))
       if alone and alone > 0 and s["t"] > 0:
         by_class.setdefault(learned.strip_context(s["cls"]), []).append((s["f"], s[self.stat] / alone))
-        if decode_pools and s["cls"].endswith(learned.DECODE):
+        if s["cls"].endswith(learned.DECODE):
           by_decode.setdefault(learned.strip_context(s["cls"]), []).append((s["f"], s[self.stat_decode] / alone))
     self.arrays = _arrays(by_class)
     # a decode loop's node draws its ratio from the sampler programs' samples (as the learned backend prices it,

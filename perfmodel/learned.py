@@ -72,7 +72,7 @@ def stats_of(samples: list) -> tuple:
 def usable_stat(stat: str, samples: list) -> str:
   """``stat`` where every sample carries it, else p25 ("t"): samples written before the statistic was stored (or
   by hand, in tests) can only be priced at their p25, whatever the profile chose."""
-  return stat if stat == "t" or stat in stats_of(samples) else "t"
+  return stat if stat == "t" or (samples and all(stat in s for s in samples)) else "t"
 
 
 def base_class(n: Node) -> str:
@@ -141,15 +141,15 @@ class Learned:
     self.k_decode = int(k_decode if k_decode is not None else hw.calibration.get("learned_k_decode", k))
     self.beta_decode = float(beta_decode if beta_decode is not None else hw.calibration.get("learned_beta_decode",
                                                                                              beta))
-    # stat, stat_decode: the statistic (STATS) of the samples that price other nodes and decode nodes
-    self.stat = stat or hw.calibration.get("learned_stat", "t")
-    self.stat_decode = stat_decode or hw.calibration.get("learned_stat_decode", self.stat)
     self.phys = Calibrated(hw)
     if samples is None:
       samples = load_samples(hw, path)
+    # stat, stat_decode: the statistic (STATS) of the samples that price other nodes and decode nodes
+    stat = stat or hw.calibration.get("learned_stat", "t")
+    self.stat = usable_stat(stat, samples)
+    self.stat_decode = usable_stat(stat_decode or hw.calibration.get("learned_stat_decode", stat), samples)
     # a sample of a sampler program serves decode queries (its ``@decode`` class) and, like every sample,
     # queries of its training class
-    self.stat, self.stat_decode = usable_stat(self.stat, samples), usable_stat(self.stat_decode, samples)
     self.by_class = {}
     for s in samples:
       self.by_class.setdefault(strip_context(s["cls"]), []).append(s)
