@@ -35,6 +35,12 @@ STALE_AFTER_STEPS = ("composition_profiled", "calibration_loo_profiled", "calibr
 # rounds of the calibration programs' step measurement (pool_step_rounds); about 11 minutes each on this host
 # (a calibration with 3 took 47 minutes, 22:23-23:10 on 2026-12-01; --step-rounds 1: about 25)
 STEP_ROUNDS = 3
+# fresh processes the one-device calibration programs' nodes are traced in (calibrate_nodes.pool_traced), a few
+# minutes each. Why (session 26): one program's in-program node times moved together by up to 1.45x between
+# fresh processes (decode_b8_wide's loop body: 392-568 us summed; across three trace children the decode
+# programs' in-program/alone sums spread 3-41%) while its TPOT stayed within 10% (750-823 us): a sample taken in
+# one process carried that process's offset into every ratio the hybrid backend drew from it.
+TRACE_ROUNDS = 3
 
 
 def run(quick: bool = False, out_path: str = None, nodes: bool = True, nodes_only: bool = False,
@@ -296,6 +302,12 @@ def _trace_child(prof_path: str) -> dict:
                     {"profile": os.path.abspath(prof_path), "trace_reps": 2}, 1, "calibration trace child")
 
 
+def _traced_rounds(prof_path: str, rounds: int = TRACE_ROUNDS) -> dict:
+  """Node samples pooled over ``rounds`` fresh trace children (calibrate_nodes.pool_traced)."""
+  from perfmodel import calibrate_nodes  # noqa: PLC0415
+  return calibrate_nodes.pool_traced([_trace_child(prof_path) for _ in range(max(1, rounds))])
+
+
 def _node_stage(quick: bool, prof_path: str = None, step_rounds: int = STEP_ROUNDS) -> dict:
   """Second stage: real calibration programs traced per node (learned backend + step composition); uses the
   curves already in the profile for the learned backend's physical estimates."""
@@ -312,7 +324,7 @@ def _node_stage(quick: bool, prof_path: str = None, step_rounds: int = STEP_ROUN
   step_times = None
   if not quick:
     step_times, ref, refs, windows = pool_step_rounds([_step_times_child(quick) for _ in range(max(1, step_rounds))])
-  traced = _trace_child(prof_path) if step_times else None
+  traced = _traced_rounds(prof_path) if step_times else None
   res = calibrate_nodes.run(hw, reps=3 if quick else 5, trace_reps=2, entries=None,
                             log=lambda m: print(m, file=sys.stderr, flush=True), step_times=step_times,
                             traced=traced)

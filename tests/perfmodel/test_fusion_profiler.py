@@ -293,3 +293,19 @@ def test_entries_older_than_the_last_profiled_calibration_are_stale():
   assert fp.stale_before(at()) is None
   assert fp.stale_before(at(date="2026-12-02T20:15:15")) == "2026-12-02T20:15:15"
   assert fp.stale_before(at(date="2026-12-02T20:15:15", profiled_date="2026-12-03T02:40:00")) == "2026-12-03T02:40:00"
+
+
+def test_profile_program_times_the_nodes_of_every_branch_of_a_conditional(tmp_path):
+  def fn(p, x):
+    return jax.lax.cond(p, lambda v: jnp.tanh(v @ v).sum(), lambda v: jnp.exp(v * 3.0).max(), x)
+  x = jax.ShapeDtypeStruct((32, 32), jnp.float32)
+  text = jax.jit(fn).lower(jax.ShapeDtypeStruct((), jnp.bool_), x).compile().as_text()
+  g = G.from_hlo_text(text, 1)
+  conds = [n for r in g.regions.values() for n in r.nodes if n.branches]
+  assert conds and len(conds[0].branches) == 2
+  in_branches = {n.fingerprint for b in conds[0].branches for n in g.regions[b].nodes if n.kind in G.COMPUTE_KINDS}
+  first_only = {n.fingerprint for n, _ in g.walk() if n.kind in G.COMPUTE_KINDS}
+  assert not in_branches <= first_only  # the walk of an unresolved conditional misses a branch
+  res = fp.profile_program(text, 1, path=str(tmp_path / "db.json"), passes=1)
+  entries = json.loads((tmp_path / "db.json").read_text())["entries"]
+  assert in_branches and all(f in entries for f in in_branches), res["skipped"]
