@@ -35,7 +35,7 @@ STALE_AFTER_STEPS = ("composition_profiled", "calibration_loo_profiled", "calibr
 # rounds of the calibration programs' step measurement (pool_step_rounds); about 11 minutes each on this host
 # (a calibration with 3 took 47 minutes, 22:23-23:10 on 2026-12-01; --step-rounds 1: about 25)
 STEP_ROUNDS = 3
-# fresh processes the one-device calibration programs' nodes are traced in (calibrate_nodes.pool_traced), a few
+# fresh processes the one-device calibration programs' nodes are traced in (pool_traced), a few
 # minutes each. Why (session 26): one program's in-program node times moved together by up to 1.45x between
 # fresh processes (decode_b8_wide's loop body: 392-568 us summed; across three trace children the decode
 # programs' in-program/alone sums spread 3-41%) while its TPOT stayed within 10% (750-823 us): a sample taken in
@@ -294,6 +294,31 @@ def pool_step_rounds(rounds: list) -> tuple:
   return out, ref, refs, all_windows
 
 
+def pool_traced(rounds: list) -> dict:
+  """{program: node samples} pooled over several trace children's {program: node samples}: a node's statistics
+  (learned.STATS) are the medians over the children that timed it; every other field is the first child's.
+  Why (session 26, perfmodel/JOURNAL.md): in-program node times moved together by up to 1.45x between fresh
+  processes while the program's own step time did not, so one child's samples carry that child's offset."""
+  from perfmodel import learned  # noqa: PLC0415
+  out = {}
+  for prog in dict.fromkeys(p for r in rounds for p in r):
+    by_name = {}
+    for r in rounds:
+      for s in r.get(prog, []):
+        by_name.setdefault(s["name"], []).append(s)
+    pooled = []
+    for ss in by_name.values():
+      s = dict(ss[0])
+      for stat in learned.STATS:
+        xs = [x[stat] for x in ss if stat in x]
+        if xs:
+          s[stat] = float(statistics.median(xs))
+      s["children"] = len(ss)
+      pooled.append(s)
+    out[prog] = pooled
+  return out
+
+
 def _trace_child(prof_path: str) -> dict:
   """Node samples of the one-device calibration programs, traced in a fresh process with exactly one virtual
   device (calibrate_nodes.trace_programs)."""
@@ -302,10 +327,6 @@ def _trace_child(prof_path: str) -> dict:
                     {"profile": os.path.abspath(prof_path), "trace_reps": 2}, 1, "calibration trace child")
 
 
-def _traced_rounds(prof_path: str, rounds: int = TRACE_ROUNDS) -> dict:
-  """Node samples pooled over ``rounds`` fresh trace children (calibrate_nodes.pool_traced)."""
-  from perfmodel import calibrate_nodes  # noqa: PLC0415
-  return calibrate_nodes.pool_traced([_trace_child(prof_path) for _ in range(max(1, rounds))])
 
 
 def _node_stage(quick: bool, prof_path: str = None, step_rounds: int = STEP_ROUNDS) -> dict:
@@ -324,7 +345,7 @@ def _node_stage(quick: bool, prof_path: str = None, step_rounds: int = STEP_ROUN
   step_times = None
   if not quick:
     step_times, ref, refs, windows = pool_step_rounds([_step_times_child(quick) for _ in range(max(1, step_rounds))])
-  traced = _traced_rounds(prof_path) if step_times else None
+  traced = pool_traced([_trace_child(prof_path) for _ in range(TRACE_ROUNDS)]) if step_times else None
   res = calibrate_nodes.run(hw, reps=3 if quick else 5, trace_reps=2, entries=None,
                             log=lambda m: print(m, file=sys.stderr, flush=True), step_times=step_times,
                             traced=traced)

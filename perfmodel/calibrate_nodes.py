@@ -314,31 +314,6 @@ def trace_programs(prof_path: str, trace_reps: int = 3) -> dict:
   return out
 
 
-def pool_traced(rounds: list) -> dict:
-  """{program: node samples} pooled over several trace children's {program: node samples}: a node's statistics
-  (learned.STATS) are the medians over the children that timed it; every other field is the first child's.
-  Why (session 26, perfmodel/JOURNAL.md): in-program node times moved together by up to 1.45x between fresh
-  processes while the program's own step time did not, so one child's samples carry that child's offset."""
-  from perfmodel import learned  # noqa: PLC0415
-  out = {}
-  for prog in dict.fromkeys(p for r in rounds for p in r):
-    by_name = {}
-    for r in rounds:
-      for s in r.get(prog, []):
-        by_name.setdefault(s["name"], []).append(s)
-    pooled = []
-    for ss in by_name.values():
-      s = dict(ss[0])
-      for stat in learned.STATS:
-        xs = [x[stat] for x in ss if stat in x]
-        if xs:
-          s[stat] = float(statistics.median(xs))
-      s["children"] = len(ss)
-      pooled.append(s)
-    out[prog] = pooled
-  return out
-
-
 def _cfg_infer(entry):
   from perfmodel.validate import _merge
   cfg = from_dict(_merge(suite.BASE, entry))

@@ -462,7 +462,7 @@ def test_calibration_step_rounds_pool_to_the_median_at_one_reference_speed():
 
 
 def test_node_samples_pool_to_the_median_over_trace_children():
-  from perfmodel import calibrate_nodes
+  from perfmodel import calibrate
   def child(scale, extra=False):
     ss = [{"prog": "p", "name": "dot.1", "cls": "dot", "fp": "a", "t": 1.0 * scale, "t50": 1.5 * scale, "tm": 2.0 * scale},
           {"prog": "p", "name": "fusion.2", "cls": "fusion:kLoop", "fp": "b", "t": 4.0 * scale, "t50": 5.0 * scale}]
@@ -470,7 +470,7 @@ def test_node_samples_pool_to_the_median_over_trace_children():
       ss.append({"prog": "p", "name": "copy.3", "cls": "copy", "fp": "c", "t": 9.0, "t50": 9.0, "tm": 9.0})
     return {"p": ss, "q": [dict(ss[0], prog="q")]}
   # the middle child is 1.45x slow throughout (a process offset): the median child wins, not the mean
-  out = calibrate_nodes.pool_traced([child(1.0), child(1.45, extra=True), child(1.1)])
+  out = calibrate.pool_traced([child(1.0), child(1.45, extra=True), child(1.1)])
   by = {s["name"]: s for s in out["p"]}
   assert by["dot.1"]["t"] == pytest.approx(1.1) and by["dot.1"]["t50"] == pytest.approx(1.65)
   assert by["dot.1"]["tm"] == pytest.approx(2.2) and by["dot.1"]["children"] == 3
@@ -478,5 +478,5 @@ def test_node_samples_pool_to_the_median_over_trace_children():
   assert by["copy.3"]["t"] == 9.0 and by["copy.3"]["children"] == 1  # timed by one child only: kept as it was
   assert [s["name"] for s in out["q"]] == ["dot.1"] and out["q"][0]["t"] == pytest.approx(1.1)
   # one child: its samples unchanged
-  one = calibrate_nodes.pool_traced([child(1.3)])
+  one = calibrate.pool_traced([child(1.3)])
   assert one["p"][0]["t"] == pytest.approx(1.3) and one["p"][1]["t50"] == pytest.approx(6.5)
