@@ -7,7 +7,8 @@ Micro-benchmarks only (never the validation configs, so validation stays an hone
   * per-node overhead: a scanned loop of tiny dots, divided by the nodes its compiled body has;
   * step overhead: dispatch of a trivial jitted call;
   * host parallelism: the same per-device matmul work on 1 vs 2 virtual devices;
-  * collectives: in-process all-reduce / all-gather over 2 virtual devices, 1 KB..16 MB.
+  * collectives: in-process all-reduce / all-gather / collective-permute over 2 virtual devices, 1 KB..16 MB,
+    each the marginal cost of one inside a program (8 chained in a loop, minus the loop without them).
 Writes ``perfmodel/profiles/cpu.json`` (values with sources = this calibration) and prints JSON.
 """
 from __future__ import annotations
@@ -124,22 +125,13 @@ def run(quick: bool = False, out_path: str = None, nodes: bool = True, nodes_onl
 
   coll = {}
   if len(jax.devices()) >= 2:
-    mesh = jax.make_mesh((2,), ("d",), axis_types=(jax.sharding.AxisType.Auto,), devices=jax.devices()[:2])
-    for kind in ("all-reduce", "all-gather"):
-      pts = []
-      for n in ([2 ** p for p in range(8, 23, 2)] if not quick else [2 ** 10, 2 ** 18]):
-        x = jax.device_put(jnp.ones((2 * n,), jnp.float32), NamedSharding(mesh, P("d")))
-        if kind == "all-reduce":
-          body = lambda v: jax.lax.psum(v, "d")  # noqa: E731
-          payload = 4.0 * n
-        else:
-          body = lambda v: jax.lax.all_gather(v, "d", tiled=True)  # noqa: E731
-          payload = 8.0 * n
-        fn = jax.jit(jax.shard_map(body, mesh=mesh, in_specs=P("d"), out_specs=P("d") if kind == "all-reduce" else P(),
-                                   check_vma=False))
-        r = bench.time_fn(fn, x, reps=reps, min_time=0.05)
-        pts.append([payload, max(1e-7, bench.seconds(r) - step_overhead)])
-      coll[kind] = pts
+    # each collective's marginal cost inside a program (perfmodel/collective_bench.py: k chained in one loop,
+    # minus the loop without them), not a lone jitted call's, which carries the call's dispatch
+    from perfmodel import collective_bench
+    mesh = jax.make_mesh((2,), ("x",), axis_types=(jax.sharding.AxisType.Explicit,), devices=jax.devices()[:2])
+    sizes = [4 ** p for p in range(5, 13)] if not quick else [4 ** 5, 4 ** 9]
+    for kind in collective_bench.KINDS:
+      coll[kind] = collective_bench.marginal_curve(mesh, kind, sizes, k=8, reps=5 if quick else 15)
     coll["reduce-scatter"] = [[s, t] for s, t in coll["all-gather"]]
 
   src = (f"python -m perfmodel calibrate on {platform.node()} {datetime.date.today().isoformat()}, "
@@ -156,7 +148,8 @@ def run(quick: bool = False, out_path: str = None, nodes: bool = True, nodes_onl
       "transcendental_rate": {"value": trans_rate, "source": src + ": exp over 4M f32"},
       "dot_curve": {"value": dot_curve, "source": src},
       "stream_curve": {"value": stream_curve, "source": src},
-      "collective_curve": {"value": coll, "source": src + ": in-process psum / all_gather over 2 virtual devices"},
+      "collective_curve": {"value": coll, "source": src + ": in-process psum / all_gather / ppermute over 2 virtual "
+                                                                "devices, marginal cost of 8 chained in one program"},
       "calibrated": {"value": True, "source": src},
       "calibration": {"value": {"date": datetime.datetime.now().isoformat(timespec="seconds"), "host": platform.node(),
                                 "jax": jax.__version__, "vector_flops_per_s": vector_rate, "skinny_dim": skinny_dim,

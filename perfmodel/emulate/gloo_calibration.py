@@ -39,6 +39,8 @@ import sys
 import time
 from typing import Optional
 
+from perfmodel.collective_bench import issue as _issue, local_elems as _local_elems
+
 DEFAULT_PATH = os.path.join(os.path.dirname(__file__), "calibration", "cpu_gloo.json")
 KINDS = ("all-reduce", "all-gather", "reduce-scatter", "collective-permute")
 SIZES = tuple(4 ** p for p in range(5, 13))  # 1 KB .. 16 MB
@@ -63,28 +65,6 @@ def _init_child(coord: str, pid: int):
   jax.config.update("jax_cpu_collectives_implementation", "gloo")
   jax.distributed.initialize(coordinator_address=coord, num_processes=2, process_id=pid)
   return jax.make_mesh((2,), ("x",), axis_types=(jax.sharding.AxisType.Explicit,))
-
-
-def _local_elems(kind: str, size: float) -> int:
-  """f32 elements per process for payload ``size`` (perfmodel convention: AR/permute operand, AG result,
-  RS operand)."""
-  return max(1, int(size) // (8 if kind in ("all-gather", "reduce-scatter") else 4))
-
-
-def _issue(kind: str, vs: tuple, locals_) -> tuple:
-  """The collective ``kind`` over axis 'x' on buffers ``vs``, issued together (one multi-operand psum /
-  ppermute, as a program's combined call)."""
-  import jax  # noqa: PLC0415
-  import jax.numpy as jnp  # noqa: PLC0415
-  if not vs:
-    return ()
-  if kind == "all-reduce":
-    return tuple(v * 0.5 for v in jax.lax.psum(vs, "x"))
-  if kind == "all-gather":
-    return tuple(jax.lax.all_gather(v, "x", tiled=True)[:n] * 0.5 for v, n in zip(vs, locals_))
-  if kind == "reduce-scatter":
-    return tuple(jax.lax.psum_scatter(jnp.concatenate([v, v]), "x", tiled=True) * 0.5 for v in vs)
-  return tuple(v * 0.5 for v in jax.lax.ppermute(vs, "x", [(0, 1), (1, 0)]))
 
 
 def _interleaved_medians(fns, args, reps: int) -> list:

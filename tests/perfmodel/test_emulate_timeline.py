@@ -256,3 +256,35 @@ def test_partial_gloo_calibrations_keep_one_flat_source_per_kind():
   assert old["source"].startswith("run F (kinds all-reduce;") and "run E" not in old["source"]
   full = gc.merge_partial({"curves": {k: [] for k in gc.KINDS}, "source": "run G"}, None, gc.KINDS)
   assert set(full["source_by_kind"].values()) == {"run G"}
+
+
+def test_a_graphs_collective_permute_is_priced_from_a_measured_curve_when_the_profile_has_one():
+  """Prediction (node_cost) and emulation (cost) price a permute alike: from the host's measured curve when
+  there is one (calibrate's in-program marginal cost), from the link levels' latency and bandwidth otherwise."""
+  from perfmodel.graph import CollectiveInfo
+  info = CollectiveInfo("collective-permute", 2, 1, 65536.0, "{{0,1},{1,0}}", n_devices=2)
+  base = hardware.load("cpu")
+  linked = dataclasses.replace(base, collective_curve={})
+  c = collectives.node_cost(info, linked)
+  assert c.algorithm == "direct" and c.seconds > 0
+  hw = dataclasses.replace(base, collective_curve={"collective-permute": [[1024.0, 1e-5], [1048576.0, 9e-5]]})
+  m = collectives.node_cost(info, hw)
+  assert m.algorithm == "measured"
+  assert np.isclose(m.seconds, hardware.interp_log(hw.collective_curve["collective-permute"], 65536.0))
+  assert np.isclose(m.seconds, collectives.cost("collective-permute", 65536.0, (0, 1), hw).seconds)
+
+
+def test_in_process_collective_curves_are_the_marginal_cost_inside_a_program():
+  """calibrate's curves: k chained collectives minus the same loop without them; positive, and growing with the
+  payload from 4 KB to 16 MB (a 16 MB all-reduce moves 4096x the bytes of a 4 KB one)."""
+  from perfmodel import collective_bench
+  mesh = jax.make_mesh((2,), ("x",), axis_types=(jax.sharding.AxisType.Explicit,), devices=jax.devices()[:2])
+  x = jax.device_put(np.arange(2 * 64, dtype=np.float32),
+                     jax.sharding.NamedSharding(mesh, jax.sharding.PartitionSpec("x")))
+  for kind in collective_bench.KINDS:
+    with_c = collective_bench.chained(mesh, kind, 64, 3, True)(x)
+    without = collective_bench.chained(mesh, kind, 64, 3, False)(x)
+    assert with_c.shape == without.shape == x.shape
+    assert not np.allclose(with_c, without)  # the collective ran: the devices' halves mixed
+    pts = collective_bench.marginal_curve(mesh, kind, [4 ** 6, 4 ** 12], k=4, reps=3)
+    assert all(t > 0 for _, t in pts) and pts[1][1] > pts[0][1]
