@@ -175,9 +175,8 @@ def _permute_cost(S, pair, hw) -> CollectiveCost:
   # A curve measured on this host (calibrate: in-process, marginal inside a program; gloo: 2 processes) before
   # the link model: between two virtual devices a permute is a copy and a rendezvous, about 16 us at 64 KB
   # against ~83 us from the cpu profile's link latency and bandwidth (perfmodel/JOURNAL.md, session 26).
-  measured = hw.collective_curve.get("collective-permute") if hw.collective_curve else None
-  if measured and S > 0:
-    return CollectiveCost(interp_log(measured, S), "measured", "loopback")
+  if hw.collective_curve and hw.collective_curve.get("collective-permute"):
+    return cost("collective-permute", S, tuple(pair), hw)
   levels = list(hw.links)
   if not levels:
     return CollectiveCost(0.0, "none", "")

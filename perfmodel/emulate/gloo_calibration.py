@@ -39,7 +39,7 @@ import sys
 import time
 from typing import Optional
 
-from perfmodel.collective_bench import issue as _issue, local_elems as _local_elems
+from perfmodel import collective_bench
 
 DEFAULT_PATH = os.path.join(os.path.dirname(__file__), "calibration", "cpu_gloo.json")
 KINDS = ("all-reduce", "all-gather", "reduce-scatter", "collective-permute")
@@ -97,7 +97,8 @@ def _child(coord: str, pid: int, reps: int, k: int, burst_dim: int = 0, kinds: t
         # compute burst; its result feeds the payloads (x + 0*m) so the collectives wait for it
         m = jnp.tanh(m @ m) * 0.5
         xs = tuple(x + 0.0 * m[0, 0] for x in xs)
-      return _issue(kind, xs[:n_coll], [local_elems] * n_coll) + tuple(x * 0.5 + 1.0 for x in xs[n_coll:]), m
+      done = collective_bench.issue(kind, xs[:n_coll], [local_elems] * n_coll)
+      return done + tuple(x * 0.5 + 1.0 for x in xs[n_coll:]), m
 
     def body(*vs):
       m0 = jnp.full((max(1, burst_dim),) * 2, 0.01, jnp.float32) + jax.lax.axis_index("x").astype(jnp.float32)
@@ -109,7 +110,7 @@ def _child(coord: str, pid: int, reps: int, k: int, burst_dim: int = 0, kinds: t
   for kind in kinds:
     pts = []
     for size in SIZES:
-      local = _local_elems(kind, size)
+      local = collective_bench.local_elems(kind, size)
       xs = [jax.device_put(np.ones((2 * local,), np.float32), NamedSharding(mesh, P("x"))) for _ in range(MANY)]
       # one collective, none, MANY issued together
       one_s, none_s, many_s = _interleaved_medians([make(kind, local, n) for n in (1, 0, MANY)], xs, reps)
@@ -139,7 +140,7 @@ def _replay_child(coord: str, pid: int, spec_path: str) -> None:
       m = jnp.full((BURST_DIM, BURST_DIM), 0.01, jnp.float32) + jax.lax.axis_index("x").astype(jnp.float32)
       m = jax.lax.fori_loop(0, iters, lambda i, m: jnp.tanh(m @ m) * 0.5, m)
       vs = tuple(v + 0.0 * m[0, 0] for v in vs)  # the payload is written after the compute, as in a step
-      return _issue(kind, vs, locals_) if real else tuple(v * 0.5 for v in vs)
+      return collective_bench.issue(kind, vs, locals_) if real else tuple(v * 0.5 for v in vs)
     sp = (P("x"),) * len(locals_)
     return jax.jit(jax.shard_map(body, mesh=mesh, in_specs=sp, out_specs=sp, check_vma=False))
 
@@ -153,7 +154,7 @@ def _replay_child(coord: str, pid: int, spec_path: str) -> None:
   out = []
   for call in spec:
     kind = call["kind"]
-    locals_ = [_local_elems(kind, s_) for s_ in call["sizes"]]
+    locals_ = [collective_bench.local_elems(kind, s_) for s_ in call["sizes"]]
     xs = [jax.device_put(np.ones((2 * n,), np.float32), NamedSharding(mesh, P("x"))) for n in locals_]
     iters = max(1, int(round(min(call["burst_s"], REPLAY_MAX_BURST_S) / per_iter)))
     with_s, without_s = _interleaved_medians([make(kind, locals_, iters, real) for real in (True, False)], xs,
