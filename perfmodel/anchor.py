@@ -35,8 +35,10 @@ def measure(hw_name: str = "cpu", reps: int = 7, rounds: int = 2) -> dict:
   if not refs:
     raise RuntimeError(f"profile {hw.name!r} has no calibration step times for the anchors {suite.ANCHORS}: "
                        "run `python -m perfmodel calibrate` first")
+  from perfmodel.rounds import with_statistic  # noqa: PLC0415
+  stat = hw.calibration.get("step_statistic", "median")  # as the calibration's step times were read
   got = [validate.measure_isolated(None, list(refs), 1, reps, probe=False) for _ in range(max(1, rounds))]
-  measured = {n: statistics.median(g[n]["measured_s"] for g in got) for n in refs}
+  measured = {n: statistics.median(with_statistic(g[n], stat)["measured_s"] for g in got) for n in refs}
   f, ratios = factor(measured, refs)
   return {"factor": f, "ratios": {n: round(r, 4) for n, r in ratios.items()},
           "date": datetime.datetime.now().isoformat(timespec="seconds"),

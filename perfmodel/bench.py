@@ -119,10 +119,11 @@ def time_slope(fn1, fn2, x1: float, x2: float, reps: int = 9, block: int = 4, mi
   (decode_b4: 6.0-7.0 vs 4.7-4.8 ms), which is not the steady-state cost per token."""
   import jax
   wall, cpu = [], []
+  calls_w, calls_c = ([], []), ([], [])  # every timed call of fn1 / fn2, for the low-quantile slope
   t_start = time.perf_counter()
   while len(wall) < reps or (time.perf_counter() - t_start < min_time and len(wall) < max_reps):
     meds_w, meds_c = [], []
-    for fn in (fn1, fn2):
+    for i, fn in enumerate((fn1, fn2)):
       jax.block_until_ready(fn())
       ws, cs = [], []
       for _ in range(block):
@@ -132,26 +133,43 @@ def time_slope(fn1, fn2, x1: float, x2: float, reps: int = 9, block: int = 4, mi
         cs.append(time.process_time() - c)
       meds_w.append(statistics.median(ws))
       meds_c.append(statistics.median(cs))
+      calls_w[i].extend(ws)
+      calls_c[i].extend(cs)
     wall.append((meds_w[1] - meds_w[0]) / (x2 - x1))
     cpu.append((meds_c[1] - meds_c[0]) / (x2 - x1))
   out = _stats(wall)
   out["cpu"] = _stats(cpu)
+  # p10 statistic of a slope: the difference of the two programs' p10 call times (not the p10 of per-round
+  # slopes, which is a tail of a difference and biased low)
+  out["slope_of_p10"] = (_stats(calls_w[1])["p10"] - _stats(calls_w[0])["p10"]) / (x2 - x1)
+  out["cpu"]["slope_of_p10"] = (_stats(calls_c[1])["p10"] - _stats(calls_c[0])["p10"]) / (x2 - x1)
   out["clock"] = "wall"
   return out
 
 
-def seconds(r: dict, clock: str = "auto") -> float:
-  """The median of a time_fn result in the regime's clock: CPU time when pinned (auto), else wall."""
-  if clock == "auto":
-    clock = "cpu" if pinned() else "wall"
-  return r["cpu"]["median"] if clock == "cpu" else r["median"]
+# Statistics a step time can be read as (perfmodel/README.md, "Which statistic a step time is"): the median of the
+# timed calls, or their 10th percentile. A profile records the one its composition was fitted on
+# (``calibration.step_statistic``; profiles without it: median) and `validate` reads measurements in it.
+STATISTICS = ("median", "p10")
+
+
+def seconds(r: dict, clock: str = "auto", stat: str = "median") -> float:
+  """A time_fn / time_slope result in the regime's clock (CPU time when pinned, auto; else wall) as ``stat``:
+  the median, or the 10th percentile of the timed calls (of a slope: the slope between the two programs' p10s)."""
+  v = view(r, clock)
+  if stat == "median":
+    return v["median"]
+  if stat == "p10":
+    return v.get("slope_of_p10", v["p10"])
+  raise ValueError(f"unknown statistic {stat!r}: one of {STATISTICS}")
 
 
 def view(r: dict, clock: str = "auto") -> dict:
   """The stats of one clock (the sub-dict time_fn returns for it)."""
   if clock == "auto":
     clock = "cpu" if pinned() else "wall"
-  return r["cpu"] if clock == "cpu" else {k: r[k] for k in ("median", "p10", "p90", "min", "n")}
+  return r["cpu"] if clock == "cpu" else {k: r[k] for k in ("median", "p10", "p90", "min", "n", "slope_of_p10")
+                                          if k in r}
 
 
 def spread_pct(r: dict) -> float:

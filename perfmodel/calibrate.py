@@ -20,6 +20,7 @@ import platform
 import statistics
 
 from perfmodel import bench, hardware
+from perfmodel import rounds as rounds_lib
 
 
 def _median_rate(work, r):
@@ -36,6 +37,12 @@ STALE_AFTER_STEPS = ("composition_profiled", "calibration_loo_profiled", "calibr
 # rounds of the calibration programs' step measurement (pool_step_rounds); about 11 minutes each on this host
 # (a calibration with 3 took 47 minutes, 22:23-23:10 on 2026-12-01; --step-rounds 1: about 25)
 STEP_ROUNDS = 3
+# Which reading of a step time the composition is fitted on (bench.STATISTICS; ``calibrate --step-statistic``).
+# p10 since session 28: on this shared VM other tenants only ever slow a step down (contention for caches and
+# memory, which the CPU-time clock still counts), so the low tail of a program's call times is its speed with
+# the least contention, and it repeats far better than the median. Measured on boot 3018de72 (perfmodel/JOURNAL.md,
+# "Session 28"): the speed probe's median moved 21.3-25.9 ms across eight 15 s windows, its p10 19.96-21.21 ms.
+STEP_STATISTIC = "p10"
 # fresh processes the one-device calibration programs' nodes are traced in (pool_traced), a few
 # minutes each. Why (session 26): one program's in-program node times moved together by up to 1.45x between
 # fresh processes (decode_b8_wide's loop body: 392-568 us summed; across three trace children the decode
@@ -45,9 +52,11 @@ TRACE_ROUNDS = 3
 
 
 def run(quick: bool = False, out_path: str = None, nodes: bool = True, nodes_only: bool = False,
-        step_rounds: int = STEP_ROUNDS) -> dict:
+        step_rounds: int = STEP_ROUNDS, step_statistic: str = STEP_STATISTIC) -> dict:
+  if step_statistic not in bench.STATISTICS:
+    raise ValueError(f"step_statistic={step_statistic!r}: one of {bench.STATISTICS}")
   if nodes_only:
-    return _node_stage(quick, out_path, step_rounds)
+    return _node_stage(quick, out_path, step_rounds, step_statistic)
   import jax
   import jax.numpy as jnp
   from jax.sharding import NamedSharding, PartitionSpec as P
@@ -164,7 +173,7 @@ def run(quick: bool = False, out_path: str = None, nodes: bool = True, nodes_onl
   with open(prof_path, "w") as f:
     json.dump(base, f, indent=1)
   hw = hardware.load(prof_path)
-  node_cal = _node_stage(quick, prof_path, step_rounds)["nodes"] if nodes else None
+  node_cal = _node_stage(quick, prof_path, step_rounds, step_statistic)["nodes"] if nodes else None
   return {"profile": prof_path, "peak_f32_flops": peak, "dram_bw": stream_curve[-1][1], "launch_s": launch,
           "step_overhead_s": step_overhead, "vector_flops_per_s": vector_rate, "trans_per_s": trans_rate,
           "skinny_dim": skinny_dim, "host_parallelism": host_par, "noise_pct": statistics.median(noise),
@@ -216,10 +225,10 @@ def gate(snap: dict, loo_mape, max_loo: float = MAX_LOO_PCT, rejected_dir: str =
                      f"{rejected_dir}; rerun later, or pass --max-loo to accept it"}
 
 
-def _step_times_child(quick: bool) -> dict:
+def _step_times_child(quick: bool, stat: str = "median") -> dict:
   """Calibration programs' step times measured by validate's code in fresh processes, one per device count,
-  each with exactly that many virtual devices (validate.measure_isolated; same pinned core and XLA flags).
-  See calibrate_nodes.measure_steps."""
+  each with exactly that many virtual devices (validate.measure_isolated; same pinned core and XLA flags),
+  read in statistic ``stat`` (rounds.with_statistic). See calibrate_nodes.measure_steps."""
   if quick:
     return None
   from perfmodel import calibrate_nodes, suite  # noqa: PLC0415
@@ -234,10 +243,11 @@ def _step_times_child(quick: bool) -> dict:
     # each child is bracketed by one-device probes in fresh processes: the host's speed in its window (speed.py)
     before = speed.one_device_probe()
     got = measure_isolated(None, names, n, reps=7, probe=True, module="perfmodel.calibrate_nodes")
-    window = [before, speed.one_device_probe()]
+    after = speed.one_device_probe()
     for v in got.values():
-      v["window_probe_1dev_s"] = window
-    out.update(got)
+      for st in bench.STATISTICS:
+        (v if st == "median" else v[st])["window_probe_1dev_s"] = [before[st], after[st]]
+    out.update({name: rounds_lib.with_statistic(v, stat) for name, v in got.items()})
   return out
 
 
@@ -322,7 +332,8 @@ def _trace_child(prof_path: str) -> dict:
 
 
 
-def _node_stage(quick: bool, prof_path: str = None, step_rounds: int = STEP_ROUNDS) -> dict:
+def _node_stage(quick: bool, prof_path: str = None, step_rounds: int = STEP_ROUNDS,
+                step_statistic: str = STEP_STATISTIC) -> dict:
   """Second stage: real calibration programs traced per node (learned backend + step composition); uses the
   curves already in the profile for the learned backend's physical estimates."""
   import sys
@@ -337,7 +348,8 @@ def _node_stage(quick: bool, prof_path: str = None, step_rounds: int = STEP_ROUN
   ref, refs, windows = None, {}, {}
   step_times = None
   if not quick:
-    step_times, ref, refs, windows = pool_step_rounds([_step_times_child(quick) for _ in range(max(1, step_rounds))])
+    step_times, ref, refs, windows = pool_step_rounds([_step_times_child(quick, step_statistic)
+                                                       for _ in range(max(1, step_rounds))])
   traced = pool_traced([_trace_child(prof_path) for _ in range(TRACE_ROUNDS)]) if step_times else None
   res = calibrate_nodes.run(hw, reps=3 if quick else 5, trace_reps=2, entries=None,
                             log=lambda m: print(m, file=sys.stderr, flush=True), step_times=step_times,
@@ -366,9 +378,11 @@ def _node_stage(quick: bool, prof_path: str = None, step_rounds: int = STEP_ROUN
     cal["speed_probe_windows_1dev"] = {str(n): w for n, w in sorted(windows.items())}
     probes = [v["probe_s"] for v in step_times.values() if v.get("probe_s")]
     cal["speed_probe_source"] = (f"{src}: median of perfmodel.speed's probe timed around each calibration "
-                                 f"program ({len(step_times)} programs x {step_rounds} rounds, probe medians "
+                                 f"program ({len(step_times)} programs x {step_rounds} rounds, probe {step_statistic}s "
                                  f"{min(probes) * 1e3:.2f}-{max(probes) * 1e3:.2f} ms)")
     cal["step_rounds"] = step_rounds
+  # quick mode fits on steps timed in this process (calibrate_nodes.run), read as medians
+  cal["step_statistic"] = step_statistic if step_times else "median"
   with open(prof_path, "w") as f:
     json.dump(base, f, indent=1)
   return {"profile": prof_path, "nodes": {"samples": len(res["samples"]), "composition": res["composition"],

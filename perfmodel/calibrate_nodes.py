@@ -344,7 +344,7 @@ def measure_steps(names: list, reps: int = 7, probe: bool = True) -> dict:
     else:
       m, _ = _measure_infer_entry(validate_cfg(_cfg_infer(infer[name]), 1), infer[name], reps, prober)
     out[name] = {"measured_s": m["measured_s"], "noise_pct": m["noise_pct"], "probe_s": m["probe_s"],
-                 "host_malloc": host_memory.state()}
+                 "p10": m["p10"], "host_malloc": host_memory.state()}
   return out
 
 

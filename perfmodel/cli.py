@@ -136,7 +136,7 @@ def cmd_calibrate(a, overrides):
   prof = os.path.join(hardware.PROFILE_DIR, "cpu.json")
   snap = calibrate.snapshot([prof, learned.samples_path("cpu")])
   res = calibrate.run(quick=a.quick, nodes=not a.no_nodes, nodes_only=a.nodes_only,
-                      step_rounds=a.step_rounds or calibrate.STEP_ROUNDS)
+                      step_rounds=a.step_rounds or calibrate.STEP_ROUNDS, step_statistic=a.step_statistic)
   nodes = res.get("nodes") or {}
   res["gate"] = calibrate.gate(snap, None if a.quick else nodes.get("loo_mape"),
                               calibrate.MAX_LOO_PCT if a.max_loo is None else a.max_loo)
@@ -218,6 +218,10 @@ def main(argv=None):
   ca.add_argument("--step-rounds", type=int, default=None,
                   help="rounds of the calibration programs' step measurement, pooled by median (default "
                        "calibrate.STEP_ROUNDS = 3; about 11 minutes each here)")
+  ca.add_argument("--step-statistic", choices=("median", "p10"), default="p10",
+                  help="which reading of the calibration programs' step times the composition is fitted on (default "
+                       "p10: the 10th percentile of the timed calls, the least-contended speed of a shared host; "
+                       "perfmodel/README.md, 'Which statistic a step time is'); validate reads in the same one")
   ca.add_argument("--profiled", action="store_true",
                   help="after a calibration: time the calibration programs' instructions alone (profiled database) "
                        "and fit the composition for --backend profiled, with its own leave-one-out error")

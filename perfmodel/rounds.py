@@ -20,6 +20,46 @@ def load_rounds(path: str) -> list:
   return [d]
 
 
+def with_statistic(m: dict, stat: str) -> dict:
+  """One measurement read in statistic ``stat`` (bench.STATISTICS): the median is its top level, the p10 reading
+  (measured since session 28) replaces measured_s / noise_pct / rounds_s / probe_s (and the one-device window
+  probes of a calibration child) with its own. Raises for a p10 reading of a measurement taken before it existed:
+  mixing statistics would put the host's contention back into the comparison."""
+  if stat == "median":
+    return m
+  if stat not in m:
+    raise ValueError(f"this measurement has no {stat!r} reading (taken before session 28?): re-measure it, or "
+                     f"compare it with a profile whose step_statistic is 'median'")
+  return {**m, **m[stat], "statistic": stat}
+
+
+def round_spread_by_statistic(caches: list, train: list, infer: list) -> dict:
+  """{statistic: {"train": .., "tpot": ..}}: the median over configs of the spread between rounds ((max - min) /
+  median, percent) of each reading the rounds have for every config. How reproducible each statistic is on the
+  host of these rounds, side by side on the same calls; None with fewer than two rounds."""
+  from perfmodel.bench import STATISTICS  # noqa: PLC0415
+  if len(caches) < 2:
+    return None
+  out = {}
+  for stat in STATISTICS:
+    by_kind = {}
+    for kind, names in (("train", train), ("tpot", infer)):
+      spreads = []
+      for n in names:
+        ms = [c.get(n) for c in caches]
+        if any(m is None or (stat != "median" and stat not in m) for m in ms):
+          break
+        xs = [with_statistic(m, stat)["measured_s"] for m in ms]
+        med = statistics.median(xs)
+        spreads.append(100 * (max(xs) - min(xs)) / med if med > 0 else 0.0)
+      else:
+        if spreads:
+          by_kind[kind] = float(statistics.median(spreads))
+    if by_kind:
+      out[stat] = by_kind
+  return out
+
+
 def pool_rounds(ms: list) -> dict:
   """One config's measurement over rounds: the median of the rounds' medians; noise = the larger of the rounds'
   median noise and half the spread between rounds. ``rounds`` keeps each round's raw measurement."""

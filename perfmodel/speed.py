@@ -25,7 +25,7 @@ import statistics
 from perfmodel import bench
 
 PROBE_NAME = "speed_probe"
-PROBE_REPS = 5
+PROBE_REPS = 10  # 10 calls, so the p10 statistic is not simply the minimum of five
 
 
 class Probe:
@@ -41,23 +41,30 @@ class Probe:
     self._run = train_runner(cap, cfg)
     self.samples: list = []
 
-  def measure(self, reps: int = PROBE_REPS) -> float:
-    s = bench.seconds(bench.time_fn(self._run, reps=reps, warmup=1))
-    self.samples.append(s)
-    return s
+  def measure(self, reps: int = PROBE_REPS, stat: str = "median") -> float:
+    """The probe's step as ``stat`` (bench.STATISTICS); every statistic of this timing is kept in ``last``."""
+    r = bench.time_fn(self._run, reps=reps, warmup=1)
+    self.last = {st: bench.seconds(r, stat=st) for st in bench.STATISTICS}
+    self.samples.append(self.last["median"])
+    return self.last[stat]
 
   def around(self, fn):
-    """(fn(), probe seconds): the probe timed just before and just after fn, averaged."""
-    before = self.measure()
+    """(fn(), {statistic: probe seconds}): the probe timed just before and just after fn, averaged, in every
+    statistic (a measurement is read in one of them, and its probe must be read in the same one)."""
+    self.measure()
+    before = self.last
     out = fn()
-    return out, 0.5 * (before + self.measure())
+    self.measure()
+    return out, {st: 0.5 * (before[st] + self.last[st]) for st in bench.STATISTICS}
 
 
-def one_device_probe(reps: int = 2 * PROBE_REPS) -> float:
+def one_device_probe(reps: int = 2 * PROBE_REPS) -> dict:
   """The probe timed in a fresh process with exactly one virtual device (``python -m perfmodel.speed
-  --probe-child``): the host's speed at this moment, free of the device count of the process measuring."""
+  --probe-child``): the host's speed at this moment, free of the device count of the process measuring;
+  {statistic: seconds}."""
   from perfmodel.validate import child_json  # noqa: PLC0415
-  return float(child_json("perfmodel.speed", "--probe-child", {"reps": reps}, 1, "speed probe child")["probe_s"])
+  got = child_json("perfmodel.speed", "--probe-child", {"reps": reps}, 1, "speed probe child")
+  return {st: float(got[st]) for st in bench.STATISTICS}
 
 
 def device_references(ref_1: float, probes: dict, windows: dict) -> dict:
@@ -106,7 +113,8 @@ if __name__ == "__main__":
     req = json.loads(sys.argv[3])
     probe = Probe()
     probe.measure(reps=2)  # warm
+    probe.measure(reps=int(req.get("reps", 2 * PROBE_REPS)))
     with open(sys.argv[2], "w") as f:
-      json.dump({"probe_s": probe.measure(reps=int(req.get("reps", 2 * PROBE_REPS)))}, f)
+      json.dump(probe.last, f)
     sys.exit(0)
   sys.exit("usage: python -m perfmodel.speed --probe-child OUT JSON (run by perfmodel calibrate)")

@@ -22,7 +22,7 @@ import numpy as np
 
 from framework.config import from_dict, validate as validate_cfg
 from perfmodel import anchor, bench, capture, costs, fusion_profiler, hardware, predict
-from perfmodel.rounds import load_rounds, normalise_rounds, pool_rounds
+from perfmodel.rounds import load_rounds, normalise_rounds, pool_rounds, round_spread_by_statistic, with_statistic
 
 
 def _merge(base: dict, over: dict) -> dict:
@@ -99,24 +99,40 @@ def decode_loop(g, gen_len: int):
   return max(loops, key=lambda n: len(g.regions[n.body].nodes)) if loops else None
 
 
+def _both_statistics(r1: dict, r2: dict, probe: dict, extra: dict) -> dict:
+  """A measurement from two rounds' timings (time_fn or time_slope results), read as the median (top level, as
+  every stored set before session 28) and as the p10 statistic (under ``"p10"``, same keys): ``measured_s`` is
+  the mean of the two rounds, ``noise_pct`` the larger of the within-round spread (median only) and half the
+  drift between the rounds. rounds.with_statistic picks one."""
+  out = dict(extra)
+  for stat in bench.STATISTICS:
+    s1, s2 = bench.seconds(r1, stat=stat), bench.seconds(r2, stat=stat)
+    meas = (s1 + s2) / 2
+    drift = 50 * abs(s1 - s2) / meas if meas else 0.0
+    noise = max(bench.spread_pct(bench.view(r1)), bench.spread_pct(bench.view(r2)), drift) if stat == "median" \
+        else drift
+    m = {"measured_s": meas, "noise_pct": noise, "rounds_s": [s1, s2], "probe_s": probe[stat] if probe else None}
+    if stat == "median":
+      out.update(m)
+    else:
+      out[stat] = m
+  return out
+
+
 def _measure_train_entry(cfg, reps, probe=None):
-  """Two rounds of ``reps`` steps; with a speed.Probe, the probe is timed just before and after (``probe_s``)."""
+  """Two rounds of ``reps`` steps (at least 1 s each); with a speed.Probe, the probe is timed just before and
+  after (``probe_s``). Recorded in both statistics (:func:`_both_statistics`)."""
   cap = capture.train_step(cfg, keep_compiled=True)
 
   def rounds():
     return measure_train(cap, cfg, reps), measure_train(cap, cfg, reps)
   (r1, r2), probe_s = probe.around(rounds) if probe else (rounds(), None)
-  s1, s2 = bench.seconds(r1), bench.seconds(r2)
-  meas = (s1 + s2) / 2
-  # noise = the larger of the within-round spread and the half drift between the two rounds
-  noise = max(bench.spread_pct(bench.view(r1)), bench.spread_pct(bench.view(r2)), 50 * abs(s1 - s2) / meas)
-  return {"measured_s": meas, "noise_pct": noise, "wall_s": (r1["median"] + r2["median"]) / 2,
-          "rounds_s": [s1, s2], "probe_s": probe_s}, cap
+  return _both_statistics(r1, r2, probe_s, {"wall_s": (r1["median"] + r2["median"]) / 2}), cap
 
 
 def _measure_infer_entry(cfg, entry, reps, probe=None):
   """TPOT = slope of the sampler's time over two generation lengths, timed in alternating blocks
-  (bench.time_slope); noise = the larger of the slopes' spread and the half drift between two rounds."""
+  (bench.time_slope), two rounds, recorded in both statistics (:func:`_both_statistics`)."""
   g1, g2 = entry["gen_lens"]
   run1, _ = infer_runner(cfg, entry["batch"], entry["prompt_len"], g1)
   run2, cap2 = infer_runner(cfg, entry["batch"], entry["prompt_len"], g2)
@@ -124,10 +140,7 @@ def _measure_infer_entry(cfg, entry, reps, probe=None):
   def rounds():
     return [bench.time_slope(run1, run2, g1, g2, reps=reps, min_time=TPOT_MIN_TIME_S) for _ in range(2)]
   (r1, r2), probe_s = probe.around(rounds) if probe else (rounds(), None)
-  s1, s2 = bench.seconds(r1), bench.seconds(r2)
-  tpot = (s1 + s2) / 2
-  noise = max(bench.spread_pct(bench.view(r1)), bench.spread_pct(bench.view(r2)), 50 * abs(s1 - s2) / tpot)
-  return {"measured_s": tpot, "noise_pct": noise, "rounds_s": [s1, s2], "probe_s": probe_s}, cap2
+  return _both_statistics(r1, r2, probe_s, {}), cap2
 
 
 def _entry_cfg(suite, entry):
@@ -297,6 +310,10 @@ def run(suite_path=None, reps: int = 7, backend: str = "auto", png: str = None, 
       if missing:
         cache.update(measure_entries(suite_path, missing, reps, probe))
         save()
+  # every measurement is read in the statistic the profile's composition was fitted on (bench.STATISTICS)
+  stat = hw.calibration.get("step_statistic", "median") if hw.name == "cpu" else "median"
+  spread_by_stat = round_spread_by_statistic(caches, [e["name"] for e in entries], [e["name"] for e in infer_entries])
+  caches = [{n: with_statistic(m, stat) for n, m in c.items()} for c in caches]
   rows = []
   for entry in entries:
     cfg = from_dict(_merge(suite.BASE, entry))
@@ -360,7 +377,9 @@ def run(suite_path=None, reps: int = 7, backend: str = "auto", png: str = None, 
   if probe_anchored:
     anchored["probe_then_anchor_factor_by_round"] = probe_anchored
   out = {"mape": mape, "kendall_tau": kendall_tau(meas, prd), "n_configs": len(rows), "rounds": len(caches),
+         "statistic": stat,
          "round_spread_pct": (float(np.median([r["round_spread_pct"] for r in rows])) if len(caches) > 1 else None),
+         "round_spread_pct_by_statistic": spread_by_stat,
          "mape_speed_normalised": (float(np.mean([abs(r["err_at_ref_pct"]) for r in rows]))
                                    if normalised else None),
          "tpot_mape_speed_normalised": (float(np.mean([abs(r["err_at_ref_pct"]) for r in inf_rows]))
@@ -432,7 +451,8 @@ def _append_results(out, command_tail: str = ""):
     with open(path, "w") as f:
       f.write("# Benchmark results\n\n| date | command | machine | numbers |\n|---|---|---|---|\n")
   nums = {k: (round(v, 3) if isinstance(v, float) else v) for k, v in out.items()
-          if k in ("mape", "kendall_tau", "n_configs", "rounds", "round_spread_pct", "noise_pct", "top1_regret_pct",
+          if k in ("mape", "kendall_tau", "n_configs", "rounds", "statistic", "round_spread_pct", "noise_pct",
+                   "top1_regret_pct",
                    "tpot_mape", "tpot_noise_pct",
                    "peak_memory_max_err_pct_vs_memory_analysis", "load_avg", "clock", "calibration_loo_mape",
                    "mape_speed_normalised", "tpot_mape_speed_normalised", "mape_anchored", "tpot_mape_anchored",
