@@ -41,3 +41,20 @@ def test_tau_and_mape_count_the_suite_configs_only(tmp_path):
     assert p["tpot_mape"] == pytest.approx(0.0)
     assert p["train_mape"] > 0 and not p["same_session"]
   assert out["other_session"]["train_tau_at_least_0_9"] == 2 and out["same_session"] is None
+
+
+def test_the_p10_floor_reads_the_p10_reading_and_leaves_out_sets_without_it(tmp_path):
+  hf = _floor()
+  a = {n: 0.01 * (i + 1) for i, n in enumerate(TRAIN)}
+  _write(tmp_path / "perfmodel_measurements_s1_a.json", a, "boot1")  # median only (before session 28)
+  for name, noise in (("s2_a", 1.3), ("s2_b", 1.0)):  # medians differ by 30%, p10 readings agree
+    m = {n: {"measured_s": t * noise, "probe_s": 1.0, "noise_pct": 1.0, "regime": {"boot_id": "boot2"},
+             "p10": {"measured_s": t, "probe_s": 1.0, "noise_pct": 1.0}} for n, t in a.items()}
+    with open(tmp_path / f"perfmodel_measurements_{name}.json", "w") as f:
+      json.dump({"rounds": [m, m]}, f)
+  paths = sorted(str(p) for p in tmp_path.iterdir())
+  low = hf.perfmodel_floor(paths, statistic="p10")
+  assert low["sets"] == ["perfmodel_measurements_s2_a.json", "perfmodel_measurements_s2_b.json"]
+  assert low["same_session"]["train_mape"] == pytest.approx(0.0) and low["statistic"] == "p10"
+  med = hf.perfmodel_floor(paths)
+  assert len(med["sets"]) == 3 and med["same_session"]["train_mape"] > 20
