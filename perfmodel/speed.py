@@ -41,12 +41,12 @@ class Probe:
     self._run = train_runner(cap, cfg)
     self.samples: list = []
 
-  def measure(self, reps: int = PROBE_REPS, stat: str = "median") -> float:
-    """The probe's step as ``stat`` (bench.STATISTICS); every statistic of this timing is kept in ``last``."""
+  def measure(self, reps: int = PROBE_REPS) -> float:
+    """The probe's median step; every statistic of this timing (bench.STATISTICS) is kept in ``last``."""
     r = bench.time_fn(self._run, reps=reps, warmup=1)
     self.last = {st: bench.seconds(r, stat=st) for st in bench.STATISTICS}
     self.samples.append(self.last["median"])
-    return self.last[stat]
+    return self.last["median"]
 
   def around(self, fn):
     """(fn(), {statistic: probe seconds}): the probe timed just before and just after fn, averaged, in every
