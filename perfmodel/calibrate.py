@@ -32,7 +32,7 @@ def _median_rate(work, r):
 STALE_AFTER_STEPS = ("composition_profiled", "calibration_loo_profiled", "calibration_loo_profiled_mape",
                      "composition_profiled_source", "composition_hybrid", "calibration_loo_hybrid",
                      "calibration_loo_hybrid_mape", "hybrid_k", "hybrid_k_decode", "hybrid_stat",
-                     "hybrid_stat_decode", "composition_hybrid_source",
+                     "hybrid_stat_decode", "hybrid_wp", "hybrid_wp_decode", "composition_hybrid_source",
                      "speed_anchor")  # an anchor reads the host against the step times being replaced
 # rounds of the calibration programs' step measurement (pool_step_rounds); about 11 minutes each on this host
 # (a calibration with 3 took 47 minutes, 22:23-23:10 on 2026-12-01; --step-rounds 1: about 25)

@@ -117,6 +117,13 @@ def cmd_calibrate(a, overrides):
     from perfmodel.calibrate_nodes import LEARNED_CHOICES
     _print({k: res[k] for k in ("composition", "loo_mape", *LEARNED_CHOICES, "samples", "dropped")})
     return
+  if a.refit_hybrid:
+    capture.ensure_devices(VALIDATE_DEVICES)
+    import os
+    from perfmodel import hardware, refit
+    _print(refit.refit_hybrid(os.path.join(hardware.PROFILE_DIR, "cpu.json"), a.refit_hybrid,
+                              log=lambda m: print(m, file=sys.stderr)))
+    return
   if a.profiled:
     _regime(a, trace=False)
     capture.ensure_devices(VALIDATE_DEVICES)
@@ -229,6 +236,9 @@ def main(argv=None):
   ca.add_argument("--refit-composition", default="", metavar="HLO_DIR",
                   help="refit the learned backend (sample classes and features, k, beta, composition) from the stored "
                        "measurements, nothing re-measured; calibration programs read from / compiled into HLO_DIR")
+  ca.add_argument("--refit-hybrid", default="", metavar="HLO_DIR",
+                  help="refit the hybrid backend's composition and choices (k, statistic, program-bytes weight) from "
+                       "the stored samples, profiled database and step times, nothing re-measured")
   va = sub.add_parser("validate", help="measured vs predicted over a suite of configs on this host")
   va.add_argument("--suite", default=None, help="python file with SUITE = [...] (default: perfmodel/suite.py)")
   va.add_argument("--reps", type=int, default=7)

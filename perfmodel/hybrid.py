@@ -12,6 +12,15 @@ does (dots ~1.2x in both power-of-two and other programs), so the neighbours car
 profiled entry carries the shape. Neighbours are the learned backend's (same class, same feature space),
 weighted the same way; only calibration samples whose fingerprint the database has take part.
 
+*Where* a node ran is a neighbour dimension too (session 29, perfmodel/JOURNAL.md, "Where a ratio was measured"):
+the distance adds ``wp`` x |log program bytes of query - of sample|, so a ratio comes first from programs that
+stream about as much. A node timed alone runs with its inputs hot; in a program the same node runs slower the more
+the program moves between its runs (the caches: 1 MB L2 per core, 32 MB L3 shared on this host). Measured: the
+three weight slices of the validation's decode_b1 (393 kB each) drew ratio 2.75 from same-sized slices of
+c_decode_b10_d224 and c_decode_b3_d320 (24-41 MB per token, where they ran 2.2-3.5x their alone time); traced
+in decode_b1 itself they ran 1.0-1.9x. ``wp`` (0 = the shape features alone, as before) is chosen by
+calibration's leave-one-program-out error, one for decode nodes and one for the others.
+
 A node the database does not have returns None (the chain falls through to the learned backend), so the
 program must be profiled first (``predict`` and ``validate`` do that when the backend resolves to hybrid).
 """
@@ -29,10 +38,30 @@ from perfmodel.hardware import HardwareProfile
 # neighbour counts tried by `calibrate --profiled` (leave-one-program-out picks one for decode nodes, hybrid_k_decode,
 # and one for the others, hybrid_k)
 K_GRID = (2, 4, 8, 16)
+# weights of the program-bytes dimension tried by the same leave-one-program-out choice (hybrid_wp_decode); one
+# unit of it weighs as much as a factor e in any shape feature
+WP_GRID = (0.0, 0.25, 0.5, 1.0, 2.0)
+# ... and those the training and multi-device rows may choose (hybrid_wp): 0 only. Why (session 29,
+# perfmodel/JOURNAL.md): offered the grid, they chose k=16 wp=0.25 (their leave-one-out 8.65 -> 7.7%), and every
+# one of the four stored s28 sets, re-priced, came out worse for training (+0.6 to +2.2 points of MAPE), while
+# TPOT improved in all four. A decode loop re-reads the same weights every token, so whether they stay in the
+# caches depends on what the program moves; a training step streams each weight once per pass either way. This
+# restriction was decided after looking at those sets: the declared sets that followed are its test.
+WP_TRAIN = (0.0,)
 
 
 def _arrays(by_class: dict) -> dict:
-  return {c: (np.array([f for f, _ in v]), np.log(np.array([r for _, r in v]))) for c, v in by_class.items()}
+  """{class: (shape features, log ratios, log program bytes: NaN where a sample recorded none)}."""
+  return {c: (np.array([f for f, _, _ in v]), np.log(np.array([r for _, r, _ in v])),
+              np.log(np.array([p if p > 0 else np.nan for _, _, p in v]))) for c, v in by_class.items()}
+
+
+def context_distance(log_p, program_bytes: float) -> np.ndarray:
+  """|log program bytes of the query - of each sample|; 0 where either recorded none (no context: the shape
+  features decide alone)."""
+  if not program_bytes or program_bytes <= 0:
+    return np.zeros_like(log_p)
+  return np.nan_to_num(np.abs(np.log(program_bytes) - log_p), nan=0.0)
 
 
 class Hybrid:
@@ -40,9 +69,13 @@ class Hybrid:
 
   def __init__(self, hw: HardwareProfile, samples: Optional[list] = None, db: Optional[Profiled] = None,
                k: Optional[int] = None, k_decode: Optional[int] = None, stat: Optional[str] = None,
-               stat_decode: Optional[str] = None):
+               stat_decode: Optional[str] = None, wp: Optional[float] = None, wp_decode: Optional[float] = None):
     self.k = int(k if k is not None else hw.calibration.get("hybrid_k", 4))
     self.k_decode = int(k_decode if k_decode is not None else hw.calibration.get("hybrid_k_decode", self.k))
+    # weight of the program-bytes dimension (WP_GRID) for other and for decode nodes; a profile fitted before it
+    # has none: 0, the shape features alone
+    self.wp = float(wp if wp is not None else hw.calibration.get("hybrid_wp", 0.0))
+    self.wp_decode = float(wp_decode if wp_decode is not None else hw.calibration.get("hybrid_wp_decode", 0.0))
     self.db = db if db is not None else Profiled(hw)
     if samples is None:
       samples = learned.load_samples(hw)
@@ -54,9 +87,11 @@ class Hybrid:
     for s in samples:
       alone = self.db.seconds(s.get("fp"))
       if alone and alone > 0 and s["t"] > 0:
-        by_class.setdefault(learned.strip_context(s["cls"]), []).append((s["f"], s[self.stat] / alone))
+        where = s.get("P", 0.0)
+        by_class.setdefault(learned.strip_context(s["cls"]), []).append((s["f"], s[self.stat] / alone, where))
         if s["cls"].endswith(learned.DECODE):
-          by_decode.setdefault(learned.strip_context(s["cls"]), []).append((s["f"], s[self.stat_decode] / alone))
+          by_decode.setdefault(learned.strip_context(s["cls"]), []).append((s["f"], s[self.stat_decode] / alone,
+                                                                            where))
     self.arrays = _arrays(by_class)
     # a decode loop's node draws its ratio from the sampler programs' samples (as the learned backend prices it,
     # learned.py): in the loop, with the weights hot and the KV cache just written, a class runs at another
@@ -64,18 +99,21 @@ class Hybrid:
     self.decode_arrays = _arrays(by_decode)
 
   def context_ratio(self, node: Node) -> Optional[float]:
-    """In-program / alone time of the nearest calibration samples of the node's class (weighted geometric mean);
-    a decode node's from the sampler programs' samples where they have its class; None for a class no sample
-    has."""
+    """In-program / alone time of the nearest calibration samples of the node's class (weighted geometric mean;
+    near in shape and, with ``wp``, in the bytes of the program the sample ran in); a decode node's from the
+    sampler programs' samples where they have its class; None for a class no sample has."""
     cls = learned.base_class(node)
     arr = self.decode_arrays.get(cls) if node.decode else None
-    k = self.k_decode if node.decode else self.k
+    k, wp = (self.k_decode, self.wp_decode) if node.decode else (self.k, self.wp)
     if arr is None:
       arr = self.arrays.get(cls)
     if arr is None:
       return None
-    X, logR = arr
-    d = np.sqrt(((X - np.array(learned.features(node))) ** 2).sum(axis=1))
+    X, logR, logP = arr
+    d2 = ((X - np.array(learned.features(node))) ** 2).sum(axis=1)
+    if wp:
+      d2 = d2 + (wp * context_distance(logP, node.program_bytes)) ** 2
+    d = np.sqrt(d2)
     idx = np.argsort(d)[:k]
     w = 1.0 / (d[idx] + 0.05)
     return float(np.exp((w * logR[idx]).sum() / w.sum()))

@@ -216,41 +216,66 @@ def fit_profiled(prof_path: str, hlo_cache: str = None, log=print, samples_file:
           "backend_auto": costs.resolve_backend(hardware.load(prof_path)), "skipped": skipped, "loo": cv}
 
 
-def fit_hybrid(hw, programs, samples: list, db, log=print) -> dict:
+def refit_hybrid(prof_path: str, hlo_cache: str = None, log=print) -> dict:
+  """``calibrate --refit-hybrid``: the hybrid backend's composition and choices (:func:`fit_hybrid`) fitted again
+  on what the calibration stored, nothing re-measured: its step times (``calibration_loo``), node samples and
+  profiled database. For a change of the hybrid's pricing alone (as the program-bytes dimension of session 29):
+  unlike ``--profiled``, no instruction is timed again, so the refit is the same data priced by the new code."""
+  from perfmodel.validate import _cached_capture  # noqa: PLC0415
+  hw = hardware.load(prof_path)
+  if "composition_hybrid" not in hw.calibration:
+    raise ValueError(f"{prof_path}: no hybrid composition to refit: run `python -m perfmodel calibrate --profiled`")
+  programs = list(_programs(hw, lambda name, compile_fn: _cached_capture(hlo_cache, name, compile_fn), log))
+  hyb = fit_hybrid(hw, programs, _samples(hw), costs.Profiled(hw), log)
+  source = (f"{hw.calibration.get('composition_hybrid_source', '?')}; refit by python -m perfmodel calibrate "
+            f"--refit-hybrid {datetime.datetime.now().isoformat(timespec='minutes')} (nothing re-measured)")
+  _store(prof_path, {"composition_hybrid": hyb["composition"], "calibration_loo_hybrid": _rounded(hyb["loo"]),
+                     "calibration_loo_hybrid_mape": hyb["loo_mape"], **hyb["choices"],
+                     "composition_hybrid_source": source})
+  return {"loo_mape_hybrid": hyb["loo_mape"], **hyb["choices"], "loo_mape_hybrid_by_k": hyb["by_k"],
+          "backend_auto": costs.resolve_backend(hardware.load(prof_path))}
+
+
+def fit_hybrid(hw, programs, samples: list, db, log=print, wp_grid=None, train_wp=None) -> dict:
   """The hybrid backend's composition (perfmodel/hybrid.py: profiled time x in-program/alone ratio of the
   nearest samples), for each neighbour count of ``hybrid.K_GRID`` and each statistic of the samples
   (``learned.STATS``). As ``select_learned`` chooses the learned backend's, the training and multi-device rows
   choose ``hybrid_k`` / ``hybrid_stat`` and the decode rows ``hybrid_k_decode`` / ``hybrid_stat_decode``
   (lowest leave-one-program-out error of each group; the types' fits are independent and a decode row prices
-  only decode nodes, so the two choices do not interact). Leaving a program out removes its own samples from
+  only decode nodes, so the two choices do not interact), and with them the weight of the program-bytes dimension
+  (``hybrid.WP_GRID`` or ``wp_grid``; ``hybrid_wp_decode``; the other rows choose among ``hybrid.WP_TRAIN`` or
+  ``train_wp``: ``hybrid_wp``). Leaving a program out removes its own samples from
   the ratios and its row from the fit. Nodes without a database entry go to the learned backend without the
   program's samples, as ``--backend hybrid`` prices them (costs.make_chain)."""
   from perfmodel import hybrid  # noqa: PLC0415
+  wp_grid = hybrid.WP_GRID if wp_grid is None else tuple(wp_grid)
+  train_wp = hybrid.WP_TRAIN if train_wp is None else tuple(train_wp)
   runs, by_k = {}, {}
-  for k, stat in [(k, st) for k in hybrid.K_GRID for st in learned.stats_of(samples)]:
-    def price_for(name, cap, k=k, stat=stat):
+  for k, stat, wp in [(k, st, wp) for k in hybrid.K_GRID for st in learned.stats_of(samples) for wp in wp_grid]:
+    def price_for(name, cap, k=k, stat=stat, wp=wp):
       rest = [s for s in samples if s["prog"] != name]
-      chain = costs.Chain([hybrid.Hybrid(hw, rest, db, k, k, stat=stat, stat_decode=stat),
+      chain = costs.Chain([hybrid.Hybrid(hw, rest, db, k, k, stat=stat, stat_decode=stat, wp=wp, wp_decode=wp),
                            learned.Learned(hw, samples=rest)], hw)
       return lambda n: chain.price(n).seconds
     coef, cv = _fit(hw, programs, price_for, lambda *a: None, " hybrid")
-    runs[(k, stat)] = (coef, cv)
-    by_k[f"{k} {stat}"] = float(np.mean([abs(c["err_pct"]) for c in cv]))
-    log(f"  hybrid k={k} {stat}: leave-one-program-out MAPE {by_k[f'{k} {stat}']:.2f}%")
+    runs[(k, stat, wp)] = (coef, cv)
+    label = f"{k} {stat}" + (f" wp{wp:g}" if wp else "")
+    by_k[label] = float(np.mean([abs(c["err_pct"]) for c in cv]))
+    log(f"  hybrid k={k} {stat} wp={wp:g}: leave-one-program-out MAPE {by_k[label]:.2f}%")
 
   def group_mape(choice, decode):
     errs = [abs(c["err_pct"]) for c in runs[choice][1] if (c["type"] == "decode") == decode]
     return float(np.mean(errs)) if errs else 0.0
-  best = min(runs, key=lambda ch: group_mape(ch, False))
+  best = min((ch for ch in runs if ch[2] in train_wp), key=lambda ch: group_mape(ch, False))
   best_dec = min(runs, key=lambda ch: group_mape(ch, True))
   coef = {t: (runs[best_dec] if t == "decode" else runs[best])[0][t] for t in runs[best][0]}
   cv = [c for c in runs[best][1] if c["type"] != "decode"] + [c for c in runs[best_dec][1] if c["type"] == "decode"]
   mape = float(np.mean([abs(c["err_pct"]) for c in cv]))
-  log(f"  hybrid: k={best[0]} {best[1]}, decode k={best_dec[0]} {best_dec[1]}: leave-one-program-out MAPE "
-      f"{mape:.2f}%")
+  log(f"  hybrid: k={best[0]} {best[1]} wp={best[2]:g}, decode k={best_dec[0]} {best_dec[1]} wp={best_dec[2]:g}: "
+      f"leave-one-program-out MAPE {mape:.2f}%")
   for c in cv:
     log(f"  LOO hybrid {c['name']:>18} ({c['type']:>6}): measured {c['measured_s'] * 1e3:8.3f} ms predicted "
         f"{c['predicted_s'] * 1e3:8.3f} ms err {c['err_pct']:+6.1f}%")
   return {"composition": coef, "loo": cv, "loo_mape": mape, "by_k": by_k,
-          "choices": {"hybrid_k": best[0], "hybrid_stat": best[1], "hybrid_k_decode": best_dec[0],
-                      "hybrid_stat_decode": best_dec[1]}}
+          "choices": {"hybrid_k": best[0], "hybrid_stat": best[1], "hybrid_wp": best[2],
+                      "hybrid_k_decode": best_dec[0], "hybrid_stat_decode": best_dec[1], "hybrid_wp_decode": best_dec[2]}}

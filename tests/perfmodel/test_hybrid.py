@@ -133,3 +133,55 @@ def test_cli_predict_hybrid_profiles_the_program_then_prices_it_in_context(monke
   assert by.get("hybrid", 0) > 10 and out["step_time_s"] > 0, by
   assert set(by) <= {"hybrid", "learned", "learned(out-of-range)", "none"} | {
       k for k in by if k.startswith("collective:")}, by
+
+
+def test_with_a_program_bytes_weight_the_ratio_comes_from_programs_that_move_as_much(tmp_path):
+  node = _nodes()[0]
+  db = _db(tmp_path, {node.fingerprint: {"s": 2e-5}, "a": {"s": 1e-4}, "b": {"s": 1e-4}})
+  # the same node shape in a 40 MB program ran 3x its alone time, in a 4 MB program 1.2x
+  big = {**_sample(node, "a", 3e-4, prog="big"), "P": 40e6}
+  small = {**_sample(node, "b", 1.2e-4, prog="small"), "P": 4e6}
+  cpu = hardware.load("cpu")
+  query = dataclasses.replace(node, program_bytes=5e6)
+  assert abs(hybrid.Hybrid(cpu, [big, small], db, k=1, wp=1.0).price(query).seconds - 2e-5 * 1.2) < 1e-12
+  assert abs(hybrid.Hybrid(cpu, [big, small], db, k=1, wp=1.0).price(
+      dataclasses.replace(node, program_bytes=30e6)).seconds - 2e-5 * 3.0) < 1e-12
+  # weight 0 (a profile fitted before it): the shape alone, both samples as near: their geometric mean
+  both = 2e-5 * (3.0 * 1.2) ** 0.5
+  assert abs(hybrid.Hybrid(cpu, [big, small], db, k=2, wp=0.0).price(query).seconds - both) < 1e-12
+  assert hybrid.Hybrid(cpu, [big, small], db, k=1).wp == cpu.calibration.get("hybrid_wp", 0.0)
+  # a query or a sample without program bytes has no context: that dimension adds nothing
+  unknown = dataclasses.replace(node, program_bytes=0.0)
+  assert abs(hybrid.Hybrid(cpu, [big, small], db, k=2, wp=1.0).price(unknown).seconds - both) < 1e-12
+  assert list(hybrid.context_distance(hybrid.np.log(hybrid.np.array([4e6, hybrid.np.nan])), 4e6)) == [0.0, 0.0]
+  # decode nodes have their own weight
+  dec = [{**s, "cls": s["cls"] + learned.DECODE} for s in (big, small)]
+  h = hybrid.Hybrid(cpu, dec, db, k=1, k_decode=1, wp=0.0, wp_decode=2.0)
+  assert abs(h.price(dataclasses.replace(query, decode=True)).seconds - 2e-5 * 1.2) < 1e-12
+
+
+def test_fit_hybrid_chooses_the_program_bytes_weight_by_leave_one_program_out(tmp_path):
+  """Three one-node programs of one shape whose in-program/alone ratio follows the bytes they move: a program
+  left out is priced right only when its ratio comes from the program nearest in bytes, so the fit must pick a
+  weight above 0, and store it with k and the statistic."""
+  from perfmodel import refit
+  node = _nodes()[0]
+  entries, samples, programs = {node.fingerprint: {"s": 1e-4}}, [], []
+  cpu = hardware.load("cpu")
+  for i, (pb, ratio) in enumerate(((1e6, 1.0), (1.2e6, 1.05), (50e6, 3.0), (60e6, 3.1))):
+    fp = f"s{i}"
+    entries[fp] = {"s": 1e-4}
+    samples.append({**_sample(node, fp, 1e-4 * ratio, prog=f"p{i}"), "P": pb})
+    n = dataclasses.replace(node, program_bytes=pb)
+    g = G.ExecGraph(regions={"main": G.Region(name="main", nodes=[n])}, entry="main", n_devices=1)
+    cap = type("Cap", (), {"n_devices": 1, "memory": {}})()
+    programs.append((f"p{i}", {"measured_s": 1e-4 * ratio, "noise_pct": 0.0}, g, cap, None, False))
+  db = _db(tmp_path, entries)
+  res = refit.fit_hybrid(cpu, programs, samples, db, log=lambda *a: None, wp_grid=(0.0, 1.0), train_wp=(0.0, 1.0))
+  assert res["choices"]["hybrid_wp"] == 1.0, res["by_k"]
+  assert {"hybrid_k", "hybrid_stat", "hybrid_wp", "hybrid_k_decode", "hybrid_stat_decode",
+          "hybrid_wp_decode"} <= set(res["choices"])
+  assert res["by_k"]["2 t wp1"] < res["by_k"]["2 t"]
+  # by default the training rows keep weight 0 (hybrid.WP_TRAIN), whatever their leave-one-out would choose
+  assert refit.fit_hybrid(cpu, programs, samples, db, log=lambda *a: None,
+                          wp_grid=(0.0, 1.0))["choices"]["hybrid_wp"] == 0.0
