@@ -251,15 +251,20 @@ def fit_hybrid(hw, programs, samples: list, db, log=print, wp_grid=None, train_w
   wp_grid = hybrid.WP_GRID if wp_grid is None else tuple(wp_grid)
   train_wp = hybrid.WP_TRAIN if train_wp is None else tuple(train_wp)
   runs, by_k = {}, {}
-  for k, stat, wp in [(k, st, wp) for k in hybrid.K_GRID for st in learned.stats_of(samples) for wp in wp_grid]:
+  decode_only = [p for p in programs if p[4]]
+  wps = sorted(set(wp_grid) | set(train_wp))
+  for k, stat, wp in [(k, st, wp) for k in hybrid.K_GRID for st in learned.stats_of(samples) for wp in wps
+                      if wp in train_wp or decode_only]:
     def price_for(name, cap, k=k, stat=stat, wp=wp):
       rest = [s for s in samples if s["prog"] != name]
       chain = costs.Chain([hybrid.Hybrid(hw, rest, db, k, k, stat=stat, stat_decode=stat, wp=wp, wp_decode=wp),
                            learned.Learned(hw, samples=rest)], hw)
       return lambda n: chain.price(n).seconds
-    coef, cv = _fit(hw, programs, price_for, lambda *a: None, " hybrid")
+    # a weight the other rows may not choose prices only the decode programs (each type's fit is its own, so
+    # their decode coefficients and errors are the same as with every program)
+    coef, cv = _fit(hw, programs if wp in train_wp else decode_only, price_for, lambda *a: None, " hybrid")
     runs[(k, stat, wp)] = (coef, cv)
-    label = f"{k} {stat}" + (f" wp{wp:g}" if wp else "")
+    label = f"{k} {stat}" + (f" wp{wp:g}" if wp else "") + ("" if wp in train_wp else " (decode programs)")
     by_k[label] = float(np.mean([abs(c["err_pct"]) for c in cv]))
     log(f"  hybrid k={k} {stat} wp={wp:g}: leave-one-program-out MAPE {by_k[label]:.2f}%")
 
@@ -267,7 +272,7 @@ def fit_hybrid(hw, programs, samples: list, db, log=print, wp_grid=None, train_w
     errs = [abs(c["err_pct"]) for c in runs[choice][1] if (c["type"] == "decode") == decode]
     return float(np.mean(errs)) if errs else 0.0
   best = min((ch for ch in runs if ch[2] in train_wp), key=lambda ch: group_mape(ch, False))
-  best_dec = min(runs, key=lambda ch: group_mape(ch, True))
+  best_dec = min([ch for ch in runs if ch[2] in wp_grid] or list(runs), key=lambda ch: group_mape(ch, True))
   coef = {t: (runs[best_dec] if t == "decode" else runs[best])[0][t] for t in runs[best][0]}
   cv = [c for c in runs[best][1] if c["type"] != "decode"] + [c for c in runs[best_dec][1] if c["type"] == "decode"]
   mape = float(np.mean([abs(c["err_pct"]) for c in cv]))
