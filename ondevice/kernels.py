@@ -5,12 +5,14 @@ Quantised dots follow llama.cpp's CPU backend: the activations are first quantis
 
 These kernels read ggml's row-major 18/34-byte blocks in place in the mmap, so the file's pages are
 what they touch (ring devices with real I/O). The fast path is ``ondevice/planes.py``: the same
-numbers repacked once at load into SIMD-friendly planes (2816x1024 Q4_0 mat-vec 1.3 ms here vs
-~0.2-0.3 ms there). F32 weights go to numpy's BLAS (zero-copy view of the mmap). Without numba every
-quantized call falls back to dequantise-then-BLAS, which is correct but ~10x slower.
+numbers repacked once at load into SIMD-friendly planes (2816x1024 Q4_0 mat-vec 1.4 ms here vs
+0.2-0.3 ms there, ``python -m ondevice.bench --suite kernels``). F32 weights go to numpy's BLAS
+(zero-copy view of the mmap). Without numba every quantized call falls back to dequantise-then-BLAS,
+which is correct but ~10x slower.
 
-Why numba and not XLA: on this CPU XLA's quantized dot / in-graph dequantisation runs 30-100x slower
-than an f32 mat-vec (shared/notes/ondevice.md, addendum).
+Why numba and not XLA: XLA:CPU has no dot on packed Q4_0/Q8_0 blocks, so a jitted graph would dequantise
+the weights every step; even the jitted f32 decode step runs ~7x slower than the planes path
+(``python -m ondevice.bench --suite single``, its ``jax_f32`` entry).
 
 Layouts (ggml): a row of n_in weights is n_in/32 blocks.
   Q8_0 block (34 B): f16 scale d, 32 x int8 q          -> w = d * q

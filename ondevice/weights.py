@@ -2,7 +2,7 @@
 
 Release needs both calls: ``madvise(MADV_DONTNEED)`` only drops this process's page-table entries,
 ``posix_fadvise(POSIX_FADV_DONTNEED)`` is what actually evicts the (clean) pages from the page cache
-(measured, shared/notes/ondevice.md §2). Prefetch is ``madvise(MADV_WILLNEED)`` (asynchronous
+(measured with ``resident_bytes``; tests/ondevice/test_weights.py checks that ``release`` evicts). Prefetch is ``madvise(MADV_WILLNEED)`` (asynchronous
 read-ahead); ``touch=True`` additionally reads one byte per 4 pages, as prima.cpp's ``--force`` does,
 which blocks until the data is in.
 """
