@@ -1,10 +1,10 @@
 """Train-step benchmark: framework vs a hand-written jax.jit step, FLOP efficiency, and every layout.
 
-  python benchmarks/train_step.py                 # ~24M-param Llama (d512, 8 layers, seq 256), all layouts
+  python benchmarks/train_step.py                 # 26M-param Llama (d512, 8 layers, seq 256), all layouts
   python benchmarks/train_step.py --quick         # tiny model, few reps: a smoke run of every path (~minutes)
   python benchmarks/train_step.py --layouts jit:data,shard_map:tensor   # or 'none' / 'all'
   python benchmarks/train_step.py --config.data.global_batch=16 --config.model.n_kv_heads=4
-  python benchmarks/train_step.py --gpu           # ~1B Llama-3.2-1B-shaped model, bf16, MFU (UNTESTED: no GPU yet)
+  python benchmarks/train_step.py --gpu           # ~1B Llama-3.2-1B-shaped model, bf16, MFU (not run: needs a GPU)
   python benchmarks/train_step.py --pin           # one core, single-threaded kernels: CPU time = work done
   XLA_FLAGS=--xla_cpu_multi_thread_eigen=false python benchmarks/train_step.py ...   # XLA flags pass through
 
@@ -24,7 +24,7 @@ What it measures (one JSON object on stdout; one row per headline result appende
 * ``layouts``: the framework step on 8 emulated CPU devices per layout, each timed paired with the
   single-device framework step. Emulated devices share the host's cores, so a layout cannot be
   faster than one device; the ratio measures partitioning + collective overhead. Layouts that
-  raise (e.g. a module not written yet) are recorded with the error, not hidden.
+  raise are recorded with the error, not hidden.
 """
 from __future__ import annotations
 
@@ -103,18 +103,18 @@ def parse(argv):
 
 def _set_env(args):
   """Before jax is imported: 8 emulated CPU devices (CPU mode), CPU platform unless --gpu."""
+  if str(REPO) not in sys.path:
+    sys.path.insert(0, str(REPO))
+  from framework import xla_flags  # noqa: PLC0415 - needs the repository on sys.path; imports no jax
   if not args.gpu:
     os.environ.setdefault("JAX_PLATFORMS", "cpu")
-    if "device_count" not in os.environ.get("XLA_FLAGS", ""):
-      os.environ["XLA_FLAGS"] = (os.environ.get("XLA_FLAGS", "") + " --xla_force_host_platform_device_count=8").strip()
+    xla_flags.set_host_device_count(8, keep_existing=True)  # a count the caller set on purpose wins
   if args.pin:
     # Every thread created from now on (XLA's executor, the emulated devices' threads) runs on one core;
     # with single-threaded kernels no worker spins waiting for work, so process CPU time is work done.
     os.sched_setaffinity(0, {sorted(os.sched_getaffinity(0))[-1]})
     if "multi_thread_eigen" not in os.environ.get("XLA_FLAGS", ""):
       os.environ["XLA_FLAGS"] = (os.environ.get("XLA_FLAGS", "") + " --xla_cpu_multi_thread_eigen=false").strip()
-  if str(REPO) not in sys.path:
-    sys.path.insert(0, str(REPO))
 
 
 def _log(msg):

@@ -1,4 +1,4 @@
-"""Emulation validation (issue 4): real 2-process localhost runs vs one real rank with virtual peers.
+"""Emulation validation: real 2-process localhost runs vs one real rank with virtual peers.
 
 A 3.1M-parameter Llama (the quickstart model) trained with explicit collectives (form=shard_map) on
 2 ranks in one of three layouts; the variant argument picks it:
@@ -15,7 +15,8 @@ Commands:
   # its emulation: one real rank, the other virtual
   python -m perfmodel.emulate --config experiments/configs/emulate_validate.py:layout=data --hardware cpu --out /tmp/ev_emu
   # the whole comparison (real vs emulate vs predict vs roofline, interleaved, pinned): benchmarks/emulate_validate.py
-Reproduces: benchmarks/RESULTS.md rows "emulate_validate" and benchmarks/emulate_validate.png.
+Reproduces: the benchmarks/RESULTS.md rows of `PYTHONPATH=. python benchmarks/emulate_validate.py --rounds 6 --replay
+--no-alone` and benchmarks/emulate_validate.png.
 """
 import ml_collections
 

@@ -7,11 +7,12 @@ batch 1024 sequences (8.4M tokens; 16 per data-parallel replica, 16 pipeline mic
 sequence, 1F1B). The 4D layout follows the Llama 3 paper's TP8 x PP16 x FSDP scheme.
 
 Commands:
-  # emulate 8192 ranks from one CPU device (compile-only slicing + memory: under a minute)
+  # emulate 8192 ranks from one CPU device (compile-only slicing + memory: about 2 minutes on 2 cores)
   python -m perfmodel.emulate --config experiments/configs/llama3_70b.py --hardware h100 --compile-only --out /tmp/l70b
   # smoke-train the same code path at toy size on 8 emulated CPU devices
   python -m experiments.run --config experiments/configs/llama3_70b.py:runlocal=True --workdir /tmp/l70b_local
-Reproduces: issue 4 "Scale" (benchmarks/emulate_scale.py).
+Reproduces: the benchmarks/RESULTS.md row of the first command (per-rank peak 15.88 GB); the scale benchmark
+wraps it: PYTHONPATH=. python benchmarks/emulate_scale.py --hardware h100
 """
 import ml_collections
 

@@ -1,5 +1,5 @@
-"""On-device benchmark model: the "big" shape of shared/notes/ondevice.md (16 layers, d=1024, 16/4 heads,
-FFN 2816; byte vocab here, so ~203M parameters instead of 245M), random weights.
+"""On-device benchmark model "big": 16 layers, d=1024, 16/4 heads, FFN 2816, byte vocab (~203M parameters),
+random weights: large enough that decoding is memory-bound, as on a real device.
 
 Command (export once, then bench):
   python -m ondevice.export --random --config experiments/configs/ondevice_big.py --out /tmp/big-q4_0.gguf --quant q4_0

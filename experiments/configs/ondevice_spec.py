@@ -2,8 +2,8 @@
 
 role=target: 8 layers, d=128, 4/2 heads, FFN 384 (1.6M params).
 role=draft:  2 layers, d=64, 4/2 heads, FFN 192 (0.1M params), same byte vocabulary.
-One host device (no mesh), batch 8 x 64 bytes, 200 steps: sized for a shared, heavily loaded 2-core CPU
-(the "small" 6.4M shape ran at ~30 s/step there). Both models are weak (loss ~2 nats/byte).
+One host device (no mesh), batch 8 x 64 bytes, 200 steps: sized for a shared 2-core CPU.
+Both models are weak (loss ~2 nats/byte).
 
 Commands (train both, export, benchmark):
   python -m experiments.run --config experiments/configs/ondevice_spec.py:role=target --host-devices 1 --workdir /tmp/od_target

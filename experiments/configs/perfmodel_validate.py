@@ -1,11 +1,11 @@
 """Perfmodel accuracy study (Charon-style figure): the validation suite of perfmodel/suite.py on this host.
 
 Commands:
-  python -m perfmodel calibrate                      # fit the cpu profile (a few minutes)
+  python -m perfmodel calibrate                      # fit the cpu profile (up to an hour on 2 cores)
   python -m perfmodel validate --rounds 3 --png benchmarks/perfmodel_validate.png > /tmp/perfmodel_validate.json
-  python experiments/figures/perfmodel_accuracy.py /tmp/perfmodel_validate.json benchmarks/perfmodel_accuracy.png
+  python experiments/figures/perfmodel_accuracy.py /tmp/perfmodel_validate.json /tmp/perfmodel_accuracy.png
 Reproduces: predicted-vs-measured scatter and per-config signed error with the run-to-run noise beside it
-(perfmodel/README.md, "Accuracy on this host"; run by run: perfmodel/JOURNAL.md). get_config returns the suite's base training config (a valid experiment).
+(perfmodel/README.md). get_config returns the suite's base training config (a valid experiment).
 """
 import ml_collections
 
