@@ -225,7 +225,7 @@ def build(cfg: Config, mesh: Mesh, donate: bool = True) -> step_lib.CompiledStep
   tx = optim.make(cfg.optim, cfg.train.steps)
   ctx = step_lib._Context(mesh, rules)  # noqa: SLF001 - same mesh+rules context as the jit form
   with ctx:
-    boxed = jax.eval_shape(functools.partial(ts.init_state, model=model, tx=tx), jax.random.key(0))
+    boxed = jax.eval_shape(functools.partial(ts.init_state, model=model, tx=tx), step_lib.abstract_key())
     state_sh = step_lib.state_shardings_for(boxed, mesh, rules)
   n_tokens = cfg.data.global_batch * cfg.data.seq_len
   if all_manual:

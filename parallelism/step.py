@@ -24,6 +24,12 @@ from parallelism import rules as rules_lib
 BATCH_SPEC = P(("data", "fsdp"), "sequence")
 
 
+def abstract_key() -> jax.ShapeDtypeStruct:
+  """The shape and dtype of an init key, without making one: a concrete key is a device computation,
+  which compile-only (AOT) devices cannot run, and shapes are all that tracing the init needs."""
+  return jax.eval_shape(lambda: jax.random.key(0))
+
+
 @dataclasses.dataclass
 class CompiledStep:
   cfg: Config
@@ -46,7 +52,7 @@ class CompiledStep:
 
   def abstract_state(self) -> ts.TrainState:
     with self.context():
-      shapes = jax.eval_shape(self.init_fn, jax.random.key(0))
+      shapes = jax.eval_shape(self.init_fn, abstract_key())
     return jax.tree.map(lambda s, sh: jax.ShapeDtypeStruct(s.shape, s.dtype, sharding=sh), shapes,
                         self.state_shardings)
 
@@ -128,7 +134,7 @@ def build_step(cfg: Config, mesh: Mesh, donate: bool = True) -> CompiledStep:
   tx = optim.make(cfg.optim, cfg.train.steps)
   ctx = _Context(mesh, rules)
   with ctx:
-    boxed = jax.eval_shape(functools.partial(ts.init_state, model=model, tx=tx), jax.random.key(0))
+    boxed = jax.eval_shape(functools.partial(ts.init_state, model=model, tx=tx), abstract_key())
     state_sh = state_shardings_for(boxed, mesh, rules)
   batch_sh = {k: NamedSharding(mesh, BATCH_SPEC) for k in ("inputs", "targets")}
   replicated = NamedSharding(mesh, P())
