@@ -3,7 +3,7 @@
 Generation protocol (what restarts and what survives):
 * agents and their shared-memory stores survive every failure except their own node's;
 * every worker of generation g is fenced (SIGKILL through its agent) on any failure: on CPU/gloo a
-  survivor cannot leave a collective whose peer died (notes 4b), and a fresh process per
+  survivor cannot leave a collective whose peer died (resilience/README.md), and a fresh process per
   generation is the design that also holds on GPU clusters without relying on NCCL abort;
 * generation g+1 runs on a fresh coordinator port hosted by the new rank 0 (a spare if rank 0
   failed), so it never depends on the failed node; agents hand it to warm standby workers.
