@@ -32,6 +32,7 @@ def build_step(cfg: Config, mesh: Mesh, donate: bool = True) -> CompiledStep:
   return jit_step.build(cfg, mesh, donate=donate)
 
 
-def build_on_devices(cfg: Config, devices: Optional[Sequence] = None, donate: bool = True) -> CompiledStep:
-  """:func:`build_step` on a mesh of ``devices`` (default: all of them) shaped by ``cfg.mesh``."""
-  return build_step(cfg, make_mesh(cfg.mesh, devices), donate=donate)
+def build_on_devices(cfg: Config, devices: Optional[Sequence] = None) -> CompiledStep:
+  """:func:`build_step` on a mesh of ``devices`` (default: all of them) shaped by ``cfg.mesh``: the builder
+  the training loop takes (``experiments.run.train``)."""
+  return build_step(cfg, make_mesh(cfg.mesh, devices))
