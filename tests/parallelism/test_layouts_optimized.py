@@ -1,8 +1,9 @@
 """Layouts give the single-device loss and gradients with XLA's optimisations on, as in production.
 
-The rest of this package compiles with ``jax_disable_most_optimizations`` (compile time); this module
-turns them back on for one case per axis and form, so a layout that is right only in unoptimised code
-(e.g. a fusion or an algebraic simplification that breaks a collective's semantics) still fails CI.
+The rest of this package compiles with ``jax_disable_most_optimizations`` (XLA's backend optimisation
+level 0 and LLVM's expensive passes off: they dominate compile time). This module compiles as production
+does, for one case per axis and form, so an equivalence that holds only in the less optimised program
+still fails CI.
 
 Tolerance: optimised code reorders float32 sums (fusions, split reductions, different all-reduce
 association), so it may differ from the single-device program by rounding, never by more. Measured over
