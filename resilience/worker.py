@@ -8,7 +8,7 @@ restores the state (own shared memory, a replica fetched by the agent, or orbax)
 
 Standbys are forked from the agent's zygote (a fork server that imported everything once), so a
 fresh warm standby costs milliseconds, not a jax import. A worker never survives a generation change: on any failure the controller fences every worker of
-the old generation with SIGKILL (gloo collectives cannot be cancelled on CPU, notes 4b) and the
+the old generation with SIGKILL (gloo collectives cannot be cancelled on CPU, resilience/README.md) and the
 agents hand the next generation to their standbys. Exceptions (e.g. a gloo "connection closed" after
 a peer died) are reported and the worker waits to be killed, so only real crashes show as exits.
 
@@ -187,7 +187,7 @@ def _train(start, agent, push, ctx, t_start, name, warm):
   base = {"rank": rank, "gen": gen, "node": name}
   # Generation 0 compiles fresh and serializes the executable for later generations (aot.py): an XLA:CPU
   # executable that was itself loaded from the persistent cache re-serializes without its object code
-  # ("Function ... not found" when loaded; measured). Later generations keep the persistent cache as the
+  # ("Function ... not found" when loaded). Later generations keep the persistent cache as the
   # fallback when the serialized executable cannot be used.
   fresh_compile = start["restore"]["tier"] == "init"
   if not fresh_compile:

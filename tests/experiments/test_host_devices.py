@@ -1,5 +1,5 @@
-"""experiments.run asks XLA for exactly the config's mesh size of virtual CPU devices (idle ones cost a one-device
-step 1.23-1.45x, benchmarks/host_devices.py), 8 when an axis is -1, or what --host-devices says."""
+"""experiments.run asks XLA for exactly the config's mesh size of virtual CPU devices (idle ones slow a one-device
+step down 1.2-1.5x), 8 when an axis is -1, or what --host-devices says."""
 import pytest
 
 from experiments import run

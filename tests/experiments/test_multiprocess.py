@@ -30,7 +30,7 @@ def _losses(workdir):
 
 
 # data=2 x tensor=4: each process holds half the batch. pipeline=2 x tensor=4 (shard_map): the batch is
-# replicated over both processes, so each must feed all rows (CompiledStep.local_rows), a past bug.
+# replicated over both processes, so each must feed all rows (CompiledStep.local_rows), not half of them.
 LAYOUTS = {
     "data2_tensor4": [],
     "pipeline2_tensor4": ["--config.mesh.data=1", "--config.mesh.pipeline=2", "--config.mesh.form=shard_map",

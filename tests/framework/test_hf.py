@@ -171,8 +171,7 @@ def test_workdir_import_export_cli_round_trip(tmp_path, capsys):
 def test_imported_checkpoint_is_what_training_resumes(tmp_path):
   """The import's step-0 state has exactly the structure the training loop restores (same optimizer)."""
   from framework import checkpoint as ckpt_lib
-  from parallelism.mesh import make_mesh
-  from parallelism.step import build_step
+  from parallelism.step import build_on_devices
   m = _hf_model(CASES["mha_tied"][0], seed=9)
   m.save_pretrained(tmp_path / "hf")
   cfg = dataclasses.replace(Config(), optim=OptimConfig(warmup_steps=2), train=TrainConfig(steps=4))
@@ -181,7 +180,7 @@ def test_imported_checkpoint_is_what_training_resumes(tmp_path):
   cfg = hf.import_to_workdir(str(tmp_path / "hf"), str(tmp_path / "wd"), cfg)
   from framework import config as config_lib
   cfg = config_lib.validate(cfg, jax.device_count())
-  step = build_step(cfg, make_mesh(cfg.mesh))
+  step = build_on_devices(cfg)
   ck = ckpt_lib.Checkpointer(str(tmp_path / "wd"), cfg.checkpoint)
   state, data_state = ck.restore(step.abstract_state())
   ck.close()

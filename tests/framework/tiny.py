@@ -1,4 +1,6 @@
 """A tiny, fast configuration shared by the framework and experiments tests (seconds per run on 2 cores)."""
+import jax
+
 from framework.config import Config, from_dict
 
 TINY = {
@@ -27,7 +29,6 @@ def use_compilation_cache(directory: str):
   """Persistent XLA compilation cache: the many tiny runs of these tests compile the same few programs
   again and again (each run builds a fresh jit); a hit costs ~0.5 s instead of ~5 s of CPU. Keyed on the
   exact HLO, so it never changes what runs. Returns a function that restores the previous settings."""
-  import jax  # noqa: PLC0415
   keys = ("jax_compilation_cache_dir", "jax_persistent_cache_min_compile_time_secs",
           "jax_persistent_cache_min_entry_size_bytes")
   old = {k: jax.config.values[k] for k in keys}

@@ -8,8 +8,9 @@ from tests.parallelism import harness
 
 @pytest.fixture(scope="package", autouse=True)
 def _fast_compiles():
-  """XLA optimisation passes dominate these tests' time and are irrelevant to equivalence: both the
-  reference and the sharded layouts compile without them. Restored afterwards (other packages)."""
+  """XLA's backend optimisation dominates these tests' time: both the reference and the sharded layouts
+  compile without it (test_layouts_optimized.py covers one case per axis and form with it on). Restored
+  afterwards (other packages)."""
   old = jax.config.values["jax_disable_most_optimizations"]
   jax.config.update("jax_disable_most_optimizations", True)
   yield

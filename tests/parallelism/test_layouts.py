@@ -26,8 +26,8 @@ NON_PIPELINE = [
 # Explicit-collective form only, on top of the list above.
 NON_PIPELINE_SHARD_MAP_EXTRA = [
     {"fsdp": 2, "sequence": 2, "tensor": 2},
-    # zero3 shards over ('data', 'fsdp') with data=1: a gather over the size-1 axis once made the loss
-    # "varying over data" and shard_map refused the step (found by `perfmodel search --run-top`)
+    # zero3 shards over ('data', 'fsdp') with data=1: a gather over the size-1 axis must not make the loss
+    # "varying over data" (shard_map would refuse the step)
     {"fsdp": 8, "rules": "zero3"},
     pytest.param({"data": 8}, marks=S),
     pytest.param({"data": 4, "fsdp": 2, "rules": "zero3"}, marks=S),
