@@ -13,8 +13,11 @@ import argparse
 import json
 import logging
 import math
-import os
 import sys
+from typing import Optional
+
+from framework import config_file, host_memory, xla_flags
+from framework.config import ConfigError, extras
 
 
 def parse(argv):
@@ -42,45 +45,47 @@ def host_devices(args, overrides) -> int:
   """Virtual CPU devices to ask XLA for: --host-devices, else exactly the config's mesh size.
 
   Why not always 8: idle virtual devices are not free. XLA:CPU's thunks then hop between 8 worker threads
-  instead of 1, and a one-device step costs 1.23-1.45x more (base 23.5-24.5 ms with 1 host device against
-  34.6-35.3 ms with 8, fresh processes; benchmarks/host_devices.py)."""
+  instead of 1, and a one-device step costs 1.2-1.5x more with 8 host devices than with 1."""
   if args.host_devices is not None:
     return args.host_devices
-  from framework import config_file  # noqa: PLC0415 - plain Python; jax's backend is not started by it
   sizes = config_file.load(args.config, overrides).mesh.sizes()
   return DEFAULT_HOST_DEVICES if -1 in sizes.values() else math.prod(sizes.values())
 
 
+def train(cfg, workdir: str, max_steps: Optional[int] = None) -> dict:
+  """Trains ``cfg`` in ``workdir`` in this process, on all the devices jax sees (resuming from a checkpoint
+  there); returns the loop's summary (with the final ``state``). What ``main`` runs; notebooks call it."""
+  # jax starts here, not at import: this module sets XLA_FLAGS first (main) and must stay importable without it.
+  from framework.train import train_and_evaluate  # noqa: PLC0415
+  from parallelism.step import build_on_devices  # noqa: PLC0415
+  return train_and_evaluate(cfg, workdir, build=build_on_devices, max_steps=max_steps)
+
+
 def main(argv=None) -> int:
   args, overrides = parse(sys.argv[1:] if argv is None else argv)
-  from framework import host_memory  # noqa: PLC0415 - before anything allocates (see the module)
-  host_memory.apply()
+  host_memory.apply()  # before anything allocates (see the module)
   args.host_devices = host_devices(args, overrides)
   if args.processes > 1:
-    from parallelism.distributed import launch_local  # noqa: PLC0415
+    from parallelism.distributed import launch_local  # noqa: PLC0415 - jax after XLA_FLAGS
     fwd = [a for a in (sys.argv[1:] if argv is None else argv)]
     fwd = _strip(fwd, "--processes")
     return launch_local(fwd, args.processes, args.host_devices)
-  if "XLA_FLAGS" not in os.environ or "device_count" not in os.environ["XLA_FLAGS"]:
-    os.environ["XLA_FLAGS"] = (os.environ.get("XLA_FLAGS", "") +
-                               f" --xla_force_host_platform_device_count={args.host_devices}").strip()
+  xla_flags.set_host_device_count(args.host_devices, keep_existing=True)
   logging.basicConfig(level=logging.INFO, format="%(asctime)s %(name)s %(message)s", datefmt="%H:%M:%S")
   for noisy in ("absl", "orbax", "jax._src"):
     logging.getLogger(noisy).setLevel(logging.WARNING)
-  from framework import config_file  # noqa: PLC0415 - after XLA_FLAGS
-  from framework.config import extras  # noqa: PLC0415
-  from parallelism import distributed  # noqa: PLC0415
   cfg = config_file.load(args.config, overrides)
   if extras(cfg, "resilience"):
     import resilience  # noqa: PLC0415 - hot-swap jobs run under their own node agents
     print(json.dumps(resilience.run_hotswap(cfg, args.workdir), default=str))
     return 0
-  distributed.initialize(args.coordinator, args.num_processes, args.process_id)
+  # jax is imported only now, after XLA_FLAGS.
   import jax  # noqa: PLC0415
-  from framework.train import train_and_evaluate  # noqa: PLC0415
+  from parallelism import distributed  # noqa: PLC0415
+  distributed.initialize(args.coordinator, args.num_processes, args.process_id)
   logging.getLogger("prismllm").info("process %d/%d, local devices %s", jax.process_index(), jax.process_count(),
                                      jax.local_devices())
-  summary = train_and_evaluate(cfg, args.workdir)
+  summary = train(cfg, args.workdir)
   summary.pop("state", None)
   if jax.process_index() == 0:
     print("\n--- sample ---\n" + summary.get("sample", "") + "\n--------------")
@@ -104,7 +109,6 @@ def _strip(argv, flag):
 
 
 def cli() -> int:
-  from framework.config import ConfigError  # noqa: PLC0415
   try:
     return main()
   except ConfigError as e:

@@ -9,11 +9,13 @@ ConfigDict (a typo'd key is an error, never a silent no-op), and converts it wit
 from __future__ import annotations
 
 import ast
+import dataclasses
 import importlib.util
 import pathlib
 import types
 from typing import Iterable, Optional, Sequence
 
+from framework import config as config_lib
 from framework.config import Config, ConfigError, from_dict
 
 
@@ -101,8 +103,6 @@ def apply_overrides(cd, overrides: Iterable[str]):
 
 def _typed_keys(parents) -> set:
   """Keys the typed config accepts at this path, whether or not the experiment file set them."""
-  import dataclasses  # noqa: PLC0415
-  from framework import config as config_lib  # noqa: PLC0415
   if not parents:
     return {f.name for f in dataclasses.fields(config_lib.Config)}
   cls = config_lib._SECTION_TYPES.get(parents[0]) if len(parents) == 1 else None

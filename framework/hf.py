@@ -30,7 +30,8 @@ from typing import Any, Iterator, Mapping, Optional
 
 import numpy as np
 
-from framework import names
+from framework import config as config_lib
+from framework import config_file, names
 from framework.config import Config, ConfigError, ModelConfig
 
 CONFIG_FILE = "config.json"
@@ -210,6 +211,7 @@ def _np_dtype(name: str):
 
 def _state_for(cfg: Config, params=None, rng_seed: int = 0):
   """A train state of ``cfg`` (unboxed), built from ``params`` when given; also its abstract twin."""
+  # jax, flax and the model only for workdir conversion: reading and writing HF directories runs without them.
   import flax.linen as nn  # noqa: PLC0415
   import jax  # noqa: PLC0415
   import jax.numpy as jnp  # noqa: PLC0415
@@ -235,8 +237,7 @@ def import_to_workdir(hf_dir: str, workdir: str, cfg: Config = Config(),
   ``cfg.optim``); ``cfg.model`` is replaced by the checkpoint's. With ``n_devices``, the result is
   validated for that many devices first (e.g. heads vs. mesh.tensor), so nothing is written for a
   layout that cannot train it. Returns the config to train with."""
-  from framework import checkpoint as ckpt_lib  # noqa: PLC0415
-  from framework import config as config_lib  # noqa: PLC0415
+  from framework import checkpoint as ckpt_lib  # noqa: PLC0415 - orbax, only for workdirs
   m = cfg.model
   mcfg = read_config(hf_dir)
   mcfg = dataclasses.replace(mcfg, dtype=m.dtype, param_dtype=m.param_dtype, scan_layers=m.scan_layers,
@@ -264,8 +265,7 @@ def export_from_workdir(workdir: str, out_dir: str, step: Optional[int] = None,
   """Writes a workdir checkpoint's params (latest, or ``step``) as a HF Llama directory."""
   import jax  # noqa: PLC0415
 
-  from framework import checkpoint as ckpt_lib  # noqa: PLC0415
-  from framework import config as config_lib  # noqa: PLC0415
+  from framework import checkpoint as ckpt_lib  # noqa: PLC0415 - orbax, only for workdirs
   cfg_path = os.path.join(workdir, "config.json")
   if not os.path.exists(cfg_path):
     raise ConfigError(f"{cfg_path} not found: pass the --workdir of a training run (it writes config.json)")
@@ -298,7 +298,6 @@ def main(argv=None) -> int:
   args, rest = p.parse_known_args(sys.argv[1:] if argv is None else argv)
   try:
     if args.cmd == "import":
-      from framework import config_file  # noqa: PLC0415
       if rest and not args.config:
         p.error("--config.* overrides need --config")
       cfg = config_file.load(args.config, rest) if args.config else Config()

@@ -1,4 +1,8 @@
-"""Training loop: config -> mesh -> compiled step -> loop (data, metrics, orbax) -> workdir.
+"""Training loop: config -> compiled step -> loop (data, metrics, orbax) -> workdir.
+
+The loop does not build the step: its caller passes ``build`` (config -> compiled step on this job's
+devices; ``parallelism.step.build_on_devices``, wired up by ``experiments.run.train``), so the training
+core sits below the parallelism that lays it out.
 
 The host never waits for the device inside the loop except at log steps: metrics are device
 arrays until then, so dispatch of step t+1 overlaps the compute of step t.
@@ -9,10 +13,9 @@ import json
 import logging
 import os
 import time
-from typing import Optional
+from typing import Any, Callable, Optional
 
 import jax
-import jax.numpy as jnp
 import numpy as np
 
 from framework import checkpoint as ckpt_lib
@@ -20,7 +23,6 @@ from framework import config as config_lib
 from framework import data as data_lib
 from framework import flops as flops_lib
 from framework import sampling
-from framework import train_step as ts
 from framework.config import Config
 
 log = logging.getLogger("prismllm")
@@ -45,11 +47,13 @@ def evaluate(step_obj, params, eval_data: np.ndarray, cfg: Config, n_batches: in
   return float(np.mean(jax.device_get(losses)))
 
 
-def train_and_evaluate(cfg: Config, workdir: str, max_steps: Optional[int] = None) -> dict:
-  """Trains ``cfg`` in ``workdir`` (resuming if a checkpoint exists). Returns a summary dict."""
-  from parallelism.mesh import make_mesh  # noqa: PLC0415 - floor 1 calls floor 2 only here (the loop)
-  from parallelism.step import build_step  # noqa: PLC0415
+def train_and_evaluate(cfg: Config, workdir: str, *, build: Callable[[Config], Any],
+                       max_steps: Optional[int] = None) -> dict:
+  """Trains ``cfg`` in ``workdir`` (resuming if a checkpoint exists). Returns a summary dict.
 
+  ``build``: the validated config -> its compiled step (``parallelism.compiled.CompiledStep``'s interface:
+  ``init_state``, ``abstract_state``, ``put_batch``, ``local_rows``, ``context``, ``eval_fn``, ``model``,
+  and ``step(state, batch) -> (state, metrics)``)."""
   cfg = config_lib.validate(cfg, jax.device_count(), jax.process_count())
   workdir = os.path.abspath(workdir)
   is_main = jax.process_index() == 0
@@ -59,8 +63,7 @@ def train_and_evaluate(cfg: Config, workdir: str, max_steps: Optional[int] = Non
       json.dump(config_lib.to_dict(cfg), f, indent=1, default=str)
 
   corpus = data_lib.split(data_lib.load_corpus(cfg.data), cfg.data)  # bad corpus fails before compiling
-  mesh = make_mesh(cfg.mesh)
-  step_obj = build_step(cfg, mesh)
+  step_obj = build(cfg)
   ckpt = ckpt_lib.Checkpointer(workdir, cfg.checkpoint) if cfg.checkpoint.every > 0 else None
 
   data_state = None
@@ -83,7 +86,7 @@ def train_and_evaluate(cfg: Config, workdir: str, max_steps: Optional[int] = Non
              jax.process_count(), peak, peak_src)
   metrics_f = open(os.path.join(workdir, "metrics.jsonl"), "a") if is_main else None
   bar = _progress(total, start, cfg.train.progress)
-  history, last_t, last_step, pending = [], None, start, None
+  history, last_t, last_step = [], None, start
   first_loss = None
   try:
     for step in range(start, total):

@@ -5,7 +5,7 @@ resilience wrappers, the performance model's tracer) wraps or compiles this func
 """
 from __future__ import annotations
 
-from typing import Any, Callable, NamedTuple
+from typing import Any, NamedTuple
 
 import flax.linen as nn
 import flax.struct
@@ -61,7 +61,3 @@ def train_step(state: TrainState, batch, *, model: nn.Module, tx: optax.Gradient
 def eval_step(params, batch, *, model: nn.Module):
   return loss_fn(params, batch, model)
 
-
-def loss_and_grads(state: TrainState, batch, *, model: nn.Module):
-  """Reference (single-device) loss and gradients, used by layout-equivalence tests."""
-  return jax.value_and_grad(loss_fn)(state.params, batch, model)

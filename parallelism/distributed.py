@@ -12,6 +12,8 @@ import tempfile
 import time
 from typing import Optional, Sequence
 
+from framework import xla_flags
+
 
 def free_port() -> int:
   with socket.socket() as s:
@@ -25,7 +27,7 @@ def initialize(coordinator: Optional[str] = None, num_processes: Optional[int] =
   jax auto-detects everything. On CPU the collectives backend is gloo (must be set before init).
   Pass ``local_device_ids`` under SLURM with one process per GPU (otherwise each process sees 1 GPU,
   maxtext #865 / jax #16788)."""
-  import jax  # noqa: PLC0415
+  import jax  # noqa: PLC0415 - the launcher imports this module before its children set XLA_FLAGS
   on_cluster = int(os.environ.get("SLURM_NTASKS", "1")) > 1 or os.environ.get("PRISMLLM_DISTRIBUTED") == "1"
   if coordinator is None and not on_cluster:
     return  # single process
@@ -49,7 +51,7 @@ def launch_local(argv: Sequence[str], processes: int, host_devices: int, timeout
   port = free_port()
   procs, errs = [], []
   base_env = dict(os.environ if env is None else env)
-  base_env["XLA_FLAGS"] = f"--xla_force_host_platform_device_count={host_devices // processes}"
+  xla_flags.set_host_device_count(host_devices // processes, base_env)
   base_env.setdefault("JAX_PLATFORMS", "cpu")
   try:
     for pid in range(processes):

@@ -54,7 +54,7 @@ Composes with data / fsdp / tensor / sequence: every collective of those axes ha
 data/fsdp/tensor/sequence group share a stage and hence the schedule row). Parameters are made
 device-local (``pcast``) over the batch axes *and* ``pipeline`` before the loop so no implicit
 all-reduce runs per micro-batch (or, worse, inside a branch that other stages skip); gradients are
-summed once after the loop (:func:`parallelism.shard_map_step.reduce_grads`). FSDP weights are
+summed once after the loop (:func:`parallelism.manual.reduce_grads`). FSDP weights are
 still gathered per use (ZeRO-3): their gradient reduce-scatter happens in every backward slot.
 """
 from __future__ import annotations
@@ -67,7 +67,7 @@ import jax.numpy as jnp
 import numpy as np
 
 from framework.config import Config
-from parallelism import shard_map_step as sms
+from parallelism import manual
 
 SCHEDULES = ("gpipe", "1f1b")
 # Named scopes around the schedule's branches: the compiled program's conditionals carry them in their
@@ -168,11 +168,6 @@ def check_schedule(s: Schedule) -> None:
         holder[b % s.n_slots] = None
 
 
-def _zeros_like_typed(x):
-  """Zeros with x's shape, dtype *and* varying-axes type (cond branches and scan carries must agree)."""
-  return sms.vary(jnp.zeros(x.shape, x.dtype), tuple(sms.varying_axes(x)))
-
-
 def _cond(pred, true_fn, false_fn, *args):
   return jax.lax.cond(pred, true_fn, false_fn, *args)
 
@@ -196,7 +191,7 @@ def loss_and_grads_body(cfg: Config, model, specs, n_tokens: int, batch_axes: tu
   'pipeline' axis, so devices taking different branches deadlock (observed on CPU). Masking costs
   compute: every tick runs a forward and a backward on every stage, idle or not."""
   sched = make_schedule(cfg.mesh.schedule, cfg.mesh.pipeline, cfg.mesh.microbatches)
-  reduce_over = tuple(batch_axes) + (sms.PIPELINE_AXIS,)
+  reduce_over = tuple(batch_axes) + (manual.PIPELINE_AXIS,)
   return functools.partial(_body, model=model, specs=specs, sched=sched, n_tokens=n_tokens,
                            batch_axes=tuple(batch_axes), reduce_over=reduce_over,
                            branch=_select if masked else _cond)
@@ -205,19 +200,19 @@ def loss_and_grads_body(cfg: Config, model, specs, n_tokens: int, batch_axes: tu
 def _body(params, inputs_BxT, targets_BxT, *, model, specs, sched: Schedule, n_tokens: int,
           batch_axes: tuple, reduce_over: tuple, branch):
   p, m, k = sched.n_stages, sched.n_micro, sched.n_slots
-  stage = jax.lax.axis_index(sms.PIPELINE_AXIS)
+  stage = jax.lax.axis_index(manual.PIPELINE_AXIS)
   is_first, is_last = stage == 0, stage == p - 1
   b_local, t_local = inputs_BxT.shape
   mb = b_local // m
   tok_MxBxT = inputs_BxT.reshape(m, mb, t_local)
   tgt_MxBxT = targets_BxT.reshape(m, mb, t_local)
-  pos_BxT = sms.positions((mb, t_local), model.ctx.size((sms.SEQUENCE_AXIS,)))
-  local = sms.localize_params(params, specs, reduce_over)
+  pos_BxT = manual.positions((mb, t_local), model.ctx.size((manual.SEQUENCE_AXIS,)))
+  local = manual.localize_params(params, specs, reduce_over)
   # Typed templates: the activation flowing between stages varies over the batch axes and
   # 'pipeline' (it is stage-dependent) and is invariant over 'tensor' (after the TP psum).
-  x_proto = sms.vary(jnp.zeros((mb, t_local, model.cfg.d_model), jnp.dtype(model.cfg.dtype)),
-                     batch_axes + (sms.PIPELINE_AXIS,))
-  loss_proto = sms.vary(jnp.zeros((), jnp.float32), batch_axes + (sms.PIPELINE_AXIS,))
+  x_proto = manual.vary(jnp.zeros((mb, t_local, model.cfg.d_model), jnp.dtype(model.cfg.dtype)),
+                        batch_axes + (manual.PIPELINE_AXIS,))
+  loss_proto = manual.vary(jnp.zeros((), jnp.float32), batch_axes + (manual.PIPELINE_AXIS,))
 
   def stage_forward(prm, x_recv_BxTxD, tok_BxT):
     embed = lambda: model.apply({"params": prm}, tok_BxT, method="embed")  # noqa: E731
@@ -229,8 +224,8 @@ def _body(params, inputs_BxT, targets_BxT, *, model, specs, sched: Schedule, n_t
   def stage_loss(prm, y_BxTxD, tgt_BxT):
     def head():
       logits = model.apply({"params": prm}, y_BxTxD, method="head")
-      loss = sms.token_loss_sum(model, logits, tgt_BxT) / n_tokens
-      return sms.vary(loss, tuple(sms.varying_axes(loss_proto)))
+      loss = manual.token_loss_sum(model, logits, tgt_BxT) / n_tokens
+      return manual.vary(loss, tuple(manual.varying_axes(loss_proto)))
     with jax.named_scope(SCOPE_LAST):
       return branch(is_last, head, lambda: loss_proto)
 
@@ -246,7 +241,7 @@ def _body(params, inputs_BxT, targets_BxT, *, model, specs, sched: Schedule, n_t
       return y, stash
     with jax.named_scope(SCOPE_FWD):
       y, stash = branch(fm >= 0, fwd, lambda st: (x_proto, st), stash)
-    recv_x = jax.lax.ppermute(y, sms.PIPELINE_AXIS, [(i, i + 1) for i in range(p - 1)])
+    recv_x = jax.lax.ppermute(y, manual.PIPELINE_AXIS, [(i, i + 1) for i in range(p - 1)])
 
     # Backward slot: recompute the stage forward from its stashed input, pull back the cotangent.
     def bwd(gacc, loss_acc):
@@ -260,16 +255,16 @@ def _body(params, inputs_BxT, targets_BxT, *, model, specs, sched: Schedule, n_t
       dy = jnp.where(is_last, jnp.zeros_like(recv_dx), recv_dx)
       d_prm, d_x = pullback((dy, jnp.ones_like(loss_proto)))
       gacc = jax.tree.map(jnp.add, gacc, d_prm)
-      return sms.vary(d_x, tuple(sms.varying_axes(x_proto))), gacc, loss_acc + loss
+      return manual.vary(d_x, tuple(manual.varying_axes(x_proto))), gacc, loss_acc + loss
     with jax.named_scope(SCOPE_BWD):
       d_x, gacc, loss_acc = branch(bm >= 0, bwd, lambda g, l: (x_proto, g, l), gacc, loss_acc)
-    recv_dx = jax.lax.ppermute(d_x, sms.PIPELINE_AXIS, [(i + 1, i) for i in range(p - 1)])
+    recv_dx = jax.lax.ppermute(d_x, manual.PIPELINE_AXIS, [(i + 1, i) for i in range(p - 1)])
     return (recv_x, recv_dx, stash, gacc, loss_acc), None
 
-  stash = sms.vary(jnp.zeros((k,) + x_proto.shape, x_proto.dtype), tuple(sms.varying_axes(x_proto)))
-  gacc = jax.tree.map(_zeros_like_typed, local)
+  stash = manual.vary(jnp.zeros((k,) + x_proto.shape, x_proto.dtype), tuple(manual.varying_axes(x_proto)))
+  gacc = jax.tree.map(manual.zeros_like_typed, local)
   carry = (x_proto, x_proto, stash, gacc, loss_proto)
   rows = (jnp.asarray(sched.fwd_TxP), jnp.asarray(sched.bwd_TxP))
   (_, _, _, gacc, loss_acc), _ = jax.lax.scan(tick, carry, rows)
-  grads = sms.reduce_grads(gacc, specs, reduce_over)
+  grads = manual.reduce_grads(gacc, specs, reduce_over)
   return jax.lax.psum(loss_acc, reduce_over), grads

@@ -1,153 +1,37 @@
-"""Compiled step: (config, mesh, form) -> an object that runs, and lowers on abstract inputs.
+"""Compiled step: (config, mesh) -> an object that runs, and lowers on abstract inputs.
 
 Training runs it; the performance model and emulation call ``.lower()`` at any mesh size without
-allocating; resilience wraps it. ``form='jit'`` lets GSPMD partition the pure step from the
-logical-axis rules; ``form='shard_map'`` (parallelism/shard_map_step.py) is the same step written
-per device with explicit collectives (and the pipeline schedules).
+allocating; resilience wraps it. :func:`build_step` only picks the form:
+
+* ``mesh.form='jit'`` (parallelism/jit_step.py): GSPMD partitions the pure step from the logical-axis rules;
+* ``mesh.form='shard_map'``, and any ``pipeline > 1`` (parallelism/shard_map_step.py): the same step written
+  per device with explicit collectives, and the pipeline schedules (parallelism/pipeline.py).
+
+Both return a :class:`~parallelism.compiled.CompiledStep` (parallelism/compiled.py).
 """
 from __future__ import annotations
 
-import dataclasses
-import functools
-from typing import Any, Callable, Optional
+from typing import Optional, Sequence
 
-import flax.linen as nn
-import jax
-import jax.numpy as jnp
-from jax.sharding import Mesh, NamedSharding, PartitionSpec as P
+from jax.sharding import Mesh
 
-from framework import model as model_lib
-from framework import optim, train_step as ts
-from framework.config import Config, ConfigError
-from parallelism import rules as rules_lib
+from framework.config import Config
+from parallelism import jit_step, shard_map_step
+from parallelism.compiled import BATCH_SPEC, CompiledStep
+from parallelism.mesh import make_mesh
 
-BATCH_SPEC = P(("data", "fsdp"), "sequence")
-
-
-@dataclasses.dataclass
-class CompiledStep:
-  cfg: Config
-  mesh: Mesh
-  model: nn.Module  # auto-mode model (full shapes): init, eval, sampling
-  tx: Any
-  rules: tuple
-  state_shardings: Any  # TrainState of NamedSharding
-  batch_shardings: Any  # {'inputs','targets'} -> NamedSharding
-  step_fn: Callable  # jitted (state, batch) -> (state, metrics)
-  init_fn: Callable  # jitted rng -> state (sharded)
-
-  @functools.cached_property
-  def eval_fn(self) -> Callable:
-    return eval_fn_for(self)
-
-  def init_state(self, rng) -> ts.TrainState:
-    with self.context():
-      return self.init_fn(rng)
-
-  def abstract_state(self) -> ts.TrainState:
-    with self.context():
-      shapes = jax.eval_shape(self.init_fn, jax.random.key(0))
-    return jax.tree.map(lambda s, sh: jax.ShapeDtypeStruct(s.shape, s.dtype, sharding=sh), shapes,
-                        self.state_shardings)
-
-  def abstract_batch(self) -> dict:
-    d = self.cfg.data
-    return {k: jax.ShapeDtypeStruct((d.global_batch, d.seq_len), jnp.int32, sharding=s)
-            for k, s in self.batch_shardings.items()}
-
-  def context(self):
-    return _Context(self.mesh, self.rules)
-
-  def __call__(self, state, batch):
-    with self.context():
-      return self.step_fn(state, batch)
-
-  def lower(self, state=None, batch=None):
-    """Lowers on abstract inputs by default (no allocation at any scale)."""
-    with self.context():
-      return self.step_fn.lower(state if state is not None else self.abstract_state(),
-                                batch if batch is not None else self.abstract_batch())
-
-  def local_rows(self) -> slice:
-    """The global-batch rows this process's devices hold (contiguous for meshes built by make_mesh).
-    Not always B/P: when the batch axes do not span the processes, every process needs them all."""
-    d = self.cfg.data
-    idx = self.batch_shardings["inputs"].addressable_devices_indices_map((d.global_batch, d.seq_len))
-    starts = [(i[0].start or 0) for i in idx.values()]
-    stops = [(d.global_batch if i[0].stop is None else i[0].stop) for i in idx.values()]
-    rows = slice(min(starts), max(stops))
-    covered = sum(b - a for a, b in sorted(set(zip(starts, stops))))
-    if covered != rows.stop - rows.start:
-      raise ValueError(f"process {jax.process_index()} holds non-contiguous batch rows {sorted(set(zip(starts, stops)))}")
-    return rows
-
-  def put_batch(self, batch_local: dict) -> dict:
-    """Host numpy rows of this process (``local_rows()``) -> global sharded arrays."""
-    out = {}
-    d = self.cfg.data
-    for k, v in batch_local.items():
-      sh = self.batch_shardings[k]
-      if jax.process_count() == 1:
-        out[k] = jax.device_put(v, sh)
-      else:
-        out[k] = jax.make_array_from_process_local_data(sh, v, (d.global_batch,) + v.shape[1:])
-    return out
-
-
-class _Context:
-  """Mesh + logical rules active while tracing (activation constraints read them)."""
-
-  def __init__(self, mesh, rules):
-    self.mesh, self.rules = mesh, rules
-    self._stack = []
-
-  def __enter__(self):
-    for cm in (jax.set_mesh(self.mesh), nn.logical_axis_rules(self.rules)):
-      cm.__enter__()
-      self._stack.append(cm)
-    return self
-
-  def __exit__(self, *exc):
-    while self._stack:
-      self._stack.pop().__exit__(*exc)
-
-
-def state_shardings_for(abstract_boxed_state, mesh: Mesh, rules) -> Any:
-  specs = nn.get_partition_spec(abstract_boxed_state)
-  return nn.logical_to_mesh_sharding(specs, mesh, rules)
+# What callers import from here: the builder, the type it returns, and the batch's layout.
+__all__ = ["BATCH_SPEC", "CompiledStep", "build_on_devices", "build_step"]
 
 
 def build_step(cfg: Config, mesh: Mesh, donate: bool = True) -> CompiledStep:
-  """The one place where shardings and donation are applied to the pure step."""
+  """The step of ``cfg`` (a validated config) on ``mesh`` (``parallelism.mesh.make_mesh(cfg.mesh)``).
+  ``donate=False`` keeps the input state alive after a step (a caller that still reads it)."""
   if cfg.mesh.form == "shard_map" or cfg.mesh.pipeline > 1:
-    # shard_map form, and the jit form's pipeline (a shard_map manual over 'pipeline' only).
-    from parallelism import shard_map_step  # noqa: PLC0415 - optional heavier module
     return shard_map_step.build(cfg, mesh, donate=donate)
-  rules = rules_lib.without(rules_lib.get(cfg.mesh.rules), "pipeline")
-  model = model_lib.build(cfg.model)
-  tx = optim.make(cfg.optim, cfg.train.steps)
-  ctx = _Context(mesh, rules)
-  with ctx:
-    boxed = jax.eval_shape(functools.partial(ts.init_state, model=model, tx=tx), jax.random.key(0))
-    state_sh = state_shardings_for(boxed, mesh, rules)
-  batch_sh = {k: NamedSharding(mesh, BATCH_SPEC) for k in ("inputs", "targets")}
-  replicated = NamedSharding(mesh, P())
-
-  def init(rng):
-    return nn.unbox(ts.init_state(rng, model, tx))
-
-  init_fn = jax.jit(init, out_shardings=state_sh)
-  step = functools.partial(ts.train_step, model=model, tx=tx)
-  # Donating the state lets XLA update parameters and optimizer moments in place: peak memory
-  # holds one copy of the state, not two.
-  step_fn = jax.jit(step, in_shardings=(state_sh, batch_sh), out_shardings=(state_sh, replicated),
-                    donate_argnums=(0,) if donate else ())
-  return CompiledStep(cfg=cfg, mesh=mesh, model=model, tx=tx, rules=rules, state_shardings=state_sh,
-                      batch_shardings=batch_sh, step_fn=step_fn, init_fn=init_fn)
+  return jit_step.build(cfg, mesh, donate=donate)
 
 
-def eval_fn_for(step: CompiledStep) -> Callable:
-  """Jitted mean loss on sharded params (same shardings as training)."""
-  fn = functools.partial(ts.eval_step, model=step.model)
-  return jax.jit(fn, in_shardings=(step.state_shardings.params, step.batch_shardings),
-                 out_shardings=NamedSharding(step.mesh, P()))
+def build_on_devices(cfg: Config, devices: Optional[Sequence] = None, donate: bool = True) -> CompiledStep:
+  """:func:`build_step` on a mesh of ``devices`` (default: all of them) shaped by ``cfg.mesh``."""
+  return build_step(cfg, make_mesh(cfg.mesh, devices), donate=donate)

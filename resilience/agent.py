@@ -26,6 +26,7 @@ from typing import Dict, Optional
 import numpy as np
 import zmq
 
+from framework import xla_flags
 from resilience import slots as slots_lib
 from resilience import wire
 from resilience.deathsig import die_with_parent
@@ -33,9 +34,8 @@ from resilience.deathsig import die_with_parent
 
 def worker_env() -> dict:
   env = dict(os.environ)
-  # one CPU device per process; single-threaded XLA: N workers share the host's cores
-  env["XLA_FLAGS"] = ("--xla_force_host_platform_device_count=1 --xla_cpu_multi_thread_eigen=false "
-                      "intra_op_parallelism_threads=1")
+  # one CPU device per process; single-threaded Eigen: N workers share the host's cores
+  env["XLA_FLAGS"] = xla_flags.with_host_device_count(1, "--xla_cpu_multi_thread_eigen=false")
   env.setdefault("JAX_PLATFORMS", "cpu")
   env["TF_CPP_MIN_LOG_LEVEL"] = env.get("TF_CPP_MIN_LOG_LEVEL", "2")
   return env

@@ -27,8 +27,8 @@ import zmq
 from resilience import injection, wire
 from resilience.deathsig import die_with_parent
 from resilience.injection import InjectorMixin
-from resilience.recovery import RecoveryMixin, RunFailed, latest_persistent_step  # noqa: F401
-from resilience.settings import HotswapSettings
+from resilience.recovery import RecoveryMixin, RunFailed
+from resilience.settings import HotswapSettings, to_dict
 
 log = logging.getLogger("prismllm.resilience")
 REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
@@ -162,7 +162,7 @@ class Controller(RecoveryMixin, InjectorMixin):
     for rank, name in enumerate(self.members):
       msg = {"type": "assign", "gen": self.gen, "rank": rank, "n": self.s.nodes, "coordinator": coordinator,
              "restore": dict(plan), "buddies": [self.nodes[self.members[b]].data_addr for b in self.buddies(rank)],
-             "config": self.cfg_dict, "settings": _settings_dict(self.s), "workdir": self.workdir,
+             "config": self.cfg_dict, "settings": to_dict(self.s), "workdir": self.workdir,
              "controller_pull": self.pull_addr, "controller_pub": self.pub_addr,
              "compile_cache_dir": self.cache_dir}
       self.send(name, msg)
@@ -419,7 +419,3 @@ class Controller(RecoveryMixin, InjectorMixin):
     self.pub.close()
     self.ctx.term()
 
-
-def _settings_dict(s: HotswapSettings) -> dict:
-  import dataclasses  # noqa: PLC0415
-  return dataclasses.asdict(s)

@@ -19,7 +19,7 @@ import signal
 import time
 from typing import List, Optional
 
-from resilience.settings import HotswapSettings
+from resilience.settings import HotswapSettings, items
 
 
 @dataclasses.dataclass
@@ -32,10 +32,10 @@ class Fault:
 
 
 def plan(s: HotswapSettings, total_steps: int) -> List[Fault]:
-  steps = [int(x) for x in _items(s.fail_at)]
+  steps = [int(x) for x in items(s.fail_at)]
   if not steps:
     return []
-  kinds = _items(s.fail_kind)
+  kinds = items(s.fail_kind)
   if len(kinds) == 1:
     kinds = kinds * len(steps)
   if len(kinds) != len(steps):
@@ -52,17 +52,6 @@ def plan(s: HotswapSettings, total_steps: int) -> List[Fault]:
     rank = s.fail_rank if s.fail_rank >= 0 else rng.randrange(s.nodes)
     out.append(Fault(int(step), kind, rank % s.nodes))
   return sorted(out, key=lambda f: f.at_step)
-
-
-def _items(v) -> list:
-  """'5,9' / 5 / [5, 9] / '' -> list (config-file overrides arrive as strings)."""
-  if v is None or v == "" or v == ():
-    return []
-  if isinstance(v, str):
-    return [x.strip() for x in v.split(",") if x.strip()]
-  if isinstance(v, (list, tuple)):
-    return list(v)
-  return [v]
 
 
 def random_campaign(n: int, total_steps: int, nodes: int, replicas: int, seed: int, kinds=None) -> dict:

@@ -11,6 +11,7 @@ their agent) and is SIGKILLed in ``finally``; shared-memory files of the run are
 """
 from __future__ import annotations
 
+import argparse
 import glob
 import json
 import logging
@@ -20,9 +21,10 @@ import time
 import uuid
 
 from framework import config as config_lib
+from framework import config_file
 from resilience import settings as settings_lib
 from resilience import slots as slots_lib
-from resilience.controller import Controller, RunFailed  # noqa: F401 - re-exported
+from resilience.controller import Controller
 
 log = logging.getLogger("prismllm.resilience")
 
@@ -59,8 +61,6 @@ def run_hotswap(cfg: config_lib.Config, workdir: str) -> dict:
 
 
 def main(argv=None) -> int:
-  import argparse  # noqa: PLC0415
-  from framework import config_file  # noqa: PLC0415
   ap = argparse.ArgumentParser(prog="python -m resilience.launch")
   ap.add_argument("--config", required=True)
   ap.add_argument("--workdir", required=True)

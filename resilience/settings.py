@@ -48,8 +48,7 @@ def from_dict(d: Mapping[str, Any]) -> HotswapSettings:
   if unknown:
     raise config_lib.ConfigError(f"unknown extras.resilience key(s) {unknown}; known: {sorted(known)}")
   s = HotswapSettings(**dict(d))
-  from resilience.injection import _items  # noqa: PLC0415
-  kinds = _items(s.fail_kind)
+  kinds = items(s.fail_kind)
   bad = [k for k in kinds if k not in FAIL_KINDS]
   if bad:
     raise config_lib.ConfigError(f"extras.resilience.fail_kind {bad} unknown; choose from {FAIL_KINDS}")
@@ -58,6 +57,17 @@ def from_dict(d: Mapping[str, Any]) -> HotswapSettings:
   if not 1 <= s.replicas < s.nodes:
     raise config_lib.ConfigError(f"extras.resilience.replicas={s.replicas} must be in [1, nodes-1={s.nodes - 1}]")
   return s
+
+
+def items(v) -> list:
+  """'5,9' / 5 / [5, 9] / '' -> list (config-file overrides arrive as strings)."""
+  if v is None or v == "" or v == ():
+    return []
+  if isinstance(v, str):
+    return [x.strip() for x in v.split(",") if x.strip()]
+  if isinstance(v, (list, tuple)):
+    return list(v)
+  return [v]
 
 
 def to_dict(s: HotswapSettings) -> dict:

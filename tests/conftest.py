@@ -1,7 +1,9 @@
 """Test set-up: 8 emulated CPU devices, set before jax is imported anywhere."""
 import os
 
-os.environ.setdefault("XLA_FLAGS", "--xla_force_host_platform_device_count=8")
+from framework import xla_flags
+
+xla_flags.set_host_device_count(8, keep_existing=True)  # a count already in XLA_FLAGS (set on purpose) wins
 os.environ.setdefault("JAX_PLATFORMS", "cpu")
 
 import jax  # noqa: E402

@@ -33,7 +33,7 @@ def test_committed_notebook_has_no_outputs():
   assert all(not c.get("outputs") for c in nb.cells if c.cell_type == "code"), "clear outputs before committing"
   first = next(c for c in nb.cells if c.cell_type == "code")
   # XLA_FLAGS must be set before jax is imported, i.e. in the first code cell, which must not import jax.
-  assert "xla_force_host_platform_device_count=8" in first.source and "import jax" not in first.source
+  assert "set_host_device_count(8" in first.source and "import jax" not in first.source
 
 
 def test_quickstart_notebook_executes(tmp_path, monkeypatch):

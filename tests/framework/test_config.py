@@ -12,9 +12,14 @@ import pytest
 from framework import config as config_lib
 from framework import config_file, train
 from framework.config import Config, ConfigError, ModelConfig
+from parallelism.step import build_on_devices
 from tests.framework.tiny import tiny_config
 
 QUICKSTART = "experiments/configs/quickstart.py"
+
+
+def _train(cfg, workdir):
+  return train.train_and_evaluate(cfg, workdir, build=build_on_devices)
 
 
 # jax.random.key(0) (the abstract init inside build_step) compiles two scalar programs; they are not
@@ -127,7 +132,7 @@ def test_compile_probe_sees_compilations(compiles):
 def test_bad_input_fails_before_compiling(case, tmp_path, compiles):
   sections, fix = BAD[case]
   with pytest.raises(ConfigError, match=fix):
-    train.train_and_evaluate(tiny_config(**sections), str(tmp_path / "wd"))
+    _train(tiny_config(**sections), str(tmp_path / "wd"))
   assert set(compiles) <= RNG_SEEDING, f"{case}: compiled {compiles} before the error"
 
 
@@ -136,18 +141,18 @@ def test_unreadable_corpus_kinds(tmp_path, compiles):
   empty.mkdir()
   (empty / "image.png").write_bytes(b"\x89PNG")
   with pytest.raises(ConfigError, match=r"no files with extensions .*'.py'.* under .*empty"):
-    train.train_and_evaluate(tiny_config(data=dict(corpus=str(empty))), str(tmp_path / "wd"))
+    _train(tiny_config(data=dict(corpus=str(empty))), str(tmp_path / "wd"))
   tiny = tmp_path / "tiny.txt"
   tiny.write_text("too short")
   with pytest.raises(ConfigError, match=r"has \d+ bytes, too few for seq_len=32"):
-    train.train_and_evaluate(tiny_config(data=dict(corpus=str(tiny))), str(tmp_path / "wd"))
+    _train(tiny_config(data=dict(corpus=str(tiny))), str(tmp_path / "wd"))
   if os.geteuid() != 0:  # root reads mode-000 files, so only a normal user can see this failure
     locked = tmp_path / "locked"
     locked.mkdir()
     (locked / "a.txt").write_text("x" * 1000)
     os.chmod(locked / "a.txt", 0)
     with pytest.raises(ConfigError, match="cannot read"):
-      train.train_and_evaluate(tiny_config(data=dict(corpus=str(locked))), str(tmp_path / "wd"))
+      _train(tiny_config(data=dict(corpus=str(locked))), str(tmp_path / "wd"))
   assert set(compiles) <= RNG_SEEDING, compiles
 
 

@@ -12,7 +12,7 @@ from framework import data as data_lib
 from framework import train
 from framework.config import CheckpointConfig
 from parallelism.mesh import make_mesh
-from parallelism.step import build_step
+from parallelism.step import build_on_devices, build_step
 from tests.framework.tiny import tiny_config
 
 
@@ -33,7 +33,7 @@ def test_loss_falls_on_real_text(tmp_path):
   to below the corpus's unigram entropy, i.e. the model uses context, not just byte frequencies."""
   cfg = tiny_config(data=dict(seq_len=64), train=dict(steps=30, log_every=5, eval_every=30, eval_batches=2,
                                                        sample_tokens=8))
-  s = train.train_and_evaluate(cfg, str(tmp_path))
+  s = train.train_and_evaluate(cfg, str(tmp_path), build=build_on_devices)
   h0 = _unigram_entropy(cfg)  # ~3.2 nats/byte for Python source
   recs = _records(tmp_path)
   assert abs(s["first_loss"] - np.log(256)) < 0.1, s["first_loss"]
@@ -89,10 +89,10 @@ def test_interrupted_run_resumes_exactly(tmp_path):
   """The loop itself: 2 steps, stop, rerun -> resumes at step 2 (state + data position) and the losses of
   steps 3-4 and the final params equal an uninterrupted 4-step run bit for bit."""
   cfg = tiny_config(checkpoint=dict(every=2, async_save=True))
-  full = train.train_and_evaluate(cfg, str(tmp_path / "full"))
-  part = train.train_and_evaluate(cfg, str(tmp_path / "split"), max_steps=2)
+  full = train.train_and_evaluate(cfg, str(tmp_path / "full"), build=build_on_devices)
+  part = train.train_and_evaluate(cfg, str(tmp_path / "split"), build=build_on_devices, max_steps=2)
   assert part["steps"] == 2
-  resumed = train.train_and_evaluate(cfg, str(tmp_path / "split"))
+  resumed = train.train_and_evaluate(cfg, str(tmp_path / "split"), build=build_on_devices)
   loss = lambda wd: {r["step"]: r["loss"] for r in _records(wd) if "loss" in r}  # noqa: E731
   lf, ls = loss(tmp_path / "full"), loss(tmp_path / "split")
   assert lf[3] == ls[3] and lf[4] == ls[4], (lf, ls)

@@ -1,14 +1,12 @@
 """Shared set-up for the layout-equivalence tests: one tiny model, one batch, one reference."""
 from __future__ import annotations
 
-import functools
 import math
 
 import jax
 import numpy as np
 
 from framework import config as config_lib
-from framework import train_step as ts
 from parallelism import mesh as mesh_lib
 from parallelism import step as step_lib
 
@@ -50,10 +48,7 @@ def loss_and_grads(st: step_lib.CompiledStep, state_np, batch_np):
   state = jax.device_put(state_np, st.state_shardings)
   batch = st.put_batch(batch_np)
   with st.context():
-    if hasattr(st, "loss_and_grads"):  # shard_map form / pipelined jit form: the explicit shard_map
-      loss, grads = jax.jit(st.loss_and_grads)(state.params, batch["inputs"], batch["targets"])
-    else:  # jit form: GSPMD partitions the pure step's loss and grads
-      loss, grads = jax.jit(functools.partial(ts.loss_and_grads, model=st.model))(state, batch)
+    loss, grads = jax.jit(st.loss_and_grads)(state.params, batch["inputs"], batch["targets"])
   return float(loss), jax.tree.map(np.asarray, grads)
 
 

@@ -1,0 +1,36 @@
+"""The ``jit`` form: GSPMD partitions the pure step from the logical-axis rules.
+
+The step is framework/train_step.py's ``train_step`` as it stands; only the shardings of its state and
+batch (parallelism/compiled.py) tell XLA how to lay it out. The jit form with ``pipeline > 1`` is built by
+parallelism/shard_map_step.py (a shard_map manual over 'pipeline' only).
+"""
+from __future__ import annotations
+
+import functools
+
+import jax
+from jax.sharding import Mesh
+
+from framework import model as model_lib
+from framework import optim, train_step as ts
+from framework.config import Config, ConfigError
+from parallelism import compiled
+from parallelism import rules as rules_lib
+
+
+def build(cfg: Config, mesh: Mesh, donate: bool = True) -> compiled.CompiledStep:
+  if cfg.mesh.form != "jit" or cfg.mesh.pipeline > 1:
+    raise ConfigError("jit_step.build is for form='jit' without a pipeline; use parallelism.step.build_step")
+  # 'layers' -> 'pipeline' is a no-op at size 1; dropping it keeps the rules free of an axis nobody shards.
+  rules = rules_lib.without(rules_lib.get(cfg.mesh.rules), "pipeline")
+  model = model_lib.build(cfg.model)
+  tx = optim.make(cfg.optim, cfg.train.steps)
+  state_sh = compiled.state_shardings(model, tx, mesh, rules)
+  step = functools.partial(ts.train_step, model=model, tx=tx)
+  return compiled.assemble(cfg, mesh, model, tx, rules, state_sh, step,
+                           functools.partial(_loss_and_grads, model=model), donate)
+
+
+def _loss_and_grads(params, inputs_BxT, targets_BxT, *, model):
+  """The pure step's loss and gradients; GSPMD partitions them from the inputs' shardings."""
+  return jax.value_and_grad(ts.loss_fn)(params, {"inputs": inputs_BxT, "targets": targets_BxT}, model)
