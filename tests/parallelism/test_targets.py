@@ -149,26 +149,8 @@ def _compile(hardware: str, overrides, topology=None):
   return cfg, st, compiled, time.perf_counter() - t0
 
 
-@pytest.fixture(scope="module", params=[pytest.param(h, marks=needs[h]) for h in ("tpu_v5p", "h100")])
-def aligned_step(request):
-  hw = request.param
-  cfg, st, compiled, seconds = _compile(hw, ALIGNED)
-  print(f"\n{hw}: compiled the 8-chip FSDP step in {seconds:.1f} s")
-  return {"hardware": hw, "cfg": cfg, "step": st, "compiled": compiled, "hlo": compiled.as_text(),
-          "seconds": seconds}
-
-
-def test_hlo_is_the_targets_program(aligned_step):
-  hw, hlo = aligned_step["hardware"], aligned_step["hlo"]
-  assert re.search(r" all-gather(-start)?\(", hlo), "FSDP gathers its parameter shards"
-  if hw.startswith("tpu"):
-    assert ":T(8,128)" in hlo  # TPU tiled layouts: (8 sublanes, 128 lanes)
-    assert re.search(r"convolution\(", hlo) and "kind=kOutput" in hlo  # matmuls as MXU convolution fusions
-    assert "__triton" not in hlo
-  else:
-    assert "__triton" in hlo  # matmuls as Triton GEMM fusions
-    assert re.search(r"(all-gather|reduce-scatter|all-reduce)-start\(", hlo)  # async NCCL collectives
-    assert ":T(" not in hlo
+def _shard_bytes(tree) -> int:
+  return sum(math.prod(x.sharding.shard_shape(x.shape)) * x.dtype.itemsize for x in jax.tree.leaves(tree))
 
 
 def _hand_argument_bytes(cfg) -> int:
@@ -184,20 +166,34 @@ def _hand_argument_bytes(cfg) -> int:
   return state + batch
 
 
-def test_per_chip_memory_matches_the_sharded_state(aligned_step):
-  hw, compiled, st = aligned_step["hardware"], aligned_step["compiled"], aligned_step["step"]
+def _assert_target_hlo(hw: str, hlo: str):
+  assert re.search(r" all-gather(-start)?\(", hlo), "FSDP gathers its parameter shards"
+  if hw.startswith("tpu"):
+    assert ":T(8,128)" in hlo  # TPU tiled layouts: (8 sublanes, 128 lanes)
+    assert re.search(r"convolution\(", hlo) and "kind=kOutput" in hlo  # matmuls as MXU convolution fusions
+    assert "__triton" not in hlo
+  else:
+    assert "__triton" in hlo  # matmuls as Triton GEMM fusions
+    assert re.search(r"(all-gather|reduce-scatter|all-reduce)-start\(", hlo)  # async NCCL collectives
+    assert ":T(" not in hlo
+
+
+# One test per target (not one per fact) so that pytest-xdist compiles each program once.
+@pytest.mark.parametrize("hw", [pytest.param(h, marks=needs[h]) for h in ("tpu_v5p", "h100")])
+def test_step_compiles_for_target(hw):
+  cfg, st, compiled, seconds = _compile(hw, ALIGNED)
+  print(f"\n{hw}: compiled the 8-chip FSDP step in {seconds:.1f} s")
+  assert {d.platform for d in st.mesh.devices.flat} == {"tpu" if hw.startswith("tpu") else "gpu"}
+  _assert_target_hlo(hw, compiled.as_text())
+
   mem = targets.compiled_memory(compiled)
-  hand = _hand_argument_bytes(aligned_step["cfg"])
-  assert mem["argument"] == pytest.approx(hand, rel=0.01)
-  shard_bytes = sum(math.prod(x.sharding.shard_shape(x.shape)) * x.dtype.itemsize
-                    for x in jax.tree.leaves((st.abstract_state(), st.abstract_batch())))
+  assert mem["argument"] == pytest.approx(_hand_argument_bytes(cfg), rel=0.01)
+  shard_bytes = _shard_bytes((st.abstract_state(), st.abstract_batch()))
   if hw.startswith("tpu"):
     assert shard_bytes <= mem["argument"] <= 1.01 * shard_bytes  # only tile padding on top
   else:
     assert mem["argument"] == shard_bytes  # GPU buffers are the shards, byte for byte
-  state_bytes = sum(math.prod(x.sharding.shard_shape(x.shape)) * x.dtype.itemsize
-                    for x in jax.tree.leaves(st.abstract_state()))
-  assert mem["alias"] >= state_bytes  # the donated state is updated in place
+  assert mem["alias"] >= _shard_bytes(st.abstract_state())  # the donated state is updated in place
   assert mem["temp"] > 0 and mem["peak_source"] == "xla"
   assert mem["argument"] <= mem["peak"] <= mem["needed"] < HBM_BYTES[hw]
 
