@@ -150,7 +150,9 @@ def _host_bounds(gen: _Tpu, shape: tuple) -> tuple:
 
 
 def _parse_shape(topology: str, hardware: str, rank: int) -> tuple:
-  text = topology.split(":", 1)[-1].strip().lower()
+  prefix, _, text = topology.strip().lower().rpartition(":")
+  if prefix and (hardware not in _TPUS or prefix not in (_TPUS[hardware].prefix, _TPUS[hardware].prefix[:2])):
+    raise TargetError(f"topology {topology!r} names another system than {hardware}; give the shape alone")
   if not re.fullmatch(r"\d+(x\d+)*", text) or len(text.split("x")) != rank:
     want = ("PxHxD like 2x1x8" if hardware in _GPUS else "AxBxC like 4x4x8" if rank == 3 else "AxB like 4x8")
     raise TargetError(f"topology {topology!r} for {hardware} must look like {want}")

@@ -92,6 +92,7 @@ def test_plan_explicit_topology():
     ("tpu_v5e", 8, "2x2x2", "AxB like 4x8"),
     ("h100", 16, "2x8", "PxHxD"),
     ("h100", 16, "1x1x8", "P*H*D = 16"),
+    ("tpu_v5p", 8, "v4:2x2x2", "another system"),
 ])
 def test_plan_errors_name_the_fix(hardware, n, topology, fix):
   with pytest.raises(targets.TargetError) as e:
