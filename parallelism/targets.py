@@ -36,13 +36,13 @@ from __future__ import annotations
 
 import dataclasses
 import functools
+import importlib
 import math
 import os
 import pathlib
 import re
 from typing import Optional
 
-import jax
 from jax.sharding import AxisType, Mesh
 
 from framework.config import MESH_AXES, ConfigError, MeshConfig, resolve_mesh
@@ -241,11 +241,18 @@ def compile_only_devices(hardware: str, n_devices: int, topology: Optional[str] 
   return list(_devices(plan(hardware, n_devices, topology)))
 
 
-def _tpu_devices(target: Target) -> list:
+def _importable(module: str) -> bool:
+  """Whether an optional package (the tpu-aot extra) is installed."""
   try:
-    import libtpu  # noqa: F401, PLC0415 - optional package (tpu-aot extra)
+    importlib.import_module(module)
   except ImportError:
-    raise TargetError(f"compiling for {target.hardware} needs libtpu: {INSTALL}") from None
+    return False
+  return True
+
+
+def _tpu_devices(target: Target) -> list:
+  if not _importable("libtpu"):
+    raise TargetError(f"compiling for {target.hardware} needs libtpu: {INSTALL}")
   from jax._src.lib import xla_client  # noqa: PLC0415
 
   if not xla_client.pjrt_plugin_loaded("tpu"):  # this process drives no TPU: load libtpu as a compiler only
@@ -263,18 +270,16 @@ def _tpu_devices(target: Target) -> list:
 
 
 def _gpu_devices(target: Target) -> list:
-  try:
-    import jax_plugins.xla_cuda12  # noqa: F401, PLC0415 - optional package (tpu-aot extra)
-  except ImportError:
-    raise TargetError(f"compiling for {target.hardware} needs the CUDA plugin: {INSTALL}") from None
+  if not _importable("jax_plugins.xla_cuda12"):
+    raise TargetError(f"compiling for {target.hardware} needs the CUDA plugin: {INSTALL}")
   from jax._src import xla_bridge  # noqa: PLC0415
 
   try:
     topo = xla_bridge.make_pjrt_topology("cuda", target.topology, topology=target.topology,
                                          target_config=gpu_target_config(target.hardware))
   except NotImplementedError:  # the plugin is installed but did not register
-    raise TargetError(f"the CUDA plugin did not start (no CUDA libraries here); run with JAX_PLATFORMS=cpu "
-                      f"so it registers as a compiler only") from None
+    raise TargetError("the CUDA plugin did not start (no CUDA libraries here); run with JAX_PLATFORMS=cpu "
+                      "so it registers as a compiler only") from None
   devices = list(topo._make_compile_only_devices())  # noqa: SLF001 - jax's only way to these devices
   if len(devices) != target.n_devices:
     raise TargetError(f"the CUDA plugin made {len(devices)} devices for {target}, expected {target.n_devices}")

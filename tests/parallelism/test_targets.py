@@ -40,6 +40,8 @@ HBM_BYTES = {"tpu_v5p": 95 * 2**30, "h100": 80 * 2**30}  # Cloud TPU v5p page; H
 
 @pytest.fixture(scope="module", autouse=True)
 def _optimised_compiles():
+  """The target's real program: tests/parallelism/conftest.py turns most XLA optimisations off for the
+  whole package, which would compile a different (unfused, unscheduled) program. Restored afterwards."""
   old = jax.config.values["jax_disable_most_optimizations"]
   jax.config.update("jax_disable_most_optimizations", False)
   yield
