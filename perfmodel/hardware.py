@@ -49,7 +49,7 @@ class HardwareProfile:
   collective_calls: dict = dataclasses.field(default_factory=dict)
   calibration: dict = dataclasses.field(default_factory=dict)  # date, machine, jax version, method
   sources: dict = dataclasses.field(default_factory=dict)  # field -> source text
-  efficiency: dict = dataclasses.field(default_factory=dict)  # published efficiency curves (schema in _efficiency_sources)
+  efficiency: dict = dataclasses.field(default_factory=dict)  # published curves (schema: _efficiency_sources)
 
   def peak(self, dtype: str) -> float:
     return self.peak_flops.get(dtype) or self.peak_flops.get("f32") or max(self.peak_flops.values())
