@@ -49,6 +49,7 @@ class HardwareProfile:
   collective_calls: dict = dataclasses.field(default_factory=dict)
   calibration: dict = dataclasses.field(default_factory=dict)  # date, machine, jax version, method
   sources: dict = dataclasses.field(default_factory=dict)  # field -> source text
+  efficiency: dict = dataclasses.field(default_factory=dict)  # published curves (schema: _efficiency_sources)
 
   def peak(self, dtype: str) -> float:
     return self.peak_flops.get(dtype) or self.peak_flops.get("f32") or max(self.peak_flops.values())
@@ -64,6 +65,29 @@ def _value(v):
 
 def _source(v):
   return v.get("source", "") if isinstance(v, dict) else ""
+
+
+def _efficiency_sources(eff: dict, prefix: str = "efficiency") -> dict:
+  """Sources of the ``efficiency`` section, keyed ``efficiency.<curve>`` / ``efficiency.<group>.<kind>``.
+
+  Schema (every curve is ``{"value": [[x, y], ...], "source": ..., ...}``, interpolate in log x):
+    matmul / matmul_fp8: x = FLOPs of one dot (2mnk), y = achieved / peak_flops[dtype]; keys dtype, shapes,
+        timing, optional max_fraction {"value", "source"} (best shape found, not a point of the curve).
+    hbm: x = bytes one kernel moves (read + write), y = achieved / mem_bandwidth.
+    collectives / collectives_outer: {kind: curve} for the innermost link level (NVLink island, ICI slice) /
+        across domains (InfiniBand, DCN); x = S, the full buffer (all-reduce operand, all-gather output,
+        reduce-scatter input); y = NCCL-tests bus bandwidth in bytes/s (unit "busbw") or as a fraction of that
+        level's LinkLevel.bandwidth (unit "busbw_fraction"); group = devices measured, level = LinkLevel name.
+  """
+  out = {}
+  for key, val in eff.items():
+    if not isinstance(val, dict):
+      continue
+    if "value" in val:
+      out[f"{prefix}.{key}"] = val.get("source", "")
+    else:
+      out.update(_efficiency_sources(val, f"{prefix}.{key}"))
+  return out
 
 
 def from_dict(d: dict) -> HardwareProfile:
@@ -83,6 +107,9 @@ def from_dict(d: dict) -> HardwareProfile:
         sources[f"links.{lv['name']}"] = lv.get("source", "") or "; ".join(
             f"{k}: {_source(v)}" for k, v in lv.items() if _source(v))
       kw[f.name] = tuple(levels)
+    elif f.name == "efficiency":
+      kw[f.name] = raw
+      sources.update(_efficiency_sources(raw))
     elif f.name in ("dot_curve", "stream_curve"):
       kw[f.name] = tuple(tuple(p) for p in _value(raw))
       sources[f.name] = _source(raw)
