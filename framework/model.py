@@ -215,9 +215,8 @@ class MLP(_Base):
     D, F = c.d_model, c.ff
     if c.gated:
       w_gate, w_up, w_down = self.weight("w_gate", (D, F)), self.weight("w_up", (D, F)), self.weight("w_down", (F, D))
-      gate_BxTxF = self.tag(jnp.einsum("btd,df->btf", x_BxTxD, w_gate), remat_lib.MLP_IN_GATE)
-      up_BxTxF = self.tag(jnp.einsum("btd,df->btf", x_BxTxD, w_up), remat_lib.MLP_IN_UP)
-      h_BxTxF = nn.silu(gate_BxTxF) * up_BxTxF
+      h_BxTxF = (nn.silu(self.tag(jnp.einsum("btd,df->btf", x_BxTxD, w_gate), remat_lib.MLP_IN_GATE))
+                 * self.tag(jnp.einsum("btd,df->btf", x_BxTxD, w_up), remat_lib.MLP_IN_UP))
     else:
       w_up, w_down = self.weight("w_up", (D, F)), self.weight("w_down", (F, D))
       act = {"gelu": functools.partial(nn.gelu, approximate=True), "relu": nn.relu}[c.mlp]
