@@ -13,8 +13,8 @@ sequence while its keys (all-gathered) are the whole of it.
 * :func:`dot_product`: ``jax.nn.dot_product_attention`` (``implementation`` None lets XLA choose,
   ``'cudnn'`` asks for the cuDNN fused kernel).
 * :func:`splash`: the Pallas TPU splash-attention kernel, per (batch, kv head) as multi-query attention
-  over the G query heads of the group; under a mesh in auto (GSPMD) mode it runs in a ``shard_map`` over the
-  batch and head axes, because GSPMD cannot partition a Mosaic custom call and would gather its operands.
+  over the G query heads of the group; under a mesh it runs in a ``shard_map`` over the batch and head
+  axes, because GSPMD cannot partition a Mosaic custom call and would gather its operands.
 
 Which kernels can run is a property of the target, not of the host: :func:`platform` reads the device
 platform of the mesh the program is being built for (``jax.set_mesh`` / ``use_abstract_mesh``, also inside
@@ -176,10 +176,9 @@ def dot_product(q_BxTxHxE, k_BxSxKxE, v_BxSxKxE, qpos_BxT, kpos_BxS, *, aligned:
                                       implementation=implementation)
 
 
-@functools.lru_cache(maxsize=None)
 def _splash_kernel(t: int, s: int, groups: int, block: int, interpret: bool):
-  """Multi-query splash kernel for one (batch, kv head): q G x T x E, k/v S x E. Built once per shape: the
-  mask is preprocessed into block tables in numpy at construction."""
+  """Multi-query splash kernel for one (batch, kv head): q G x T x E, k/v S x E. Built per trace (not
+  cached): it holds the mask's block tables as arrays of the trace that built it."""
   from jax.experimental.pallas.ops.tpu.splash_attention import splash_attention_kernel as sk  # noqa: PLC0415
   from jax.experimental.pallas.ops.tpu.splash_attention import splash_attention_mask as sm  # noqa: PLC0415
   mask = sm.MultiHeadMask([sm.CausalMask((t, s)) for _ in range(groups)])
@@ -201,22 +200,26 @@ def _splash_local(q_BxTxHxE, k_BxSxKxE, v_BxSxKxE, block: int):
   return o_BxKxGxTxE.transpose(0, 3, 1, 2, 4).reshape(B, T, H, E).astype(q_BxTxHxE.dtype)
 
 
-def splash(q_BxTxHxE, k_BxSxKxE, v_BxSxKxE, *, block: int, manual: bool):
-  """Splash attention (causal, query i at key i). ``manual``: already inside a per-device shard_map."""
+def splash(q_BxTxHxE, k_BxSxKxE, v_BxSxKxE, *, block: int):
+  """Splash attention (causal, query i at key i), in auto (GSPMD) mode only.
+
+  Inside a ``check_vma=True`` shard_map (the shard_map form, the pipelined jit form) jax 0.10 refuses the
+  kernel: its ``pallas_call`` declares outputs without varying-axes types."""
   if platform() != "tpu" and not SPLASH_INTERPRET:
     raise ValueError(f"model.attention='splash' is a TPU kernel, this program is for {platform()!r}: use "
                      f"model.attention='blockwise' (any backend), or 'cudnn' on GPU")
-  local = functools.partial(_splash_local, block=block)
   mesh = jax.sharding.get_abstract_mesh()
-  if manual or mesh.empty:
-    return local(q_BxTxHxE, k_BxSxKxE, v_BxSxKxE)
-  q_spec = _auto_spec(("batch", None, "q_heads", None), mesh)
-  kv_spec = _auto_spec(("batch", None, "kv_heads", None), mesh)
-  axes = {a for spec in (q_spec, kv_spec) for entry in spec if entry for a in _as_tuple(entry)}
-  if not axes:
-    return local(q_BxTxHxE, k_BxSxKxE, v_BxSxKxE)
-  return jax.shard_map(local, in_specs=(q_spec, kv_spec, kv_spec), out_specs=q_spec, axis_names=axes,
-                       check_vma=False)(q_BxTxHxE, k_BxSxKxE, v_BxSxKxE)
+  if getattr(mesh, "manual_axes", ()):
+    raise ValueError("model.attention='splash' runs only in mesh.form='jit' without pipeline stages (a "
+                     "shard_map cannot type its Pallas kernel): use model.attention='blockwise' there")
+  fn = functools.partial(_splash_local, block=block)
+  if not mesh.empty:
+    # Manual over every mesh axis (XLA refuses to partition a Mosaic call even over size-1 axes); the
+    # operands are split over batch and heads as the logical rules shard them, replicated otherwise.
+    q_spec = _auto_spec(("batch", None, "q_heads", None), mesh)
+    kv_spec = _auto_spec(("batch", None, "kv_heads", None), mesh)
+    fn = jax.shard_map(fn, in_specs=(q_spec, kv_spec, kv_spec), out_specs=q_spec, check_vma=False)
+  return fn(q_BxTxHxE, k_BxSxKxE, v_BxSxKxE)
 
 
 def _as_tuple(entry):
@@ -224,19 +227,17 @@ def _as_tuple(entry):
 
 
 def _auto_spec(logical, mesh):
-  """PartitionSpec of an activation from the logical-axis rules in context, restricted to the mesh's auto
-  axes of size > 1 (manual ones, e.g. 'pipeline' in the pipelined jit form, are already split off)."""
-  manual = set(getattr(mesh, "manual_axes", ()))
+  """PartitionSpec of an activation from the logical-axis rules in context, restricted to the mesh's axes
+  of size > 1."""
   sizes = dict(zip(mesh.axis_names, mesh.axis_sizes))
   out = []
   for entry in nn.logical_to_mesh_axes(logical):
-    kept = tuple(a for a in (_as_tuple(entry) if entry else ()) if a in sizes and a not in manual and sizes[a] > 1)
+    kept = tuple(a for a in (_as_tuple(entry) if entry else ()) if a in sizes and sizes[a] > 1)
     out.append(None if not kept else (kept[0] if len(kept) == 1 else kept))
   return jax.sharding.PartitionSpec(*out)
 
 
-def attend(kind: str, q_BxTxHxE, k_BxSxKxE, v_BxSxKxE, qpos_BxT, kpos_BxS, *, block: int, aligned: bool,
-           manual: bool):
+def attend(kind: str, q_BxTxHxE, k_BxSxKxE, v_BxSxKxE, qpos_BxT, kpos_BxS, *, block: int, aligned: bool):
   """Dispatches on ``model.attention`` (dense handled by the caller, which keeps its exact program)."""
   if kind == "blockwise":
     return blockwise(q_BxTxHxE, k_BxSxKxE, v_BxSxKxE, qpos_BxT, kpos_BxS, block)
@@ -247,7 +248,7 @@ def attend(kind: str, q_BxTxHxE, k_BxSxKxE, v_BxSxKxE, qpos_BxT, kpos_BxS, *, bl
     if not aligned:
       raise ValueError("model.attention='splash' needs queries and keys to start together (no sequence "
                        "parallelism): use model.attention='blockwise'")
-    return splash(q_BxTxHxE, k_BxSxKxE, v_BxSxKxE, block=block, manual=manual)
+    return splash(q_BxTxHxE, k_BxSxKxE, v_BxSxKxE, block=block)
   if kind == "dense":
     return dense(q_BxTxHxE, k_BxSxKxE, v_BxSxKxE, qpos_BxT, kpos_BxS)
   raise ValueError(f"model.attention={kind!r} is not a kernel; see framework/config.py ATTENTION_KINDS")

@@ -43,9 +43,10 @@ class ModelConfig:
   * ``dot_product``: ``jax.nn.dot_product_attention`` with the implementation left to XLA.
   * ``cudnn``: the same with ``implementation='cudnn'`` (fused flash attention); GPU only, needs
     ``dtype`` bfloat16 or float16.
-  * ``splash``: Pallas splash attention (``jax.experimental.pallas.ops.tpu.splash_attention``); TPU only
-    (decided by the platform of the mesh the program is built for, so it lowers for a compile-only TPU
-    target from any host), block size ``min(attention_block, seq)``, no sequence parallelism.
+  * ``splash``: Pallas splash attention (``jax.experimental.pallas.ops.tpu.splash_attention``); TPU only,
+    decided by the platform of the mesh the program is built for (a compile-only TPU target lowers from any
+    host). Block size ``min(attention_block, seq)``, multiples of 128; ``mesh.form='jit'`` without pipeline
+    stages and without sequence parallelism.
   The KV-cached decode path always uses ``dense``: its queries are a few new tokens against the cache.
 
   ``attention_block``: keys per block for ``blockwise`` and the splash block size; must divide
@@ -351,6 +352,13 @@ def validate_attention(m: ModelConfig, seq_len: int, mesh: MeshConfig) -> None:
   if m.attention in ("blockwise", "splash") and seq_len > m.attention_block and seq_len % m.attention_block:
     raise ConfigError(f"model.attention_block={m.attention_block} does not divide data.seq_len={seq_len}: "
                       f"use a divisor of {seq_len} (e.g. {_largest_divisor(seq_len, m.attention_block)})")
+  if m.attention == "splash" and (seq_len % 128 or min(m.attention_block, seq_len) % 128):
+    raise ConfigError(f"model.attention='splash' tiles by multiples of 128 (TPU lanes): data.seq_len={seq_len} "
+                      f"and model.attention_block={m.attention_block} must be multiples of 128")
+  if m.attention == "splash" and (mesh.form != "jit" or mesh.pipeline > 1):
+    raise ConfigError("model.attention='splash' runs in mesh.form='jit' without pipeline stages (a Pallas kernel "
+                      "cannot be typed inside the shard_map forms): set mesh.form=jit and mesh.pipeline=1, or "
+                      "use model.attention='blockwise'")
   if m.attention == "splash" and mesh.sequence > 1:
     raise ConfigError("model.attention='splash' does not support mesh.sequence > 1 (its causal mask assumes "
                       "queries and keys start together): use model.attention='blockwise' or mesh.sequence=1")

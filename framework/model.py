@@ -201,7 +201,7 @@ class Attention(_Base):
       o_BxTxHxE = attention.dense(q_BxTxHxE, k_BxTxKxE, v_BxTxKxE, pos_BxT, kpos_BxS, valid_BxS)
     else:
       o_BxTxHxE = attention.attend(c.attention, q_BxTxHxE, k_BxTxKxE, v_BxTxKxE, pos_BxT, kpos_BxS,
-                                   block=c.attention_block, aligned=not sequence_parallel, manual=self.ctx.manual)
+                                   block=c.attention_block, aligned=not sequence_parallel)
     out_BxTxD = self.tp_reduce(jnp.einsum("bthe,hed->btd", o_BxTxHxE, wo))
     return self.tag(out_BxTxD, remat_lib.OUT), new_cache
 
