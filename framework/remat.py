@@ -39,19 +39,22 @@ _OFFLOADED_NAMES = {
 OFFLOADED = tuple(_OFFLOADED_NAMES)
 
 # Matmul groups of one layer: qkv (q/k/v projections), attn (QK^T and PV), out (output projection),
-# mlp_in (gate and up, or the single input matrix), mlp_out (down projection).
+# mlp_in (gate and up, or the single input matrix), mlp_out (down projection). What each policy re-runs in
+# the backward pass: the groups whose outputs it does not keep and the backward needs. mlp_out never
+# appears: its output only feeds the residual sum, whose gradient does not need it, so autodiff drops its
+# recomputation (measured: tests/framework/test_remat.py counts the backward's matmuls).
 GROUPS = ("qkv", "attn", "out", "mlp_in", "mlp_out")
 RECOMPUTES = {
     "none": (),
     "dots": (),
-    "full": GROUPS,
+    "full": ("qkv", "attn", "out", "mlp_in"),
     "dots_no_batch": ("attn",),
     "minimal": ("attn",),
     "minimal_offloaded": ("attn",),
-    "save_dot_except_mlp": ("attn", "mlp_in", "mlp_out"),
-    "save_qkv_proj": ("attn", "out", "mlp_in", "mlp_out"),
-    "qkv_proj_offloaded": ("attn", "out", "mlp_in", "mlp_out"),
-    "save_out_proj": ("qkv", "attn", "mlp_in", "mlp_out"),
+    "save_dot_except_mlp": ("attn", "mlp_in"),
+    "save_qkv_proj": ("attn", "out", "mlp_in"),
+    "qkv_proj_offloaded": ("attn", "out", "mlp_in"),
+    "save_out_proj": ("qkv", "attn", "mlp_in"),
 }
 assert set(RECOMPUTES) == set(REMAT_POLICIES), "every policy states what it recomputes"
 
