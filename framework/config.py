@@ -336,9 +336,6 @@ def validate_model(m: ModelConfig) -> None:
       raise ConfigError(f"model.{key}={value!r}; choose one of {choices}")
   if m.head_dim < 0:
     raise ConfigError(f"model.head_dim={m.head_dim} must be positive (or 0 for d_model // n_heads)")
-  if m.head_dim == 0 and m.d_model % m.n_heads:
-    raise ConfigError(f"model.d_model={m.d_model} is not divisible by model.n_heads={m.n_heads}: set "
-                      f"model.head_dim explicitly or pick n_heads dividing {m.d_model}")
   if m.hd % 2:
     raise ConfigError(f"head_dim={m.hd} is odd; RoPE rotates pairs: set model.head_dim to an even width")
   if m.d_ff < 0:

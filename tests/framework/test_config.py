@@ -192,9 +192,9 @@ def test_model_kind_errors_name_the_fix():
       (dict(model=dict(mlp="geglu")), r"model.mlp='geglu'; choose one of \('swiglu', 'gelu', 'relu'\)"),
       (dict(model=dict(remat="save_everything")), r"model.remat='save_everything'; choose one of .*'minimal'"),
       (dict(model=dict(head_dim=-8)), r"model.head_dim=-8 must be positive \(or 0 for d_model // n_heads\)"),
-      (dict(model=dict(head_dim=0, n_heads=6, n_kv_heads=2)), r"d_model=64 is not divisible by model.n_heads=6: "
-                                                               r"set model.head_dim explicitly"),
       (dict(model=dict(head_dim=15)), r"head_dim=15 is odd; RoPE rotates pairs"),
+      (dict(model=dict(d_model=96, n_heads=32, n_kv_heads=8)), r"head_dim=3 is odd; RoPE rotates pairs: set "
+                                                                 r"model.head_dim to an even width"),
       (dict(model=dict(attention_block=0)), r"model.attention_block=0 must be a positive number of keys"),
       (dict(model=dict(attention="blockwise", attention_block=12)),
        r"model.attention_block=12 does not divide data.seq_len=32: use a divisor of 32 \(e.g. 8\)"),
