@@ -82,13 +82,15 @@ def test_blockwise_equals_dense(case, dtype):
 
 
 @pytest.mark.parametrize("aligned", [True, False])
-def test_dot_product_equals_dense(aligned):
+@pytest.mark.parametrize("dtype", ["float32", "bfloat16"])
+def test_dot_product_equals_dense(aligned, dtype):
   B, T, S, H, K, E, offset, _ = CASES["gqa_aligned" if aligned else "sequence_parallel_slice"]
-  q, k, v, do = _qkv(B, T, S, H, K, E, "float32")
+  q, k, v, do = _qkv(B, T, S, H, K, E, dtype)
   qpos, kpos = _positions(B, T, S, offset)
   got = _value_and_vjp(lambda *a: attention.dot_product(*a, qpos, kpos, aligned=aligned), q, k, v, do)
-  want = _value_and_vjp(lambda *a: attention.dense(*a, qpos, kpos), q, k, v, do)
-  _assert_close(got, want, F32)
+  f32 = [x.astype(jnp.float32) for x in (q, k, v, do)]
+  want = _value_and_vjp(lambda *a: attention.dense(*a, qpos, kpos), *f32)
+  _assert_close(got, want, F32 if dtype == "float32" else BF16)
 
 
 def test_splash_kernel_equals_dense_in_the_pallas_interpreter(monkeypatch):
