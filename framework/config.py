@@ -11,7 +11,11 @@ import math
 from typing import Any, Mapping
 
 MESH_AXES = ("pipeline", "data", "fsdp", "sequence", "tensor")
-REMAT_POLICIES = ("none", "full", "dots", "dots_no_batch")
+# What each name does: framework/remat.py (policies), framework/attention.py (kernels), MLP below.
+REMAT_POLICIES = ("none", "full", "dots", "dots_no_batch", "minimal", "save_qkv_proj", "save_dot_except_mlp",
+                  "save_out_proj", "qkv_proj_offloaded", "minimal_offloaded")
+ATTENTION_KINDS = ("dense", "blockwise", "dot_product", "cudnn", "splash")
+MLP_KINDS = ("swiglu", "gelu", "relu")
 
 
 class ConfigError(ValueError):
@@ -20,13 +24,53 @@ class ConfigError(ValueError):
 
 @dataclasses.dataclass(frozen=True)
 class ModelConfig:
+  """The decoder (framework/model.py). Keys beyond the Llama shape:
+
+  ``head_dim``: per-head width E; 0 means ``d_model // n_heads``. Any positive even value is allowed, so
+  ``n_heads * head_dim`` may differ from ``d_model`` (e.g. head_dim 256 with fewer heads); wq/wk/wv map
+  D -> heads x E and wo maps heads x E -> D.
+
+  ``mlp``: ``swiglu`` (Llama: ``w_down(silu(x w_gate) * x w_up)``, 3 matrices), ``gelu`` or ``relu``
+  (GPT: ``w_down(act(x w_up))``, 2 matrices, no w_gate; gelu is the tanh approximation). ``d_ff=0`` picks
+  the family's width: 8/3 * d_model rounded up to a multiple of 64 for swiglu, 4 * d_model otherwise.
+
+  ``attention``: the kernel of causal self-attention in training and prefill (framework/attention.py);
+  every kind computes the same function, they differ in memory, speed and where they run.
+  * ``dense``: scores materialised as T x S (f32), masked softmax. Runs everywhere.
+  * ``blockwise``: online softmax over key/value blocks of ``attention_block`` keys, with a hand-written
+    backward that recomputes each block, so neither pass holds more than T x block scores. Runs everywhere,
+    supports sequence parallelism (it masks by global positions).
+  * ``dot_product``: ``jax.nn.dot_product_attention`` with the implementation left to XLA.
+  * ``cudnn``: the same with ``implementation='cudnn'`` (fused flash attention); GPU only, needs
+    ``dtype`` bfloat16 or float16.
+  * ``splash``: Pallas splash attention (``jax.experimental.pallas.ops.tpu.splash_attention``); TPU only,
+    decided by the platform of the mesh the program is built for (a compile-only TPU target lowers from any
+    host). Block size ``min(attention_block, seq)``, multiples of 128; ``mesh.form='jit'`` without pipeline
+    stages and without sequence parallelism.
+  The KV-cached decode path always uses ``dense``: its queries are a few new tokens against the cache.
+
+  ``attention_block``: keys per block for ``blockwise`` and the splash block size; must divide
+  ``data.seq_len`` when smaller than it.
+
+  ``remat``: what the backward pass may keep from the forward of each layer (framework/remat.py):
+  ``none`` (everything), ``full`` (nothing: the layer's input only), ``dots`` (every matmul output),
+  ``dots_no_batch`` (matmuls without batch dimensions, i.e. the projections, not the attention products),
+  and MaxText's named policies, which save the outputs named in the model (``query_proj``, ``key_proj``,
+  ``value_proj``, ``out_proj``, ``mlpwi_0``/``mlpwi_1`` (gated) or ``mlpwi``, ``mlpwo``): ``minimal`` (all
+  of them), ``save_qkv_proj``, ``save_dot_except_mlp`` (q/k/v/out), ``save_out_proj``; and
+  ``qkv_proj_offloaded`` / ``minimal_offloaded``, which move the same values to pinned host memory
+  instead of keeping them on the device.
+  """
   vocab_size: int = 256  # byte-level tokenizer
   d_model: int = 256
   n_layers: int = 4
   n_heads: int = 8
   n_kv_heads: int = 4  # grouped-query attention: n_heads % n_kv_heads == 0
-  head_dim: int = 0  # 0 -> d_model // n_heads
-  d_ff: int = 0  # 0 -> Llama rule: 8/3 * d_model rounded up to a multiple of 64
+  head_dim: int = 0  # 0 -> d_model // n_heads; otherwise any positive even width
+  d_ff: int = 0  # 0 -> swiglu: 8/3 * d_model rounded up to a multiple of 64; gelu/relu: 4 * d_model
+  mlp: str = "swiglu"  # one of MLP_KINDS
+  attention: str = "dense"  # one of ATTENTION_KINDS
+  attention_block: int = 512  # keys per block (blockwise) / splash block size
   rope_theta: float = 10000.0
   norm_eps: float = 1e-5
   tie_embeddings: bool = False
@@ -45,12 +89,23 @@ class ModelConfig:
   def ff(self) -> int:
     if self.d_ff:
       return self.d_ff
+    if not self.gated:
+      return 4 * self.d_model
     return int(math.ceil(8 * self.d_model / 3 / 64) * 64)
+
+  @property
+  def gated(self) -> bool:
+    """True when the MLP has a gate matrix (3 matrices of D x F instead of 2)."""
+    return self.mlp == "swiglu"
+
+  @property
+  def mlp_matrices(self) -> int:
+    return 3 if self.gated else 2
 
   def n_params(self, embeddings: bool = True) -> int:
     """Exact parameter count of the model built from this config."""
     d, h, kv, hd, f = self.d_model, self.n_heads, self.n_kv_heads, self.hd, self.ff
-    per_layer = 2 * d + d * h * hd + 2 * d * kv * hd + h * hd * d + 3 * d * f
+    per_layer = 2 * d + d * h * hd + 2 * d * kv * hd + h * hd * d + self.mlp_matrices * d * f
     n = self.n_layers * per_layer + d
     if embeddings:
       n += self.vocab_size * d * (1 if self.tie_embeddings else 2)
@@ -237,8 +292,7 @@ def validate(cfg: Config, n_devices: int, n_processes: int = 1) -> Config:
   """Checks everything that would otherwise fail deep inside compilation; returns cfg with the mesh resolved."""
   m = cfg.model
   mesh = resolve_mesh(cfg.mesh, n_devices)
-  if m.remat not in REMAT_POLICIES:
-    raise ConfigError(f"model.remat={m.remat!r}; choose one of {REMAT_POLICIES}")
+  validate_model(m)
   if mesh.form not in ("jit", "shard_map"):
     raise ConfigError(f"mesh.form={mesh.form!r}; choose 'jit' or 'shard_map'")
   if mesh.schedule not in ("gpipe", "1f1b"):
@@ -264,6 +318,7 @@ def validate(cfg: Config, n_devices: int, n_processes: int = 1) -> Config:
     per = cfg.data.global_batch // batch_shards
     if per % mesh.microbatches:
       raise ConfigError(f"per-replica batch {per} is not divisible by mesh.microbatches={mesh.microbatches}")
+  validate_attention(m, cfg.data.seq_len, mesh)
   if cfg.data.seq_len % mesh.sequence:
     raise ConfigError(f"data.seq_len={cfg.data.seq_len} is not divisible by mesh.sequence={mesh.sequence}")
   if cfg.data.seq_len > m.max_seq_len:
@@ -271,3 +326,43 @@ def validate(cfg: Config, n_devices: int, n_processes: int = 1) -> Config:
   if cfg.model.vocab_size < 256:
     raise ConfigError("model.vocab_size must be >= 256 for the byte-level tokenizer")
   return dataclasses.replace(cfg, mesh=mesh)
+
+
+def validate_model(m: ModelConfig) -> None:
+  """Checks of the model section alone (names, widths); :func:`validate` calls it."""
+  for key, value, choices in (("remat", m.remat, REMAT_POLICIES), ("attention", m.attention, ATTENTION_KINDS),
+                              ("mlp", m.mlp, MLP_KINDS)):
+    if value not in choices:
+      raise ConfigError(f"model.{key}={value!r}; choose one of {choices}")
+  if m.head_dim < 0:
+    raise ConfigError(f"model.head_dim={m.head_dim} must be positive (or 0 for d_model // n_heads)")
+  if m.hd % 2:
+    raise ConfigError(f"head_dim={m.hd} is odd; RoPE rotates pairs: set model.head_dim to an even width")
+  if m.d_ff < 0:
+    raise ConfigError(f"model.d_ff={m.d_ff} must be positive (or 0 for the MLP family's default width)")
+  if m.attention_block <= 0:
+    raise ConfigError(f"model.attention_block={m.attention_block} must be a positive number of keys")
+
+
+def validate_attention(m: ModelConfig, seq_len: int, mesh: MeshConfig) -> None:
+  """Sequence-length and layout constraints of the attention kernel (seq_len: training length)."""
+  if m.attention in ("blockwise", "splash") and seq_len > m.attention_block and seq_len % m.attention_block:
+    raise ConfigError(f"model.attention_block={m.attention_block} does not divide data.seq_len={seq_len}: "
+                      f"use a divisor of {seq_len} (e.g. {_largest_divisor(seq_len, m.attention_block)})")
+  if m.attention == "splash" and (seq_len % 128 or min(m.attention_block, seq_len) % 128):
+    raise ConfigError(f"model.attention='splash' tiles by multiples of 128 (TPU lanes): data.seq_len={seq_len} "
+                      f"and model.attention_block={m.attention_block} must be multiples of 128")
+  if m.attention == "splash" and (mesh.form != "jit" or mesh.pipeline > 1):
+    raise ConfigError("model.attention='splash' runs in mesh.form='jit' without pipeline stages (a Pallas kernel "
+                      "cannot be typed inside the shard_map forms): set mesh.form=jit and mesh.pipeline=1, or "
+                      "use model.attention='blockwise'")
+  if m.attention == "splash" and mesh.sequence > 1:
+    raise ConfigError("model.attention='splash' does not support mesh.sequence > 1 (its causal mask assumes "
+                      "queries and keys start together): use model.attention='blockwise' or mesh.sequence=1")
+  if m.attention == "cudnn" and m.dtype not in ("bfloat16", "float16"):
+    raise ConfigError(f"model.attention='cudnn' needs 16-bit compute, got model.dtype={m.dtype!r}: set "
+                      f"model.dtype=bfloat16 (or use model.attention='dot_product')")
+
+
+def _largest_divisor(n: int, at_most: int) -> int:
+  return max(d for d in range(1, min(n, at_most) + 1) if n % d == 0)

@@ -25,10 +25,13 @@ Parameter tree (``L`` leading axis from the layer scan)::
   layers/attn/{wq,wk,wv}            L x D x {H,K,K} x E
   layers/attn/wo                    L x H x E x D
   layers/mlp_norm/scale             L x D
-  layers/mlp/{w_gate,w_up}          L x D x F
+  layers/mlp/{w_gate,w_up}          L x D x F   (w_gate only in the gated 'swiglu' MLP)
   layers/mlp/w_down                 L x F x D
   final_norm/scale                  D
   lm_head/kernel                    D x V   (absent with tied embeddings)
+
+The attention kernel (``model.attention``) lives in framework/attention.py, the remat policies
+(``model.remat``) in framework/remat.py.
 
 RoPE uses the Hugging Face "rotate-half" layout, so HF checkpoints load without permutation; the
 GGUF name map applies llama.cpp's interleaved permutation in one place.
@@ -36,13 +39,17 @@ GGUF name map applies llama.cpp's interleaved permutation in one place.
 from __future__ import annotations
 
 import dataclasses
+import functools
 import math
 from typing import Any, Optional, Sequence
 
 import flax.linen as nn
 import jax
 import jax.numpy as jnp
+from jax.ad_checkpoint import checkpoint_name
 
+from framework import attention
+from framework import remat as remat_lib
 from framework.config import ModelConfig
 
 # Logical axes of every parameter, by its name. Sharding rules (parallelism/rules.py) map these
@@ -122,6 +129,13 @@ class _Base(nn.Module):
       return jax.lax.psum(y, self.ctx.tensor_axis)
     return y
 
+  def tag(self, x, name: str):
+    """Names an activation for the remat policies that select by name; a no-op for the others, so their
+    programs carry no name markers at all."""
+    if remat_lib.uses_names(self.cfg.remat):
+      return checkpoint_name(x, name)
+    return x
+
   def constrain(self, x, logical):
     if self.ctx.manual:
       return x
@@ -160,11 +174,12 @@ class Attention(_Base):
     wk = self.weight("wk", (D, K, E))
     wv = self.weight("wv", (D, K, E))
     wo = self.weight("wo", (H, E, D))
-    q_BxTxHxE = rope(jnp.einsum("btd,dhe->bthe", x_BxTxD, wq), pos_BxT, c.rope_theta)
-    k_BxTxKxE = rope(jnp.einsum("btd,dke->btke", x_BxTxD, wk), pos_BxT, c.rope_theta)
-    v_BxTxKxE = jnp.einsum("btd,dke->btke", x_BxTxD, wv)
+    q_BxTxHxE = rope(self.tag(jnp.einsum("btd,dhe->bthe", x_BxTxD, wq), remat_lib.QUERY), pos_BxT, c.rope_theta)
+    k_BxTxKxE = rope(self.tag(jnp.einsum("btd,dke->btke", x_BxTxD, wk), remat_lib.KEY), pos_BxT, c.rope_theta)
+    v_BxTxKxE = self.tag(jnp.einsum("btd,dke->btke", x_BxTxD, wv), remat_lib.VALUE)
     kpos_BxS = pos_BxT
-    new_cache = None
+    new_cache = valid_BxS = None
+    sequence_parallel = self.ctx.manual and self.ctx.sequence_axis and self.ctx.size((self.ctx.sequence_axis,)) > 1
     if kv_cache is not None:
       # Decode: write this chunk at cache_index, attend over the whole (masked) cache.
       k_cache, v_cache = kv_cache
@@ -175,35 +190,39 @@ class Attention(_Base):
       kpos_BxS = jnp.broadcast_to(jnp.arange(k_cache.shape[1]), k_cache.shape[:2])
       # Slots past the written prefix hold zeros; mask them by position.
       valid_BxS = kpos_BxS < cache_index + x_BxTxD.shape[1]
-    elif self.ctx.manual and self.ctx.sequence_axis and self.ctx.size((self.ctx.sequence_axis,)) > 1:
+    elif sequence_parallel:
       ax = self.ctx.sequence_axis
       k_BxTxKxE = jax.lax.all_gather(k_BxTxKxE, ax, axis=1, tiled=True)
       v_BxTxKxE = jax.lax.all_gather(v_BxTxKxE, ax, axis=1, tiled=True)
       kpos_BxS = jax.lax.all_gather(pos_BxT, ax, axis=1, tiled=True)
-    Hl, Kl = q_BxTxHxE.shape[2], k_BxTxKxE.shape[2]
-    B, T, S = q_BxTxHxE.shape[0], q_BxTxHxE.shape[1], k_BxTxKxE.shape[1]
-    q_BxTxKxGxE = q_BxTxHxE.reshape(B, T, Kl, Hl // Kl, E)
-    s_BxKxGxTxS = jnp.einsum("btkge,bske->bkgts", q_BxTxKxGxE, k_BxTxKxE).astype(jnp.float32)
-    s_BxKxGxTxS = s_BxKxGxTxS / math.sqrt(E)
-    mask_BxTxS = kpos_BxS[:, None, :] <= pos_BxT[:, :, None]
-    if kv_cache is not None:
-      mask_BxTxS = mask_BxTxS & valid_BxS[:, None, :]
-    s_BxKxGxTxS = jnp.where(mask_BxTxS[:, None, None], s_BxKxGxTxS, jnp.finfo(jnp.float32).min)
-    p_BxKxGxTxS = jax.nn.softmax(s_BxKxGxTxS, axis=-1).astype(v_BxTxKxE.dtype)
-    o_BxTxKxGxE = jnp.einsum("bkgts,bske->btkge", p_BxKxGxTxS, v_BxTxKxE)
-    o_BxTxHxE = o_BxTxKxGxE.reshape(B, T, Hl, E)
+    # Decode attends a few new queries to the cache (small T x S); parameters do not depend on the kernel,
+    # so init traces dense too (its dummy 1 x 8 batch need not fit a kernel's block constraints).
+    if c.attention == "dense" or kv_cache is not None or self.is_initializing():
+      o_BxTxHxE = attention.dense(q_BxTxHxE, k_BxTxKxE, v_BxTxKxE, pos_BxT, kpos_BxS, valid_BxS)
+    else:
+      o_BxTxHxE = attention.attend(c.attention, q_BxTxHxE, k_BxTxKxE, v_BxTxKxE, pos_BxT, kpos_BxS,
+                                   block=c.attention_block, aligned=not sequence_parallel)
     out_BxTxD = self.tp_reduce(jnp.einsum("bthe,hed->btd", o_BxTxHxE, wo))
-    return out_BxTxD, new_cache
+    return self.tag(out_BxTxD, remat_lib.OUT), new_cache
 
 
 class MLP(_Base):
+  """swiglu: w_down(silu(x w_gate) * x w_up); gelu / relu: w_down(act(x w_up))."""
+
   @nn.compact
   def __call__(self, x_BxTxD):
-    D, F = self.cfg.d_model, self.cfg.ff
-    w_gate, w_up, w_down = self.weight("w_gate", (D, F)), self.weight("w_up", (D, F)), self.weight("w_down", (F, D))
-    h_BxTxF = nn.silu(jnp.einsum("btd,df->btf", x_BxTxD, w_gate)) * jnp.einsum("btd,df->btf", x_BxTxD, w_up)
+    c = self.cfg
+    D, F = c.d_model, c.ff
+    if c.gated:
+      w_gate, w_up, w_down = self.weight("w_gate", (D, F)), self.weight("w_up", (D, F)), self.weight("w_down", (F, D))
+      h_BxTxF = (nn.silu(self.tag(jnp.einsum("btd,df->btf", x_BxTxD, w_gate), remat_lib.MLP_IN_GATE))
+                 * self.tag(jnp.einsum("btd,df->btf", x_BxTxD, w_up), remat_lib.MLP_IN_UP))
+    else:
+      w_up, w_down = self.weight("w_up", (D, F)), self.weight("w_down", (F, D))
+      act = {"gelu": functools.partial(nn.gelu, approximate=True), "relu": nn.relu}[c.mlp]
+      h_BxTxF = act(self.tag(jnp.einsum("btd,df->btf", x_BxTxD, w_up), remat_lib.MLP_IN))
     h_BxTxF = self.constrain(h_BxTxF, ("batch", "seq", "act_mlp"))
-    return self.tp_reduce(jnp.einsum("btf,fd->btd", h_BxTxF, w_down))
+    return self.tag(self.tp_reduce(jnp.einsum("btf,fd->btd", h_BxTxF, w_down)), remat_lib.MLP_OUT)
 
 
 class Block(_Base):
@@ -219,13 +238,6 @@ class Block(_Base):
     return x_BxTxD, new_cache
 
 
-REMAT = {
-    "full": jax.checkpoint_policies.nothing_saveable,
-    "dots": jax.checkpoint_policies.checkpoint_dots,
-    "dots_no_batch": jax.checkpoint_policies.checkpoint_dots_with_no_batch_dims,
-}
-
-
 class Transformer(_Base):
   """Decoder-only LM. ``__call__`` = ``head(blocks(embed(tokens)))``; the pieces are separate
   methods so a pipeline stage can run ``blocks`` alone on its slice of the layer stack."""
@@ -234,7 +246,8 @@ class Transformer(_Base):
     c = self.cfg
     block = Block
     if c.remat != "none":
-      block = nn.remat(Block, policy=REMAT[c.remat], prevent_cse=not c.scan_layers)
+      remat_lib.check_host_offload(c.remat, attention.platform())
+      block = nn.remat(Block, policy=remat_lib.policy(c.remat), prevent_cse=not c.scan_layers)
     if c.scan_layers:
       self.layers = nn.scan(
           block, variable_axes={"params": 0}, split_rngs={"params": True},

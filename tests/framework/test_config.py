@@ -183,3 +183,41 @@ def test_model_config_counts():
   m = ModelConfig(d_model=64, n_heads=4, n_kv_heads=2, d_ff=0)
   assert m.ff == 192 and m.hd == 16  # Llama rule: 8/3 * 64 -> multiple of 64
   assert Config().model == ModelConfig()
+
+
+def test_model_kind_errors_name_the_fix():
+  """Kernel, MLP, remat and width choices fail in validate(), before anything compiles."""
+  for sections, fix in [
+      (dict(model=dict(attention="flash")), r"model.attention='flash'; choose one of \('dense', 'blockwise'"),
+      (dict(model=dict(mlp="geglu")), r"model.mlp='geglu'; choose one of \('swiglu', 'gelu', 'relu'\)"),
+      (dict(model=dict(remat="save_everything")), r"model.remat='save_everything'; choose one of .*'minimal'"),
+      (dict(model=dict(head_dim=-8)), r"model.head_dim=-8 must be positive \(or 0 for d_model // n_heads\)"),
+      (dict(model=dict(head_dim=15)), r"head_dim=15 is odd; RoPE rotates pairs"),
+      (dict(model=dict(d_model=96, n_heads=32, n_kv_heads=8)), r"head_dim=3 is odd; RoPE rotates pairs: set "
+                                                                 r"model.head_dim to an even width"),
+      (dict(model=dict(attention_block=0)), r"model.attention_block=0 must be a positive number of keys"),
+      (dict(model=dict(attention="blockwise", attention_block=12)),
+       r"model.attention_block=12 does not divide data.seq_len=32: use a divisor of 32 \(e.g. 8\)"),
+      (dict(model=dict(attention="splash", attention_block=128)), r"splash' tiles by multiples of 128.*seq_len=32"),
+      (dict(model=dict(attention="splash", attention_block=128, max_seq_len=256), data=dict(seq_len=256),
+            mesh=dict(form="shard_map")), r"splash' runs in mesh.form='jit' without pipeline stages"),
+      (dict(model=dict(attention="splash", attention_block=128, max_seq_len=256), data=dict(seq_len=256),
+            mesh=dict(data=4, sequence=2)), r"splash' does not support mesh.sequence > 1"),
+      (dict(model=dict(attention="cudnn")), r"'cudnn' needs 16-bit compute, got model.dtype='float32': set "
+                                            r"model.dtype=bfloat16"),
+  ]:
+    with pytest.raises(ConfigError, match=fix):
+      config_lib.validate(tiny_config(**sections), 8)
+  # the same choices, valid
+  for model in (dict(attention="blockwise", attention_block=8), dict(attention="blockwise", attention_block=512),
+                dict(mlp="relu", head_dim=24), dict(attention="cudnn", dtype="bfloat16"),
+                dict(remat="minimal_offloaded", attention="dot_product")):
+    config_lib.validate(tiny_config(model=model), 8)
+
+
+def test_kind_overrides_from_the_command_line():
+  cfg = config_file.load(QUICKSTART, ["--config.model.attention=blockwise", "--config.model.attention_block=64",
+                                      "--config.model.mlp=gelu", "--config.model.remat=save_qkv_proj"])
+  assert (cfg.model.attention, cfg.model.attention_block, cfg.model.mlp, cfg.model.remat) == (
+      "blockwise", 64, "gelu", "save_qkv_proj")
+  assert cfg.model.ff == 768  # quickstart sets d_ff explicitly; gelu's 4 x d_model default applies only at 0
