@@ -39,7 +39,7 @@ import sys
 import time
 from typing import Optional
 
-from perfmodel import collective_bench
+from perfmodel.calib import collective_bench
 
 DEFAULT_PATH = os.path.join(os.path.dirname(__file__), "calibration", "cpu_gloo.json")
 KINDS = ("all-reduce", "all-gather", "reduce-scatter", "collective-permute")
@@ -173,7 +173,7 @@ def replay(calls, reps: int = 5, timeout_s: float = 600.0, per_process: bool = F
   import tempfile  # noqa: PLC0415
 
   from parallelism.distributed import free_port  # noqa: PLC0415
-  from perfmodel import collectives  # noqa: PLC0415
+  from perfmodel.cost import collectives  # noqa: PLC0415
   from perfmodel.emulate import localrun  # noqa: PLC0415
   calls = list(calls)
   if not calls:

@@ -46,7 +46,7 @@ def test_without_a_real_run_after_the_emulation_the_pair_is_the_run_before():
   assert per["real_drift_across_emulation_pct"] == []
 
 
-def test_the_session_20_wait_model_is_reported_beside_the_per_call_waits():
+def test_the_whole_step_wait_model_is_reported_beside_the_per_call_waits():
   """Per-call waits of 0.03 s took the place of a 0.02 s whole-step straggler estimate (nothing of it added):
   with the whole estimate instead of them the emulation is 0.01 s shorter (1.05 - 0.03 + 0.02)."""
   ev = _bench()
