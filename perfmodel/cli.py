@@ -10,12 +10,13 @@ import json
 import math
 import sys
 
+from framework.config import MESH_AXES, validate
+from framework.config_file import load
+
 VALIDATE_DEVICES = 8  # virtual host devices of calibrate and validate processes (measuring children have their own)
 
 
 def _load_cfg(config: str, overrides: list, mesh: str = "", devices: int = 0):
-  from framework.config import MESH_AXES, validate  # noqa: PLC0415
-  from framework.config_file import load  # noqa: PLC0415
   ov = list(overrides)
   if mesh:
     sizes = dict(kv.split("=") for kv in mesh.split(","))
@@ -125,7 +126,6 @@ def cmd_floor(a, overrides):
 
 
 def cmd_search(a, overrides):
-  from framework.config_file import load  # noqa: PLC0415
   cfg = load(a.config, list(overrides))  # the config's own mesh need not match --devices
   from perfmodel import program  # noqa: PLC0415
   if a.run_top:

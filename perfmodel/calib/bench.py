@@ -8,7 +8,8 @@ the XLA executor and the threads of all virtual devices — runs on that one cor
 CPU time (``time.process_time``: all threads, user + system) counts the work done, not the time other
 users' processes held the core. On a machine shared with other engineers wall time of even a pinned
 run stretches by the run-queue share; CPU time does not. Predictions in the ``cpu`` profile are in
-these units: seconds of one core's work (perfmodel/README.md, "Measurement regime").
+these units: seconds of one core's work (perfmodel/README.md, "Calibration and validation"). jax is imported inside
+the timing functions: ``pin()`` must run before jax loads.
 """
 from __future__ import annotations
 
@@ -90,7 +91,7 @@ def time_fn(fn, *args, reps: int = 7, warmup: int = 2, min_time: float = 0.0, ma
   Returns the wall-clock stats at the top level (``median``, ``p10``, ``p90``, ``min``, ``n``) and the
   process-CPU-time stats under ``"cpu"``; ``"clock"`` says which one the top level is — callers use
   :func:`seconds` to read the clock of the regime."""
-  import jax
+  import jax  # noqa: PLC0415 (pin() runs before jax loads)
   for _ in range(warmup):
     jax.block_until_ready(fn(*args))
   wall, cpu = [], []
@@ -116,7 +117,7 @@ def time_slope(fn1, fn2, x1: float, x2: float, reps: int = 9, block: int = 4, mi
   the host's drift between the two lands in the difference (decode TPOT moved 10-25% between runs that way).
   Why not single alternating calls: the first call after switching programs is measured 1.3-2.2 ms slower here
   (decode_b4: 6.0-7.0 vs 4.7-4.8 ms), which is not the steady-state cost per token."""
-  import jax
+  import jax  # noqa: PLC0415 (pin() runs before jax loads)
   wall, cpu = [], []
   calls_w, calls_c = ([], []), ([], [])  # every timed call of fn1 / fn2, for the low-quantile slope
   t_start = time.perf_counter()

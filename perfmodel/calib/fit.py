@@ -10,6 +10,7 @@ small.
 from __future__ import annotations
 
 import numpy as np
+from scipy.optimize import nnls
 
 from perfmodel import compose
 from perfmodel.calibration import TERMS, Composition, Form, Neighbours, StepFeatures
@@ -45,7 +46,6 @@ def _vec(f: StepFeatures, knee=None) -> list:
 
 
 def _nnls(rows, y):
-  from scipy.optimize import nnls  # noqa: PLC0415 (scipy is only needed when fitting)
   A = np.array(rows, dtype=float)
   y = np.array(y, dtype=float)
   # relative error matters (steps span 1 ms .. 1 s): weight rows by 1/y

@@ -17,6 +17,8 @@ import json
 import os
 from typing import Optional
 
+import jax
+
 from perfmodel.graph.nodes import Node
 from perfmodel.hardware import HardwareProfile
 from perfmodel.cost.physical import Priced
@@ -29,17 +31,12 @@ def cache_dir() -> str:
   return os.path.join(os.environ.get(CACHE_ENV) or os.path.join(os.path.expanduser("~"), ".cache", "prismllm"), "db")
 
 
-def _jax_version() -> str:
-  import jax  # noqa: PLC0415 (the version only: importing jax does not start its backend)
-  return jax.__version__
-
-
 def db_name(profile: str) -> str:
-  return f"{profile}-jax{_jax_version()}.json"
+  return f"{profile}-jax{jax.__version__}.json"
 
 
 def samples_name(profile: str) -> str:
-  return f"{profile}-nodes-jax{_jax_version()}.json"
+  return f"{profile}-nodes-jax{jax.__version__}.json"
 
 
 def committed_path(name: str) -> str:

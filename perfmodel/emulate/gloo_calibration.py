@@ -203,26 +203,6 @@ def replay(calls, reps: int = 5, timeout_s: float = 600.0, per_process: bool = F
   return (table, both) if per_process else table
 
 
-_NESTED = " (kinds "
-_OTHERS = "; the others from: "
-
-
-def sources_by_kind(source: str, kinds: list) -> dict:
-  """{kind: the source of the run that measured it} from an older file's nested provenance: each partial
-  re-calibration wrapped the previous source as "NEW (kinds A, B; the others from: OLD)", so the string grew by
-  one level per emulation run (36 KB after 2026-12-01)."""
-  levels, rest = [], source
-  while _NESTED in rest and _OTHERS in rest:
-    head, tail = rest.split(_NESTED, 1)
-    measured, rest = tail.split(_OTHERS, 1)
-    levels.append((head, measured.split(", ")))
-  innermost = rest.rstrip(")")
-  out = {}
-  for k in kinds:
-    out[k] = next((head for head, measured in levels if k in measured), innermost)
-  return out
-
-
 def merge_partial(res: dict, old: Optional[dict], kinds) -> dict:
   """A calibration of some ``kinds`` merged into the previous file ``old`` (None: nothing to keep): the other kinds'
   curves stay, and each kind keeps the source of the run that measured it (``source_by_kind``), flat."""
@@ -231,7 +211,7 @@ def merge_partial(res: dict, old: Optional[dict], kinds) -> dict:
     return res
   for key in ("curves", "next_curves", "raw_with_collective_s", "raw_local_only_s"):
     res[key] = {**{k_: v for k_, v in old.get(key, {}).items() if k_ not in kinds}, **res[key]}
-  prev = old.get("source_by_kind") or sources_by_kind(old.get("source", "?"), list(old.get("curves", {})))
+  prev = old.get("source_by_kind") or {k_: old.get("source", "?") for k_ in old.get("curves", {})}
   res["source_by_kind"] = {**{k_: v for k_, v in prev.items() if k_ not in kinds}, **{k_: res["source"] for k_ in kinds}}
   res["source"] += f" (kinds {', '.join(kinds)}; each other kind's source in source_by_kind)"
   return res

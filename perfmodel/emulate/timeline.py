@@ -15,7 +15,7 @@ scheduler (perfmodel/timeline.py), the one prediction uses:
   on the *target* hardware profile for the rank's real group of global ids;
 * collectives are synchronous: the stand-in program is compiled for the local device, which has no
   async collectives to overlap (XLA:CPU, the validation target, runs them synchronously too); see
-  README "Limitations" for GPU overlap.
+  perfmodel/emulate/README.md for GPU overlap.
 
 Ranks whose programs differ (pipeline stages) are composed by :func:`compose`: a collective over an
 axis that separates classes is a synchronisation point where every class waits for the slowest

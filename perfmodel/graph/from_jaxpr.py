@@ -24,6 +24,7 @@ import math
 
 from jax.extend import core as jcore
 
+from framework.config import MESH_AXES
 from perfmodel.graph import analytic
 from perfmodel.graph.nodes import Attribution, CollectiveInfo, DotInfo, ExecGraph, Node, Region
 
@@ -184,7 +185,6 @@ class _Builder:
 
 def build(closed: jcore.ClosedJaxpr, sizes: dict, extra_entry_nodes=()) -> tuple:
   """(ExecGraph, notes) of a per-device jaxpr on a mesh of ``sizes`` (MESH_AXES order)."""
-  from framework.config import MESH_AXES
   sizes = {a: int(sizes.get(a, 1)) for a in MESH_AXES}
   b = _Builder(sizes)
   b.region(closed.jaxpr, "entry")

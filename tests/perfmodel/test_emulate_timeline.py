@@ -241,13 +241,9 @@ def test_gloo_calibration_of_some_kinds_keeps_the_stored_curves_of_the_others(tm
 
 
 def test_partial_gloo_calibrations_keep_one_flat_source_per_kind():
-  """Re-measuring some kinds keeps the others' curves and records each kind's source once; an older file whose
-  provenance nested one level per run is flattened to the run that measured each kind."""
+  """Re-measuring some kinds keeps the others' curves and records each kind's source once, flat."""
   from perfmodel.emulate import gloo_calibration as gc
-  nested = "run C (kinds all-reduce; the others from: run B (kinds collective-permute; the others from: run A))"
-  assert gc.sources_by_kind(nested, ["all-reduce", "collective-permute", "all-gather"]) == {
-      "all-reduce": "run C", "collective-permute": "run B", "all-gather": "run A"}
-  old = {"curves": {"all-reduce": [[1, 1.0]], "all-gather": [[1, 2.0]]}, "source": nested}
+  old = {"curves": {"all-reduce": [[1, 1.0]], "all-gather": [[1, 2.0]]}, "source": "run A"}
   for run in ("run D", "run E", "run F"):
     new = {"curves": {"all-reduce": [[1, 0.5]]}, "next_curves": {}, "raw_with_collective_s": {},
            "raw_local_only_s": {}, "source": run}
