@@ -10,7 +10,7 @@ Top-down, every route goes config -> program -> graph -> costs -> timeline -> Pr
   * ``rank_program`` (training, any N): one rank's per-device program traced on an AbstractMesh -> its jaxpr graph
     (perfmodel/graph/from_jaxpr.py) -> costs -> timeline; analytic memory;
   * ``analytic`` (training; the fallback, and what ``search`` ranks with): a graph built from the config alone
-    (perfmodel/graph/analytic.py), a closed-form pipeline schedule, analytic memory;
+    (perfmodel/graph/analytic.py), the pipeline schedule's ticks (perfmodel/pipeline.py), analytic memory;
   * inference: the real KV-cached sampler compiled for one device; everything before the decode loop is the prefill
     (TTFT), one trip of the loop body one decode step (TPOT).
 
@@ -275,7 +275,7 @@ def _infer(cfg: Config, hw: HardwareProfile, batch: int, prompt_len: int, gen_le
 
 
 def _train_analytic(cfg: Config, hw: HardwareProfile, backend: str = "auto") -> Prediction:
-  """No program: the analytic graph, a closed-form pipeline schedule and analytic memory."""
+  """No program: the analytic graph, the pipeline schedule's ticks and analytic memory."""
   t0 = time.perf_counter()
   mesh = cfg.mesh
   mb = mesh.microbatches if mesh.pipeline > 1 else 1

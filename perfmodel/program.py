@@ -48,7 +48,7 @@ def _devices(n: int):
   if len(devs) < n:
     raise RuntimeError(
         f"the layout needs {n} devices but jax has {len(devs)}: run in a fresh process with "
-        f"XLA_FLAGS=--xla_force_host_platform_device_count={n} (the perfmodel CLI does this itself)")
+        f"XLA_FLAGS={xla_flags.FLAG}={n} (the perfmodel CLI does this itself)")
   return devs[:n]
 
 

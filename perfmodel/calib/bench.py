@@ -147,6 +147,21 @@ def time_slope(fn1, fn2, x1: float, x2: float, reps: int = 9, block: int = 4, mi
   return out
 
 
+def time_interleaved(fns, args=(), reps: int = 7) -> list:
+  """Median wall seconds of each of ``fns(*args)`` (each run once first), the functions run in turn ``reps``
+  times, so a drift of the host hits every variant alike."""
+  import jax  # noqa: PLC0415 (pin() runs before jax loads)
+  for f in fns:
+    jax.block_until_ready(f(*args))
+  ts = [[] for _ in fns]
+  for _ in range(reps):
+    for f, t in zip(fns, ts):
+      t0 = time.perf_counter()
+      jax.block_until_ready(f(*args))
+      t.append(time.perf_counter() - t0)
+  return [statistics.median(t) for t in ts]
+
+
 # Statistics a step time can be read as (perfmodel/calib/host.py): the median of the timed calls, or their 10th
 # percentile. A profile records the one its compositions were fitted on (``Calibration.step_statistic``) and
 # `validate` reads measurements in it.

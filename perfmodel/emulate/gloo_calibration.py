@@ -34,12 +34,11 @@ import datetime
 import json
 import os
 import platform
-import statistics
 import sys
 import time
 from typing import Optional
 
-from perfmodel.calib import collective_bench
+from perfmodel.calib import bench, collective_bench
 
 DEFAULT_PATH = os.path.join(os.path.dirname(__file__), "calibration", "cpu_gloo.json")
 KINDS = ("all-reduce", "all-gather", "reduce-scatter", "collective-permute")
@@ -65,21 +64,6 @@ def _init_child(coord: str, pid: int):
   jax.config.update("jax_cpu_collectives_implementation", "gloo")
   jax.distributed.initialize(coordinator_address=coord, num_processes=2, process_id=pid)
   return jax.make_mesh((2,), ("x",), axis_types=(jax.sharding.AxisType.Explicit,))
-
-
-def _interleaved_medians(fns, args, reps: int) -> list:
-  """Median seconds of each of ``fns(*args)`` (compiled first), run in turn ``reps`` times: a drift of the host
-  hits every variant alike."""
-  import jax  # noqa: PLC0415
-  for f in fns:
-    jax.block_until_ready(f(*args))
-  ts = [[] for _ in fns]
-  for _ in range(reps):
-    for f, t in zip(fns, ts):
-      t0 = time.perf_counter()
-      jax.block_until_ready(f(*args))
-      t.append(time.perf_counter() - t0)
-  return [statistics.median(t) for t in ts]
 
 
 def _child(coord: str, pid: int, reps: int, k: int, burst_dim: int = 0, kinds: tuple = KINDS) -> None:
@@ -113,7 +97,7 @@ def _child(coord: str, pid: int, reps: int, k: int, burst_dim: int = 0, kinds: t
       local = collective_bench.local_elems(kind, size)
       xs = [jax.device_put(np.ones((2 * local,), np.float32), NamedSharding(mesh, P("x"))) for _ in range(MANY)]
       # one collective, none, MANY issued together
-      one_s, none_s, many_s = _interleaved_medians([make(kind, local, n) for n in (1, 0, MANY)], xs, reps)
+      one_s, none_s, many_s = bench.time_interleaved([make(kind, local, n) for n in (1, 0, MANY)], xs, reps)
       pts.append([float(size), max(one_s - none_s, 1e-7) / k, one_s / k, none_s / k,
                   max(many_s - one_s, 1e-7) / k / (MANY - 1)])
     out[kind] = pts
@@ -157,7 +141,7 @@ def _replay_child(coord: str, pid: int, spec_path: str) -> None:
     locals_ = [collective_bench.local_elems(kind, s_) for s_ in call["sizes"]]
     xs = [jax.device_put(np.ones((2 * n,), np.float32), NamedSharding(mesh, P("x"))) for n in locals_]
     iters = max(1, int(round(min(call["burst_s"], REPLAY_MAX_BURST_S) / per_iter)))
-    with_s, without_s = _interleaved_medians([make(kind, locals_, iters, real) for real in (True, False)], xs,
+    with_s, without_s = bench.time_interleaved([make(kind, locals_, iters, real) for real in (True, False)], xs,
                                              call.get("reps", 5))
     out.append(max(with_s - without_s, 1e-7))
   print("@@" + json.dumps({"seconds": out, "burst_iter_s": per_iter}))  # each process's; the parent keeps both

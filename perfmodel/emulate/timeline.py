@@ -281,17 +281,19 @@ def rank_timeline(rank: int, hlo_text: str, records: list, measured_s: float, sp
   markers = _marker_map(module)
   chain = chain_lib.make_chain(compute_hw or local_hw, "roofline")
   roof = lambda n: 0.0 if n.kind == "wait" else chain.price(n).seconds  # noqa: E731
-  price = roof
+  ratio = 1.0
   if node_times:
     nodes = [n for reg in graph.regions.values() for n in reg.nodes if n.kind in ("dot", "fusion", "other")]
     hit = [n for n in nodes if n.name in node_times]
     ratio = (sum(node_times[n.name] for n in hit) / max(sum(roof(n) for n in hit), 1e-30)) if hit else 1.0
 
-    def price(n):
-      if n.kind in ("dot", "fusion", "other"):
-        t = node_times.get(n.name)
-        return t if t is not None else roof(n) * ratio
-      return roof(n) * ratio
+  def price(n):
+    if not node_times:
+      return roof(n)
+    if n.kind in ("dot", "fusion", "other"):
+      t = node_times.get(n.name)
+      return t if t is not None else roof(n) * ratio
+    return roof(n) * ratio
   walker = _Walker(graph, module, branch_trace, price)
   flat = []
   walker.walk(graph.entry, (), flat, [MAX_EVENTS])

@@ -1,9 +1,11 @@
 """Closed forms: collectives (alpha-beta), pipeline bubbles (formula == simulation), the timeline, profiles, the
 learned backend."""
 import json
+import os
 
 import pytest
 
+from parallelism import pipeline as pp_lib
 from perfmodel import hardware, pipeline, timeline
 from perfmodel.cost import collectives as C
 from perfmodel.cost import learned
@@ -56,23 +58,20 @@ def test_torus_uses_all_dimensions():
 
 @pytest.mark.parametrize("p,m", [(2, 4), (4, 8), (4, 4), (8, 16), (3, 1)])
 @pytest.mark.parametrize("schedule_name", ["gpipe", "1f1b"])
-def test_pipeline_formula_equals_simulation(p, m, schedule_name):
+def test_the_schedule_tables_give_the_textbook_pipeline_time_for_equal_stages(p, m, schedule_name):
   f, b = 1.0, 2.0
-  sim = pipeline.simulate(schedule_name, p, m, f, b)
-  closed = pipeline.cost(schedule_name, p, m, f, b)
-  assert sim["step_time"] == pytest.approx(closed.step_time)
-  assert sim["bubble_fraction"] == pytest.approx(closed.bubble_fraction)
-  assert closed.bubble_fraction == pytest.approx((p - 1) / (m + p - 1))
-  # 1F1B bounds live activations by p; GPipe keeps all m
-  assert sim["in_flight"] == (min(p, m) if schedule_name == "1f1b" else m)
+  pc = pipeline.cost(schedule_name, p, m, f, b)
+  assert pc.step_time == pytest.approx((m + p - 1) * (f + b))
+  assert pc.bubble_fraction == pytest.approx((p - 1) / (m + p - 1))
+  assert pipeline.cost(schedule_name, p, m, f, b, c=0.5).step_time == pytest.approx(pc.step_time + 2 * (p - 1) * 0.5)
 
 
-def test_interleaved_bubble_shrinks_with_chunks():
-  a = pipeline.cost("interleaved", 4, 8, 1.0, 2.0, v=1)
-  b = pipeline.cost("interleaved", 4, 8, 1.0, 2.0, v=4)
-  assert a.step_time == pytest.approx(pipeline.cost("1f1b", 4, 8, 1.0, 2.0).step_time)
-  assert b.step_time == pytest.approx((8 + 3 / 4) * 3.0)
-  assert b.bubble_fraction < a.bubble_fraction
+def test_a_slower_stage_sets_every_tick_it_works_in():
+  s = pp_lib.make_schedule("1f1b", 4, 8)
+  equal = pipeline.tick_time(s, [1.0] * 4, [2.0] * 4)
+  slow = pipeline.tick_time(s, [1.0, 1.0, 1.0, 2.0], [2.0, 2.0, 2.0, 4.0])
+  assert equal == pytest.approx(11 * 3.0) and slow > equal
+  assert pipeline.cost("gpipe", 1, 8, 1.0, 2.0).step_time == 24.0  # one stage: no bubble
 
 
 def test_timeline_overlaps_async_but_not_sync_collectives():
@@ -187,3 +186,13 @@ def test_waits_shift_what_follows_and_ranks_align_at_their_synchronising_events(
   assert [(e.name, e.start, e.dur) for e in aligned["a"]] == [("c", 0.0, 2.0), ("wait (peer stages)", 2.0, 3.0),
                                                              ("p2p", 5.0, 1.0), ("c", 6.0, 1.0)]
   assert aligned["b"] == b  # the last to arrive waits for nobody
+
+
+def test_a_profile_may_carry_efficiency_curves_kept_as_written_with_their_sources():
+  d = json.loads(open(os.path.join(hardware.PROFILE_DIR, "h100.json")).read())
+  d["efficiency"] = {"value": {"dot": {"value": [[1e9, 0.3], [1e12, 0.7]], "source": "vendor table"}},
+                     "source": "achieved fraction of peak"}
+  hw = hardware.from_dict(d)
+  assert hw.efficiency == {"dot": {"value": [[1e9, 0.3], [1e12, 0.7]], "source": "vendor table"}}
+  assert hw.sources["efficiency"] == "achieved fraction of peak" and hw.sources["efficiency.dot"] == "vendor table"
+  assert hardware.load("h100").efficiency == {}
