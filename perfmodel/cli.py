@@ -160,7 +160,7 @@ def _parser():
   pr.add_argument("--profile-nodes", action="store_true",
                   help="time every compute instruction of this program alone on this host first (into the user's "
                        "cache; automatic when the backend resolves to profiled or hybrid)")
-  pr.add_argument("--no-anchor", action="store_true", help="accepted for older command lines; does nothing")
+  pr.add_argument("--no-anchor", action="store_true", help="does nothing (predictions are at the calibration's speed)")
   pr.add_argument("--batch", type=int, default=1)
   pr.add_argument("--prompt-len", type=int, default=32)
   pr.add_argument("--gen-len", type=int, default=32)

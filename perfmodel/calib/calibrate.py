@@ -195,8 +195,7 @@ def gate(snap: dict, loo_mape, max_loo: float = MAX_LOO_PCT, rejected_dir: str =
     os.replace(path, dst)
     moved.append(dst)
     if old is not None:
-      with open(path, "wb") as f:
-        f.write(old)
+      store.write_bytes(path, old)
   return {"accepted": False, "loo_mape": loo_mape, "max_loo": max_loo, "rejected_files": moved,
           "message": f"calibration refused: leave-one-program-out error {loo_mape:.1f}% > {max_loo:.1f}% (the host "
                      f"was too unsteady to calibrate on?); the previous profile is kept, the new files are in "

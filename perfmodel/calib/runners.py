@@ -26,7 +26,7 @@ from framework import model as model_lib
 from framework import xla_flags
 from framework.config import from_dict, validate as validate_cfg
 from perfmodel import program
-from perfmodel.calib import bench, suite as default_suite
+from perfmodel.calib import bench, store, suite as default_suite
 
 ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 # seconds per TPOT round: a slope over 48 tokens from >= 9 block pairs repeats within +-2-5% on a CPU host
@@ -197,7 +197,6 @@ def cached_capture(hlo_cache, name, compile_fn):
                               lower_s=0.0, compile_s=0.0)
   cap = compile_fn()
   if hlo_cache:
-    os.makedirs(hlo_cache, exist_ok=True)
-    with open(os.path.join(hlo_cache, f"{name}.json"), "w") as f:
-      json.dump({"hlo": cap.hlo_text, "n": cap.n_devices, "mem": cap.memory, "cost": cap.cost_analysis}, f)
+    store.write_json(os.path.join(hlo_cache, f"{name}.json"),
+                     {"hlo": cap.hlo_text, "n": cap.n_devices, "mem": cap.memory, "cost": cap.cost_analysis})
   return cap

@@ -11,17 +11,21 @@ import tempfile
 from perfmodel.calibration import Calibration
 
 
-def write_json(path: str, obj, **dump_kw) -> None:
+def write_bytes(path: str, data: bytes) -> None:
   os.makedirs(os.path.dirname(os.path.abspath(path)), exist_ok=True)
-  fd, tmp = tempfile.mkstemp(prefix=".tmp-", suffix=".json", dir=os.path.dirname(os.path.abspath(path)))
+  fd, tmp = tempfile.mkstemp(prefix=".tmp-", dir=os.path.dirname(os.path.abspath(path)))
   try:
-    with os.fdopen(fd, "w") as f:
-      json.dump(obj, f, **dump_kw)
+    with os.fdopen(fd, "wb") as f:
+      f.write(data)
     os.replace(tmp, path)
   except BaseException:
     if os.path.exists(tmp):
       os.unlink(tmp)
     raise
+
+
+def write_json(path: str, obj, **dump_kw) -> None:
+  write_bytes(path, json.dumps(obj, **dump_kw).encode())
 
 
 def read_json(path: str, default=None):

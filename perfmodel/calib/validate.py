@@ -20,7 +20,7 @@ import sys
 import numpy as np
 
 from perfmodel import hardware, predict, program
-from perfmodel.calib import bench, fusion_profiler, runners
+from perfmodel.calib import bench, fusion_profiler, runners, store
 from perfmodel.calib.host import HostSpeed, kendall_tau
 from perfmodel.cost import chain as chain_lib
 
@@ -76,8 +76,7 @@ def run(suite_path=None, reps: int = 7, backend: str = "auto", png: str = None, 
 
   def save():
     if writable:
-      with open(writable, "w") as f:
-        json.dump(caches[0] if len(caches) == 1 else {"rounds": caches}, f, indent=1)
+      store.write_json(writable, caches[0] if len(caches) == 1 else {"rounds": caches}, indent=1)
   entries = suite.SUITE[:limit] if limit else suite.SUITE
   infer_entries = list(getattr(suite, "INFER", [])) if not limit else []
   measure(suite, suite_path, caches, entries + infer_entries, reps, isolate, save)

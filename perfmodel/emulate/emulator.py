@@ -105,7 +105,7 @@ def emulate(cfg: Config, ranks: Optional[Sequence[int]] = None, hardware: str = 
   each call among symmetric peers then also gets the measured wait for the later peer
   (``timeline.add_call_waits``; ``per_call_wait_s`` per step).
   ``trace_nodes``: split each rank's measured step over its instructions by their traced in-program times
-  (XLA TraceMe; ``perfmodel.trace_nodes.enable()`` must have run before jax started) instead of by roofline."""
+  (XLA TraceMe; ``perfmodel.calib.trace_nodes.enable()`` must have run before jax started) instead of by roofline."""
   t0 = time.perf_counter()
   target_hw, local_hw = hw_lib.load(hardware), hw_lib.load(local_hardware)
   notes = list(notes)

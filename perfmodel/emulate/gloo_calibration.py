@@ -20,9 +20,9 @@ further buffer of such a combined call.
   python -m perfmodel.emulate.gloo_calibration            # ~1 min; writes perfmodel/emulate/calibration/cpu_gloo.json
 
 The result is data (``[[payload bytes, seconds], ...]`` per kind, n=2, payload in the
-``perfmodel.collectives`` convention). The hook into the shared collective model is
+``perfmodel.cost.collectives`` convention). The hook into the shared collective model is
 :func:`with_gloo_curves`: it returns the profile with ``collective_curve`` / ``collective_next_curve`` set,
-the fields ``perfmodel.collectives.cost`` / ``combined_cost`` price from.
+the fields ``perfmodel.cost.collectives.cost`` / ``combined_cost`` price from.
 
 :func:`replay` times a program's own calls (kind and every buffer's size) the same way, after compute as long
 as the program's: ``emulate --replay-collectives``.
@@ -150,7 +150,7 @@ def _replay_child(coord: str, pid: int, spec_path: str) -> None:
 def replay(calls, reps: int = 5, timeout_s: float = 600.0, per_process: bool = False):
   """Measures the given calls ({kind, sizes, burst_s}) between 2 real processes over gloo, each as the program
   issues it (one combined call of all its buffers, after compute as long as the program's before it, capped at
-  ``REPLAY_MAX_BURST_S``). Returns ``{perfmodel.collectives.call_key(kind, sizes): seconds}`` for
+  ``REPLAY_MAX_BURST_S``). Returns ``{perfmodel.cost.collectives.call_key(kind, sizes): seconds}`` for
   ``HardwareProfile.collective_calls``. The faithful choice when the target is this host's own 2-rank gloo
   job: no curve, no interpolation between sizes, no model of how a tuple's buffers add up.
   ``per_process``: also return ``{key: [process 0's seconds, process 1's]}``."""

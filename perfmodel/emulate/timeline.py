@@ -219,7 +219,7 @@ def _marker_map(module) -> dict:
 def collective_seconds(rec, space: RankSpace, rank: int, hw: HardwareProfile, algorithm: str = "auto",
                        sizes=None) -> tuple:
   """``sizes``: the operand payloads when ``rec`` stands for a combined call (priced by
-  ``perfmodel.collectives.combined_cost``)."""
+  ``perfmodel.cost.collectives.combined_cost``)."""
   group = rec.group(space, rank)
   if len(group) <= 1 or rec.bytes <= 0:
     return 0.0, "none"

@@ -43,7 +43,7 @@ def test_pipeline_branches_are_counted_per_stage_and_idle_slots_cost_nothing():
     for site, seq in run.branch_trace.items():  # every execution of every compiled conditional was walked
       if site in walked:
         assert walked[site] == len(seq)
-    assert traced.comm_s < bound.comm_s  # idle ticks no longer pay the slot's all-gathers
+    assert traced.comm_s < bound.comm_s  # idle ticks do not pay the slot's all-gathers
     assert abs(traced.compute_s - run.compute_s) / run.compute_s < 0.35  # measured time kept (minus stand-ins)
 
 

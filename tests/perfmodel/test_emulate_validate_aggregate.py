@@ -57,6 +57,6 @@ def test_the_whole_step_wait_model_is_reported_beside_the_per_call_waits():
   assert per["error_pct"] == pytest.approx(5.0)
   assert per["error_without_call_waits_pct"] == pytest.approx(4.0)
   assert per["emulated_per_call_wait_s"] == pytest.approx(0.03)
-  old = _emu(1.05)  # a result written before per-call waits: the same number in both columns
+  old = _emu(1.05)  # a result without per-call waits: the same number in both columns
   per_old = ev.aggregate([{"layouts": {"data": {"real": _real(1.0), "emulated": old}}}], ["data"], predict=False)
   assert per_old["data"]["error_without_call_waits_pct"] == pytest.approx(per_old["data"]["error_pct"])

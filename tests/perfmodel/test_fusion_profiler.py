@@ -223,7 +223,7 @@ def test_entries_timed_before_the_calibration_are_timed_again(tmp_path):
   assert again["timed"] == res["timed"] and again["cached"] == 0
   assert all(e["s"] < 1.0 and e["timed_at"] > "2026" for e in json.loads(db.read_text())["entries"].values())
   for e in data["entries"].values():
-    del e["timed_at"]  # entries written before timed_at existed count as stale
+    del e["timed_at"]  # an entry without a time counts as stale
   db.write_text(json.dumps(data))
   assert fp.profile_program(text, 1, path=str(db), stale_before="2026-01-01T00:00:00")["timed"] == res["timed"]
 
