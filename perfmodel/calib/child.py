@@ -31,12 +31,12 @@ def main(argv) -> int:
   # jax and what compiles on it load after the allocator settings (they apply to threads created afterwards)
   from perfmodel.calib import host, nodes, runners  # noqa: PLC0415
   if kind == "measure":
-    probe = host.Probe() if req["probe"] else None
+    probe = host.HostSpeed.probe() if req["probe"] else None
     got = runners.measure_entries(req["suite"], req["names"], req["reps"], probe)
   elif kind == "trace":
     got = nodes.trace_programs(req["profile"], req["trace_reps"])
   else:
-    probe = host.Probe()
+    probe = host.HostSpeed.probe()
     probe.measure(reps=2)  # warm
     got = probe.measure(reps=int(req.get("reps", 2 * host.PROBE_REPS)))
   with open(out_path, "w") as f:

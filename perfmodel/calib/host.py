@@ -35,8 +35,9 @@ PROBE_NAME = "speed_probe"
 PROBE_REPS = 10  # 10 calls, so the p10 statistic is not simply the minimum of five
 
 
-class Probe:
-  """The probe step compiled once per process; :meth:`around` times it before and after a measurement."""
+class _Probe:
+  """The probe step compiled once per process (:meth:`HostSpeed.probe`); :meth:`around` times it before and after a
+  measurement."""
 
   def __init__(self):
     cfg, _, _ = runners.entry_cfg({"name": PROBE_NAME})
@@ -158,6 +159,11 @@ class HostSpeed:
             "same_boot": pooled(True), "other_boot": pooled(False)}
 
   # ---------------------------------------------------------------- calibration: the probe's reference speed
+
+  @staticmethod
+  def probe() -> _Probe:
+    """The probe, compiled in this process (whose device count it then carries)."""
+    return _Probe()
 
   @staticmethod
   def one_device_probe(reps: int = 2 * PROBE_REPS) -> dict:
