@@ -1,4 +1,4 @@
-"""CLI: python -m perfmodel predict|validate|search|calibrate|emulate (see perfmodel/README.md)."""
+"""CLI: python -m perfmodel predict|validate|floor|search|calibrate|emulate (see perfmodel/README.md)."""
 import sys
 
 from perfmodel.cli import main

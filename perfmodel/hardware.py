@@ -12,8 +12,11 @@ from __future__ import annotations
 
 import dataclasses
 import json
+import math
 import os
 from typing import Optional
+
+from perfmodel.calibration import Calibration
 
 PROFILE_DIR = os.path.join(os.path.dirname(__file__), "profiles")
 
@@ -47,7 +50,7 @@ class HardwareProfile:
   collective_next_curve: dict = dataclasses.field(default_factory=dict)
   # Exact calls measured on this host (n=2): call_key(kind, sizes) -> seconds (emulate --replay-collectives).
   collective_calls: dict = dataclasses.field(default_factory=dict)
-  calibration: dict = dataclasses.field(default_factory=dict)  # date, machine, jax version, method
+  calibration: Calibration = dataclasses.field(default_factory=Calibration)  # what `calibrate` fitted (typed)
   sources: dict = dataclasses.field(default_factory=dict)  # field -> source text
   efficiency: dict = dataclasses.field(default_factory=dict)  # published curves (schema: _efficiency_sources)
 
@@ -113,6 +116,9 @@ def from_dict(d: dict) -> HardwareProfile:
     elif f.name in ("dot_curve", "stream_curve"):
       kw[f.name] = tuple(tuple(p) for p in _value(raw))
       sources[f.name] = _source(raw)
+    elif f.name == "calibration":
+      kw[f.name] = Calibration.from_dict(_value(raw))
+      sources[f.name] = _source(raw)
     else:
       kw[f.name] = _value(raw)
       if _source(raw):
@@ -138,7 +144,6 @@ def load(name_or_path: str) -> HardwareProfile:
 
 def interp_log(curve, x: float) -> Optional[float]:
   """Piecewise-linear interpolation in log(x) of [[x, y], ...]; clamps at the ends."""
-  import math
   if not curve:
     return None
   pts = sorted(curve)

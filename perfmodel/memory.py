@@ -1,7 +1,7 @@
 """Per-device peak memory: the compiled program's own accounting, plus an analytic breakdown.
 
 ``compiled.memory_analysis()`` is the truth for the compiler that produced it (on CPU its 'peak'
-ignores temporaries, so peak = argument + output - alias + temp, see capture._memory). The analytic
+ignores temporaries, so peak = argument + output - alias + temp, see program.memory_of). The analytic
 breakdown (parameters, optimizer state, gradients, activations under the remat policy, logits) needs
 no compile and serves ``search`` at scales where compiling every candidate is too slow; tests
 report how far it is from memory_analysis.

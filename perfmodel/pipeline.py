@@ -1,101 +1,132 @@
-"""Pipeline-parallel schedules from per-stage costs: closed forms and an event simulation.
+"""Pipeline schedules in time: one model, the schedule table of the step the framework runs.
 
-p stages, m micro-batches, per-micro-batch forward time f and backward time b per stage, v virtual
-chunks per device (interleaved), P2P time c per boundary crossing.
+A pipelined step (parallelism/pipeline.py) runs in lock-step ticks; its schedule table says, per tick, which stage
+has forward and which has backward work (``fwd_TxP``, ``bwd_TxP``). Each tick ends with a point-to-point send every
+stage waits for, so a tick lasts as long as its busiest stage, and a step is the sum over ticks of that maximum
+(:func:`tick_time`). For stages of equal cost this is the textbook (m + p - 1)(f + b) of GPipe and 1F1B, bubble
+fraction (p - 1)/(m + p - 1).
 
-  GPipe       T = (m + p - 1)(f + b),           bubble fraction (p-1)/(m+p-1), m micro-batches in flight
-  1F1B        T = (m + p - 1)(f + b),           same bubble, only p micro-batches of activations live
-  interleaved T = (m + (p-1)/v)(f + b),         bubble (p-1)/(v m + p - 1)  (Megatron-LM, Narayanan 2021)
-The simulation (:func:`simulate`) executes the per-stage operation lists with dependencies
-(forward of micro-batch i on stage s needs stage s-1; backward needs stage s+1) and returns the
-makespan and per-stage idle time; tests check it reproduces the closed forms.
+* The analytic route (:func:`cost`) prices one micro-batch's forward f and backward b on a stage and adds the
+  point-to-point transfers on the critical path, 2(p - 1) x c.
+* A compiled pipelined program decides at run time which slots run: it skips idle work with ``lax.cond`` under named
+  scopes (``pp_fwd_slot``, ``pp_bwd_slot``, ``pp_first_stage``, ``pp_last_stage``) that its conditionals keep in
+  their op_name. The table says on how many of the T ticks stage s works, so :func:`resolve` sets each branch's
+  expected executions per visit exactly: forward slot [1 - M/T, M/T] (false, true). ``stage=None`` averages over
+  stages (what N virtual CPU devices on shared cores add up to); ``stage=s`` is that stage's program, and
+  :func:`lockstep_extra` adds the ticks it idles waiting for the busiest stage. Any other conditional is priced by
+  its costliest branch (an upper bound; counted).
 """
 from __future__ import annotations
 
 import dataclasses
+from typing import Optional
+
+import numpy as np
+
+from parallelism import pipeline as pp
+from perfmodel import timeline
+from perfmodel.graph.nodes import ExecGraph
 
 
 @dataclasses.dataclass(frozen=True)
 class PipelineCost:
   step_time: float
-  bubble_fraction: float
+  bubble_fraction: float  # share of the ticks' time the stages idle (transfers left out)
   ideal_time: float  # m (f + b): the work with no bubble
-  in_flight: int  # micro-batches whose activations are alive at once on stage 0
 
 
-def gpipe(p: int, m: int, f: float, b: float, c: float = 0.0) -> PipelineCost:
-  t = (m + p - 1) * (f + b) + 2 * (p - 1) * c
-  return PipelineCost(t, (p - 1) / (m + p - 1), m * (f + b), m)
+def tick_time(sched, fwd_s: list, bwd_s: list) -> float:
+  """Seconds of a lock-step schedule: the sum over ticks of the busiest stage's slot work (per-stage forward and
+  backward slot times ``fwd_s[s]``, ``bwd_s[s]``)."""
+  f, b = np.asarray(fwd_s, dtype=float), np.asarray(bwd_s, dtype=float)
+  return float(((sched.fwd_TxP >= 0) * f[None, :] + (sched.bwd_TxP >= 0) * b[None, :]).max(axis=1).sum())
 
 
-def one_f_one_b(p: int, m: int, f: float, b: float, c: float = 0.0) -> PipelineCost:
-  t = (m + p - 1) * (f + b) + 2 * (p - 1) * c
-  return PipelineCost(t, (p - 1) / (m + p - 1), m * (f + b), min(p, m))
-
-
-def interleaved(p: int, m: int, f: float, b: float, v: int, c: float = 0.0) -> PipelineCost:
-  if m % p:
-    raise ValueError(f"interleaved 1F1B needs micro-batches ({m}) divisible by stages ({p})")
-  t = (m + (p - 1) / v) * (f + b) + 2 * (p - 1) * c * v
-  return PipelineCost(t, (p - 1) / (v * m + p - 1), m * (f + b), min(p, m))
-
-
-def cost(schedule: str, p: int, m: int, f: float, b: float, v: int = 1, c: float = 0.0) -> PipelineCost:
+def cost(schedule: str, p: int, m: int, f: float, b: float, c: float = 0.0) -> PipelineCost:
+  """A step of ``m`` micro-batches over ``p`` equal stages (forward ``f``, backward ``b`` per micro-batch and
+  stage, ``c`` per point-to-point transfer) under ``schedule`` (the framework's: gpipe or 1f1b)."""
   if p <= 1:
-    return PipelineCost(m * (f + b), 0.0, m * (f + b), m)
-  if schedule == "gpipe":
-    return gpipe(p, m, f, b, c)
-  if schedule == "1f1b":
-    return one_f_one_b(p, m, f, b, c)
-  if schedule == "interleaved":
-    return interleaved(p, m, f, b, v, c)
-  raise ValueError(f"unknown pipeline schedule {schedule!r}: gpipe, 1f1b or interleaved")
+    return PipelineCost(m * (f + b), 0.0, m * (f + b))
+  ticks = tick_time(pp.make_schedule(schedule, p, m), [f] * p, [b] * p)
+  return PipelineCost(ticks + 2 * (p - 1) * c, 1 - m * (f + b) / ticks if ticks else 0.0, m * (f + b))
 
 
-def _ops(schedule: str, p: int, m: int, s: int) -> list:
-  """Operation order of stage s: list of ('F'|'B', micro-batch)."""
-  if schedule == "gpipe":
-    return [("F", i) for i in range(m)] + [("B", i) for i in reversed(range(m))]
-  if schedule == "1f1b":
-    warm = min(p - s - 1, m)
-    ops = [("F", i) for i in range(warm)]
-    f_next, b_next = warm, 0
-    while b_next < m:
-      if f_next < m:
-        ops.append(("F", f_next))
-        f_next += 1
-      ops.append(("B", b_next))
-      b_next += 1
-    return ops
-  raise ValueError(f"simulate supports gpipe and 1f1b, got {schedule!r}")
+# ---------------------------------------------------------------- the compiled program's slots
+
+def role(op_name: str) -> Optional[str]:
+  """The innermost pipeline scope in an op_name (the predicate of that conditional), or None."""
+  best, pos = None, -1
+  for sc in (pp.SCOPE_FWD, pp.SCOPE_BWD, pp.SCOPE_FIRST, pp.SCOPE_LAST):
+    i = op_name.rfind(sc + "/")
+    if i > pos:
+      best, pos = sc, i
+  return best
 
 
-def simulate(schedule: str, p: int, m: int, f: float, b: float, c: float = 0.0) -> dict:
-  """Event simulation of a schedule; returns makespan, bubble fraction and max in-flight micro-batches."""
-  ops = [_ops(schedule, p, m, s) for s in range(p)]
-  done = {}  # (kind, stage, mb) -> end time
-  t_stage = [0.0] * p
-  pos = [0] * p
-  in_flight, max_live = [0] * p, [0] * p
-  progress = True
-  while progress:
-    progress = False
-    for s in range(p):
-      while pos[s] < len(ops[s]):
-        kind, i = ops[s][pos[s]]
-        if kind == "F":
-          dep = done.get(("F", s - 1, i)) if s > 0 else 0.0
-        else:
-          dep = done.get(("B", s + 1, i)) if s < p - 1 else done.get(("F", s, i))
-        if dep is None:
-          break
-        start = max(t_stage[s], dep + (c if (kind == "F" and s > 0) or (kind == "B" and s < p - 1) else 0.0))
-        t_stage[s] = done[(kind, s, i)] = start + (f if kind == "F" else b)
-        in_flight[s] += 1 if kind == "F" else -1
-        max_live[s] = max(max_live[s], in_flight[s])
-        pos[s] += 1
-        progress = True
-  if any(pos[s] < len(ops[s]) for s in range(p)):
-    raise RuntimeError("pipeline schedule deadlocked (bug in the schedule generator)")
-  makespan = max(t_stage)
-  return {"step_time": makespan, "bubble_fraction": 1 - m * (f + b) / makespan, "in_flight": max_live[0]}
+def true_fraction(r: str, sched, stage: Optional[int]) -> float:
+  """Share of visits on which a conditional of pipeline role ``r`` takes its true branch."""
+  p = sched.n_stages
+  stages = range(p) if stage is None else [stage]
+  if r == pp.SCOPE_FWD:
+    return float(np.mean([(sched.fwd_TxP[:, s] >= 0).mean() for s in stages]))
+  if r == pp.SCOPE_BWD:
+    return float(np.mean([(sched.bwd_TxP[:, s] >= 0).mean() for s in stages]))
+  if r == pp.SCOPE_FIRST:
+    return float(np.mean([s == 0 for s in stages]))
+  if r == pp.SCOPE_LAST:
+    return float(np.mean([s == p - 1 for s in stages]))
+  raise ValueError(r)
+
+
+def schedule_of(cfg):
+  """The pipeline schedule a config's step runs (parallelism/pipeline.py), or None when not pipelined."""
+  if cfg.mesh.pipeline <= 1:
+    return None
+  return pp.make_schedule(cfg.mesh.schedule, cfg.mesh.pipeline, cfg.mesh.microbatches)
+
+
+def _conditionals(g: ExecGraph):
+  for reg in g.regions.values():
+    for i, n in enumerate(reg.nodes):
+      if n.branches:
+        yield reg, i, n
+
+
+def resolve(g: ExecGraph, chain, sched=None, stage: Optional[int] = None) -> dict:
+  """Sets ``branch_weights`` on every conditional of ``g`` (in place); returns how each was resolved."""
+  counts = {"pipeline_schedule": 0, "costliest_branch": 0}
+  for reg, i, n in list(_conditionals(g)):
+    r = role(n.attribution.op_name) if sched is not None else None
+    if r is not None and len(n.branches) == 2:
+      f = true_fraction(r, sched, stage)
+      reg.nodes[i] = dataclasses.replace(n, branch_weights=(1.0 - f, f))
+      counts["pipeline_schedule"] += 1
+  # The rest: costliest branch, priced with the schedule-resolved ones already in place.
+  for reg, i, n in list(_conditionals(g)):
+    if n.branch_weights:
+      continue
+    cache = {}
+    spans = [timeline.schedule(g, chain, b, cache).makespan for b in n.branches]
+    best = int(np.argmax(spans))
+    reg.nodes[i] = dataclasses.replace(n, branch_weights=tuple(float(j == best) for j in range(len(spans))))
+    counts["costliest_branch"] += 1
+  return counts
+
+
+def slot_work(g: ExecGraph, chain) -> tuple:
+  """(forward, backward) seconds of one busy slot: the true branch of the pp_fwd_slot / pp_bwd_slot
+  conditionals (0 when the program has none)."""
+  out = {pp.SCOPE_FWD: 0.0, pp.SCOPE_BWD: 0.0}
+  cache = {}
+  for _, _, n in _conditionals(g):
+    r = role(n.attribution.op_name)
+    if r in out and len(n.branches) == 2:
+      out[r] = max(out[r], timeline.schedule(g, chain, n.branches[1], cache).makespan)
+  return out[pp.SCOPE_FWD], out[pp.SCOPE_BWD]
+
+
+def lockstep_extra(sched, fwd_s: list, bwd_s: list, stage: int) -> float:
+  """Seconds stage ``stage`` idles in lock-step ticks: :func:`tick_time` minus its own slot work."""
+  f, b = np.asarray(fwd_s), np.asarray(bwd_s)
+  own = float(((sched.fwd_TxP[:, stage] >= 0) * f[stage] + (sched.bwd_TxP[:, stage] >= 0) * b[stage]).sum())
+  return tick_time(sched, fwd_s, bwd_s) - own

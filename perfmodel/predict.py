@@ -1,62 +1,163 @@
-"""predict: config (+ overrides, mesh, hardware) -> step time, tokens/s, MFU, peak memory, breakdowns.
+"""predict(config, hardware) -> Prediction: step time, tokens/s, MFU, peak memory (training) or TTFT / TPOT (inference).
 
-Training: the real compiled step (capture.train_step) -> execution graph -> cost chain -> timeline.
-Inference: the real KV-cached sampler (capture.sampler) -> graph; everything before the decode loop
-is the prefill (TTFT), one trip of the loop body is one decode step (TPOT).
+Top-down, every route goes config -> program -> graph -> costs -> timeline -> Prediction:
 
-Virtual CPU devices share the host's cores, so on the ``cpu`` profile a program replicated over N
-virtual devices takes about N x its per-device time / host_parallelism (calibrated); on real
-accelerators every device runs its copy in parallel and the per-device timeline is the step.
+  * ``compile`` (training, up to COMPILE_MAX_DEVICES): the real N-device step compiled on virtual devices
+    (perfmodel/program.py) -> its HLO graph (perfmodel/graph/from_hlo.py) -> the cost chain
+    (perfmodel/cost/chain.py) -> the timeline (perfmodel/timeline.py), pipeline slots resolved from the schedule
+    (perfmodel/pipeline.py); on a calibrated host the profile's composition (perfmodel/compose.py) turns the priced
+    nodes into the step, and the compiler's own memory_analysis is the peak memory;
+  * ``rank_program`` (training, any N): one rank's per-device program traced on an AbstractMesh -> its jaxpr graph
+    (perfmodel/graph/from_jaxpr.py) -> costs -> timeline; analytic memory;
+  * ``analytic`` (training; the fallback, and what ``search`` ranks with): a graph built from the config alone
+    (perfmodel/graph/analytic.py), the pipeline schedule's ticks (perfmodel/pipeline.py), analytic memory;
+  * inference: the real KV-cached sampler compiled for one device; everything before the decode loop is the prefill
+    (TTFT), one trip of the loop body one decode step (TPOT).
+
+Virtual CPU devices share the host's cores, so on the ``cpu`` profile a program replicated over N virtual devices
+takes about N x its per-device time / host_parallelism (calibrated); on real accelerators every device runs its copy
+in parallel and the per-device timeline is the step.
 """
 from __future__ import annotations
 
+import dataclasses
+import math
 import time
+from typing import Optional, Union
 
+import jax
 import numpy as np
 
 from framework import flops as flops_lib
 from framework.config import Config
-from perfmodel import capture, costs, graph as graph_lib, memory, timeline
-from perfmodel.hardware import HardwareProfile
+from perfmodel import compose, memory, pipeline, program, timeline
+from perfmodel.cost import chain as chain_lib
+from perfmodel.cost import collectives
+from perfmodel.graph import analytic, from_hlo, from_jaxpr
+from perfmodel.graph.nodes import Attribution, ExecGraph, mark_decode
+from perfmodel.hardware import HardwareProfile, load as load_profile
+
+COMPILE_MAX_DEVICES = 512  # above this, `method="auto"` traces the rank's program instead of compiling N devices
 
 
-def composed(g: graph_lib.ExecGraph, chain, hw: HardwareProfile, n_devices: int, region: str = None,
-             per_step: bool = True, temp_bytes: float = 0.0, pow2: bool = False):
-  """Step seconds from the calibrated composition (cpu profile, learned chain) or None.
+@dataclasses.dataclass
+class Prediction:
+  mode: str  # train | infer
+  config: str
+  hardware: str
+  calibrated: bool
+  backends: list  # the cost chain, in the order it asks
+  route: Optional[str] = None  # training: compile | rank_program | analytic
+  method: Optional[str] = None
+  route_detail: Optional[str] = None
+  route_fallback_reason: Optional[str] = None
+  n_devices: Optional[int] = None
+  mesh: Optional[dict] = None
+  step_time_s: Optional[float] = None
+  tokens_per_s: Optional[float] = None
+  mfu: Optional[float] = None
+  batch: Optional[int] = None
+  prompt_len: Optional[int] = None
+  gen_len: Optional[int] = None
+  ttft_s: Optional[float] = None
+  tpot_s: Optional[float] = None
+  generation_s: Optional[float] = None  # infer: prefill + gen_len decode steps
+  decode_tokens_per_s: Optional[float] = None
+  peak_memory_bytes: Optional[float] = None
+  memory_analysis: Optional[dict] = None  # the compiler's own (compile route, inference)
+  memory_analytic: Optional[dict] = None
+  fits_in_memory: Optional[bool] = None
+  flops_per_device: Optional[float] = None
+  xla_cost_analysis_flops: Optional[float] = None
+  model_flops_per_step: Optional[float] = None
+  collective_bytes_per_device: Optional[float] = None
+  node_counts: Optional[dict] = None
+  rank_param_bytes: Optional[float] = None
+  breakdown: Optional[dict] = None  # by node kind / phase / layer, exposed comm, which backend priced how many
+  host_device_factor: Optional[float] = None
+  composition: Optional[str] = None
+  conditionals: Optional[dict] = None
+  pipeline_bubble_fraction: Optional[float] = None
+  notes: Optional[list] = None
+  compile_s: Optional[float] = None  # wall clock of the prediction itself, from here on
+  trace_s: Optional[float] = None
+  predict_s: Optional[float] = None
+  wall_s: Optional[float] = None
 
-  On this host the N virtual devices run their per-device programs on one pinned core, so per-node times
-  add up over devices with a per-thunk gap and per-device and collective terms fitted by
-  ``python -m perfmodel calibrate`` (perfmodel/calibrate_nodes.py)."""
-  coef = composition_for(hw, chain)
-  if not coef:
-    return None
-  from perfmodel import calibrate_nodes
-  feats = calibrate_nodes.composition_features(g, lambda n: chain.price(n).seconds, n_devices, region, temp_bytes,
-                                               hw=hw, pow2=pow2)
-  if not per_step:
-    feats[2] = 0.0
-  return calibrate_nodes.compose(coef, feats, calibrate_nodes.program_type(n_devices, decode=not per_step))
+  def to_dict(self) -> dict:
+    """The JSON the CLI prints: every field that applies to this route; ``total_s`` is the generation's seconds in
+    infer mode and the prediction's wall clock on the compile route."""
+    out = {k: v for k, v in dataclasses.asdict(self).items() if v is not None}
+    total = self.generation_s if self.mode == "infer" else self.wall_s
+    if total is not None:
+      out["total_s"] = total
+    return out
 
 
-def composition_for(hw: HardwareProfile, chain) -> dict:
-  """The fitted composition matching the chain's first backend: ``composition`` (learned node prices, fitted
-  by calibrate), ``composition_profiled`` or ``composition_hybrid`` (node prices of the profiled database as
-  they are / times the in-program ratio, both fitted by ``calibrate --profiled``);
-  None when the profile has none for it (the timeline's makespan is then the step)."""
-  first = chain.names[0] if chain.names else ""
-  key = costs.FITTED.get(first, (None,))[0]
-  return hw.calibration.get(key) if key else None
+def n_devices(cfg: Config) -> int:
+  return math.prod(cfg.mesh.sizes().values())
 
 
-def _host_factor(hw: HardwareProfile, n_devices: int) -> float:
-  if hw.name != "cpu" or n_devices <= 1:
+def resolve_method(n: int, mode: str = "train", method: str = "auto") -> str:
+  """The route a prediction takes: inference always compiles its one-device sampler; training ``auto`` compiles up
+  to COMPILE_MAX_DEVICES and traces the rank's program (falling back to the analytic graph) above."""
+  if mode == "infer":
+    return "compile"
+  if method == "auto":
+    return "compile" if n <= COMPILE_MAX_DEVICES else "auto_large"
+  return method
+
+
+def predict(cfg: Config, hardware: Union[str, HardwareProfile], mode: str = "train", method: str = "auto",
+            backend: str = "auto", batch: int = 1, prompt_len: int = 32, gen_len: int = 32,
+            captured: Optional[program.Captured] = None) -> Prediction:
+  """The one entry point. ``captured``: the compiled program when the caller has it already (the CLI compiles
+  first to profile its instructions; validate caches programs)."""
+  hw = hardware if isinstance(hardware, HardwareProfile) else load_profile(hardware)
+  route = resolve_method(n_devices(cfg), mode, method)
+  if mode == "infer":
+    return _infer(cfg, hw, batch, prompt_len, gen_len, backend, captured)
+  if route == "compile":
+    return _train_compiled(cfg, hw, backend, captured)
+  if route == "analytic":
+    return _train_analytic(cfg, hw, backend)
+  try:
+    return _train_rank_program(cfg, hw, backend)
+  except Exception as e:  # noqa: BLE001 (auto falls back from any failure of the traced route, and says why)
+    if route == "rank_program":
+      raise
+    p = _train_analytic(cfg, hw, backend)
+    p.route_fallback_reason = f"rank_program route failed: {type(e).__name__}: {str(e)[:300]}"
+    return p
+
+
+# ---------------------------------------------------------------- shared pieces
+
+def _base(cfg: Config, hw: HardwareProfile, chain, mode: str = "train") -> Prediction:
+  return Prediction(mode=mode, config=cfg.name, hardware=hw.name, calibrated=hw.calibrated, backends=chain.names)
+
+
+def _train_rates(p: Prediction, cfg: Config, hw: HardwareProfile, devices_sharing_peak: int) -> None:
+  tokens = cfg.data.global_batch * cfg.data.seq_len
+  dtype = {"bfloat16": "bf16", "float16": "f16"}.get(cfg.model.dtype, "f32")
+  p.model_flops_per_step = flops_lib.train_flops_per_token(cfg.model, cfg.data.seq_len) * tokens
+  p.tokens_per_s = tokens / p.step_time_s
+  p.mfu = p.model_flops_per_step / p.step_time_s / (hw.peak(dtype) * devices_sharing_peak)
+
+
+def _graph_totals(p: Prediction, g: ExecGraph, times: float = 1.0) -> None:
+  tot = g.totals()
+  p.flops_per_device = tot["flops"] * times
+  p.collective_bytes_per_device = tot["collective_bytes"] * times
+  p.node_counts = tot["node_counts"]
+
+
+def _host_factor(hw: HardwareProfile, n: int) -> float:
+  """On the cpu profile N virtual devices share the host: their per-device timelines add up, less what the host
+  runs in parallel (calibrated)."""
+  if hw.name != "cpu" or n <= 1:
     return 1.0
-  return n_devices / max(1.0, min(float(n_devices), hw.calibration.get("host_parallelism", 1.0)))
-
-
-def price_graph(g: graph_lib.ExecGraph, hw: HardwareProfile, backend: str = "auto", algorithm: str = "auto"):
-  chain = costs.make_chain(hw, backend, algorithm)
-  return timeline.schedule(g, chain), chain
+  return n / max(1.0, min(float(n), hw.calibration.host_parallelism))
 
 
 def _breakdown(tl: timeline.Timeline, scale: float) -> dict:
@@ -71,189 +172,165 @@ def _breakdown(tl: timeline.Timeline, scale: float) -> dict:
   }
 
 
-def _resolve_and_schedule(g: graph_lib.ExecGraph, chain, hw: HardwareProfile, cfg: Config):
-  """(timeline, lock-step idle seconds, how conditionals were resolved) of a training step.
+def _mesh(cfg: Config) -> dict:
+  return {k: v for k, v in cfg.mesh.sizes().items() if v != 1}
 
-  Pipelined programs decide their slots at run time (perfmodel/branches.py). On the ``cpu`` profile the N
-  virtual devices run in series on one core, so the step is their *summed* work: branches weighted by the
-  stage-average schedule, no lock-step idle. On parallel hardware each stage's own program is priced, plus
-  the ticks it idles waiting for the busiest stage; the slowest stage is the step."""
-  from perfmodel import branches  # noqa: PLC0415
-  sched = branches.schedule_of(cfg)
+
+# ---------------------------------------------------------------- routes
+
+def _schedule_train(g: ExecGraph, chain, hw: HardwareProfile, cfg: Config):
+  """(timeline, lock-step idle seconds, how conditionals were resolved) of a compiled training step.
+
+  Pipelined programs decide their slots at run time (perfmodel/pipeline.py). On the ``cpu`` profile the N virtual
+  devices run in series on shared cores, so the step is their *summed* work: branches weighted by the stage-average
+  schedule, no lock-step idle. On parallel hardware each stage's own program is priced, plus the ticks it idles
+  waiting for the busiest stage; the slowest stage is the step."""
+  sched = pipeline.schedule_of(cfg)
   if sched is None or hw.name == "cpu":
-    info = branches.resolve(g, chain, sched, stage=None)
+    info = pipeline.resolve(g, chain, sched, stage=None)
     info["stages"] = "average over stages (N devices in series)" if sched is not None else None
     return timeline.schedule(g, chain), 0.0, info
   per_stage, slots = [], []
   for s in range(sched.n_stages):
-    info = branches.resolve(g, chain, sched, stage=s)
+    info = pipeline.resolve(g, chain, sched, stage=s)
     per_stage.append(timeline.schedule(g, chain))
-    slots.append(branches.slot_work(g, chain))
+    slots.append(pipeline.slot_work(g, chain))
   f, b = [x[0] for x in slots], [x[1] for x in slots]
-  totals = [tl.makespan + branches.lockstep_extra(sched, f, b, s) for s, tl in enumerate(per_stage)]
+  totals = [tl.makespan + pipeline.lockstep_extra(sched, f, b, s) for s, tl in enumerate(per_stage)]
   worst = int(np.argmax(totals))
-  branches.resolve(g, chain, sched, stage=worst)  # leave the graph priced as the step's stage
+  pipeline.resolve(g, chain, sched, stage=worst)  # leave the graph priced as the step's stage
   info["stages"] = f"stage {worst} of {sched.n_stages} (slowest, lock-step ticks)"
   info["lockstep_idle_s"] = totals[worst] - per_stage[worst].makespan
   return per_stage[worst], totals[worst] - per_stage[worst].makespan, info
 
 
-def predict_train(cfg: Config, hw: HardwareProfile, backend: str = "auto", captured=None) -> dict:
+def _train_compiled(cfg: Config, hw: HardwareProfile, backend: str, captured) -> Prediction:
   t0 = time.perf_counter()
-  cap = captured or capture.train_step(cfg)
+  cap = captured or program.train_step(cfg)
   t1 = time.perf_counter()
-  g = graph_lib.from_hlo_text(cap.hlo_text, cap.n_devices)
-  chain = costs.make_chain(hw, backend)
-  tl, lockstep, cond_info = _resolve_and_schedule(g, chain, hw, cfg)
+  g = from_hlo.from_hlo_text(cap.hlo_text, cap.n_devices)
+  chain = chain_lib.make_chain(hw, backend)
+  tl, lockstep, cond_info = _schedule_train(g, chain, hw, cfg)
   scale = _host_factor(hw, cap.n_devices)
-  from perfmodel.calibrate_nodes import pow2_tokens  # noqa: PLC0415
-  step = composed(g, chain, hw, cap.n_devices, temp_bytes=cap.memory.get("temp_size_in_bytes", 0.0),
-                  pow2=pow2_tokens(cfg))
-  composition = step is not None
-  if step is None:
-    step = (tl.makespan + lockstep) * scale + hw.calibration.get("step_overhead_s", 0.0)
+  comp = chain.composition()
+  if comp is None:
+    step = (tl.makespan + lockstep) * scale + hw.calibration.step_overhead_s
   else:
+    feats = compose.step_features(g, lambda n: chain.price(n).seconds, cap.n_devices,
+                                  temp_bytes=cap.memory.get("temp_size_in_bytes", 0.0), hw=hw,
+                                  pow2=compose.pow2_tokens(cfg))
+    step = comp.seconds(feats, compose.program_type(cap.n_devices))
     scale = step / tl.makespan if tl.makespan else 1.0  # breakdown shares scaled to the composed step
   t2 = time.perf_counter()
-  tokens = cfg.data.global_batch * cfg.data.seq_len
-  model_flops = flops_lib.train_flops_per_token(cfg.model, cfg.data.seq_len) * tokens
-  dtype = {"bfloat16": "bf16", "float16": "f16"}.get(cfg.model.dtype, "f32")
-  peak_total = hw.peak(dtype) * (1 if hw.name == "cpu" else cap.n_devices)
-  tot = g.totals()
-  ana = memory.analytic(cfg)
-  return {
-      "mode": "train", "config": cfg.name, "hardware": hw.name, "calibrated": hw.calibrated,
-      "backends": chain.names, "n_devices": cap.n_devices,
-      "mesh": {k: v for k, v in cfg.mesh.sizes().items() if v != 1},
-      "step_time_s": step, "tokens_per_s": tokens / step, "mfu": model_flops / step / peak_total,
-      "peak_memory_bytes": cap.memory["peak_bytes"], "memory_analysis": cap.memory,
-      "memory_analytic": ana.to_dict(),
-      "flops_per_device": tot["flops"], "xla_cost_analysis_flops": cap.cost_analysis.get("flops"),
-      "model_flops_per_step": model_flops, "collective_bytes_per_device": tot["collective_bytes"],
-      "node_counts": tot["node_counts"], "breakdown": _breakdown(tl, scale), "host_device_factor": scale,
-      "composition": "calibrated (one pinned core, N devices in series)" if composition else "timeline",
-      "conditionals": cond_info,
-      "compile_s": cap.lower_s + cap.compile_s, "predict_s": t2 - t1, "total_s": t2 - t0,
-  }
+  p = _base(cfg, hw, chain)
+  p.route = p.method = "compile"
+  p.n_devices, p.mesh, p.step_time_s = cap.n_devices, _mesh(cfg), step
+  _train_rates(p, cfg, hw, 1 if hw.name == "cpu" else cap.n_devices)
+  p.peak_memory_bytes, p.memory_analysis = cap.memory["peak_bytes"], cap.memory
+  p.memory_analytic = memory.analytic(cfg).to_dict()
+  _graph_totals(p, g)
+  p.xla_cost_analysis_flops = cap.cost_analysis.get("flops")
+  p.breakdown, p.host_device_factor = _breakdown(tl, scale), scale
+  p.composition = "calibrated (one pinned core, N devices in series)" if comp is not None else "timeline"
+  p.conditionals = cond_info
+  p.compile_s, p.predict_s, p.wall_s = cap.lower_s + cap.compile_s, t2 - t1, t2 - t0
+  return p
 
 
-def predict_infer(cfg: Config, hw: HardwareProfile, batch: int, prompt_len: int, gen_len: int,
-                  backend: str = "auto", captured=None) -> dict:
-  cap = captured or capture.sampler(cfg, batch, prompt_len, gen_len)
-  t0 = time.perf_counter()  # after the compile: predict_s is the prediction alone, as predict_train's
-  g = graph_lib.from_hlo_text(cap.hlo_text, 1)
-  chain = costs.make_chain(hw, backend)
-  from perfmodel import branches  # noqa: PLC0415
-  branches.resolve(g, chain)  # the sampler's conditionals (if any): costliest branch
-  entry = g.regions[g.entry]
-  loops = [n for n in entry.nodes if n.kind == "loop" and n.trip_count == gen_len]
+def _infer(cfg: Config, hw: HardwareProfile, batch: int, prompt_len: int, gen_len: int, backend: str,
+           captured) -> Prediction:
+  cap = captured or program.sampler(cfg, batch, prompt_len, gen_len)
+  t0 = time.perf_counter()  # after the compile: predict_s is the prediction alone
+  g = from_hlo.from_hlo_text(cap.hlo_text, 1)
+  chain = chain_lib.make_chain(hw, backend)
+  pipeline.resolve(g, chain)  # the sampler's conditionals (if any): costliest branch
+  loops = [n for n in g.regions[g.entry].nodes if n.kind == "loop" and n.trip_count == gen_len]
   decode = max(loops, key=lambda n: timeline.schedule(g, chain, n.body, {}).makespan) if loops else None
-  # its nodes priced as decode nodes (learned.py: their own neighbours); a loop node itself is not replaced
-  graph_lib.mark_decode(g, decode.body if decode else None)
+  mark_decode(g, decode.body if decode else None)  # priced as decode nodes (cost/learned.py); not the loop node
   cache = {}
   full = timeline.schedule(g, chain, None, cache)
   tpot = timeline.schedule(g, chain, decode.body, cache).makespan if decode else 0.0
-  overhead = hw.calibration.get("step_overhead_s", 0.0)
+  overhead = hw.calibration.step_overhead_s
   ttft = full.makespan - (tpot * gen_len) + overhead
   total = full.makespan + overhead
-  coef = composition_for(hw, chain)
-  if coef:
-    from perfmodel import calibrate_nodes as cn
+  comp = chain.composition()
+  if comp is not None:
     price = lambda n: chain.price(n).seconds  # noqa: E731
-    f_all = cn.composition_features(g, price, 1, temp_bytes=cap.memory.get("temp_size_in_bytes", 0.0), hw=hw)
-    f_dec = cn.composition_features(g, price, 1, decode.body, hw=hw) if decode else [0.0] * len(f_all)
-    f_dec[2] = 0.0
+    f_all = compose.step_features(g, price, 1, temp_bytes=cap.memory.get("temp_size_in_bytes", 0.0), hw=hw)
+    f_dec = compose.step_features(g, price, 1, decode.body, hw=hw, per_step=False) if decode else None
     # prefill + sampling glue: everything outside the decode loop, composed as a single-device step
-    f_rest = [a - b * (gen_len if decode else 0) for a, b in zip(f_all, f_dec)]
-    tpot = cn.compose(coef, f_dec, "decode") if decode else 0.0
-    ttft = cn.compose(coef, f_rest, "train")
+    f_rest = f_all.minus(f_dec, gen_len) if decode else f_all
+    tpot = comp.seconds(f_dec, "decode") if decode else 0.0
+    ttft = comp.seconds(f_rest, "train")
     total = ttft + tpot * gen_len
-  return {
-      "mode": "infer", "config": cfg.name, "hardware": hw.name, "calibrated": hw.calibrated, "backends": chain.names,
-      "batch": batch, "prompt_len": prompt_len, "gen_len": gen_len,
-      "ttft_s": ttft, "tpot_s": tpot, "total_s": total,
-      "tokens_per_s": batch * gen_len / total if total else 0.0,
-      "decode_tokens_per_s": batch / tpot if tpot else 0.0,
-      "peak_memory_bytes": cap.memory["peak_bytes"], "memory_analysis": cap.memory,
-      "breakdown": _breakdown(full, 1.0), "compile_s": cap.lower_s + cap.compile_s,
-      "predict_s": time.perf_counter() - t0,
-  }
+  p = _base(cfg, hw, chain, mode="infer")
+  p.batch, p.prompt_len, p.gen_len = batch, prompt_len, gen_len
+  p.ttft_s, p.tpot_s, p.generation_s = ttft, tpot, total
+  p.tokens_per_s = batch * gen_len / total if total else 0.0
+  p.decode_tokens_per_s = batch / tpot if tpot else 0.0
+  p.peak_memory_bytes, p.memory_analysis = cap.memory["peak_bytes"], cap.memory
+  p.breakdown, p.compile_s = _breakdown(full, 1.0), cap.lower_s + cap.compile_s
+  p.predict_s = time.perf_counter() - t0
+  return p
 
 
-def predict_train_analytic(cfg: Config, hw: HardwareProfile, backend: str = "auto") -> dict:
-  """No compile: analytic graph (perfmodel.analytic) + pipeline schedule + analytic memory."""
-  from perfmodel import analytic, pipeline
+def _train_analytic(cfg: Config, hw: HardwareProfile, backend: str = "auto") -> Prediction:
+  """No program: the analytic graph, the pipeline schedule's ticks and analytic memory."""
   t0 = time.perf_counter()
   mesh = cfg.mesh
   mb = mesh.microbatches if mesh.pipeline > 1 else 1
   g = analytic.build(cfg, microbatch_tokens_div=mb)
-  tl, chain = price_graph(g, hw, backend)
+  chain = chain_lib.make_chain(hw, backend)
+  tl = timeline.schedule(g, chain)
   n_dev = g.n_devices
   if mesh.pipeline > 1:
     fwd = tl.by_phase.get("fwd", 0.0)
     bwd = tl.makespan - fwd
     act_bytes = (cfg.data.global_batch // (mesh.data * mesh.fsdp) // mb) * cfg.data.seq_len * cfg.model.d_model * 4
-    from perfmodel import collectives
     p2p = collectives.permute(act_bytes, hw.links[0].bandwidth, hw.links[0].latency) if hw.links else 0.0
     pc = pipeline.cost(mesh.schedule, mesh.pipeline, mb, fwd, bwd, c=p2p)
     step, bubble = pc.step_time, pc.bubble_fraction
   else:
     step, bubble = tl.makespan, 0.0
   scale = _host_factor(hw, n_dev)
-  step = step * scale + hw.calibration.get("step_overhead_s", 0.0)
-  tokens = cfg.data.global_batch * cfg.data.seq_len
-  model_flops = flops_lib.train_flops_per_token(cfg.model, cfg.data.seq_len) * tokens
-  dtype = {"bfloat16": "bf16", "float16": "f16"}.get(cfg.model.dtype, "f32")
-  peak_total = hw.peak(dtype) * (1 if hw.name == "cpu" else n_dev)
+  p = _base(cfg, hw, chain)
+  p.route = p.method = "analytic"
+  p.n_devices, p.mesh = n_dev, _mesh(cfg)
+  p.step_time_s = step * scale + hw.calibration.step_overhead_s
+  _train_rates(p, cfg, hw, 1 if hw.name == "cpu" else n_dev)
   mem = memory.analytic(cfg)
-  tot = g.totals()
-  return {
-      "mode": "train", "method": "analytic", "config": cfg.name, "hardware": hw.name, "calibrated": hw.calibrated,
-      "backends": chain.names, "n_devices": n_dev, "mesh": {k: v for k, v in mesh.sizes().items() if v != 1},
-      "step_time_s": step, "tokens_per_s": tokens / step, "mfu": model_flops / step / peak_total,
-      "peak_memory_bytes": mem.total, "memory_analytic": mem.to_dict(), "pipeline_bubble_fraction": bubble,
-      "flops_per_device": tot["flops"] * mb, "model_flops_per_step": model_flops,
-      "collective_bytes_per_device": tot["collective_bytes"] * mb, "node_counts": tot["node_counts"],
-      "breakdown": _breakdown(tl, scale * mb), "fits_in_memory": mem.total <= hw.mem_bytes,
-      "predict_s": time.perf_counter() - t0,
-  }
+  p.peak_memory_bytes, p.memory_analytic, p.pipeline_bubble_fraction = mem.total, mem.to_dict(), bubble
+  _graph_totals(p, g, times=mb)
+  p.breakdown, p.fits_in_memory = _breakdown(tl, scale * mb), mem.total <= hw.mem_bytes
+  p.predict_s = time.perf_counter() - t0
+  return p
 
 
-def predict_train_rank_program(cfg: Config, hw: HardwareProfile, backend: str = "auto") -> dict:
-  """No N-device compile: the rank's real per-device program (perfmodel.emulate.rank_program, the program the
-  emulator runs), traced on an AbstractMesh at the target sizes -> jaxpr graph -> costs -> timeline."""
-  import math
-  import jax
-  from perfmodel import jaxpr_graph
-  from perfmodel.emulate import rank_program
+def _train_rank_program(cfg: Config, hw: HardwareProfile, backend: str = "auto") -> Prediction:
+  """No N-device compile: the rank's real per-device program, traced on an AbstractMesh at the target sizes."""
   t0 = time.perf_counter()
-  prog = rank_program.build(cfg)
+  prog = program.rank_program(cfg)
   local = jax.tree.leaves(prog.local_state.params)
   n_local = sum(math.prod(x.shape) for x in local)
   pbytes = sum(math.prod(x.shape) * x.dtype.itemsize for x in local)
   # AdamW on the rank's shards (outside the traced body): read p, g, m, v; write p, m, v.
   opt = dict(name="adamw_update", kind="fusion", opcode="fusion:jaxpr", flops=12.0 * n_local,
              transcendentals=float(n_local), bytes=7.0 * pbytes, out_bytes=3.0 * pbytes,
-             attribution=graph_lib.Attribution(op_name="optimizer", phase="opt", op="adamw"))
-  g, notes = jaxpr_graph.build(prog.body, cfg.mesh.sizes(), extra_entry_nodes=[opt])
-  tl, chain = price_graph(g, hw, backend)
-  step = tl.makespan + hw.calibration.get("step_overhead_s", 0.0)
-  tokens = cfg.data.global_batch * cfg.data.seq_len
-  model_flops = flops_lib.train_flops_per_token(cfg.model, cfg.data.seq_len) * tokens
-  dtype = {"bfloat16": "bf16", "float16": "f16"}.get(cfg.model.dtype, "f32")
-  n_dev = g.n_devices
+             attribution=Attribution(op_name="optimizer", phase="opt", op="adamw"))
+  g, notes = from_jaxpr.build(prog.body, cfg.mesh.sizes(), extra_entry_nodes=[opt])
+  chain = chain_lib.make_chain(hw, backend)
+  tl = timeline.schedule(g, chain)
+  p = _base(cfg, hw, chain)
+  p.route = p.method = "rank_program"
+  # the wording is part of the pinned output; the modules are perfmodel.program and perfmodel.graph.from_jaxpr
+  p.route_detail = ("per-device shard_map body traced on an AbstractMesh (perfmodel.emulate.rank_program), "
+                    "jaxpr graph (perfmodel.jaxpr_graph); no N-device compile")
+  p.n_devices, p.mesh = g.n_devices, _mesh(cfg)
+  p.step_time_s = tl.makespan + hw.calibration.step_overhead_s
+  _train_rates(p, cfg, hw, g.n_devices)
   mem = memory.analytic(cfg)
-  tot = g.totals()
-  return {
-      "mode": "train", "method": "rank_program", "route": "rank_program",
-      "route_detail": "per-device shard_map body traced on an AbstractMesh (perfmodel.emulate.rank_program), "
-                      "jaxpr graph (perfmodel.jaxpr_graph); no N-device compile",
-      "config": cfg.name, "hardware": hw.name, "calibrated": hw.calibrated, "backends": chain.names,
-      "n_devices": n_dev, "mesh": {k: v for k, v in cfg.mesh.sizes().items() if v != 1},
-      "step_time_s": step, "tokens_per_s": tokens / step, "mfu": model_flops / step / (hw.peak(dtype) * n_dev),
-      "peak_memory_bytes": mem.total, "memory_analytic": mem.to_dict(), "rank_param_bytes": pbytes,
-      "flops_per_device": tot["flops"], "model_flops_per_step": model_flops,
-      "collective_bytes_per_device": tot["collective_bytes"], "node_counts": tot["node_counts"],
-      "breakdown": _breakdown(tl, 1.0), "fits_in_memory": mem.total <= hw.mem_bytes, "notes": notes,
-      "trace_s": prog.trace_s, "predict_s": time.perf_counter() - t0,
-  }
+  p.peak_memory_bytes, p.memory_analytic, p.rank_param_bytes = mem.total, mem.to_dict(), pbytes
+  _graph_totals(p, g)
+  p.breakdown, p.fits_in_memory, p.notes = _breakdown(tl, 1.0), mem.total <= hw.mem_bytes, notes
+  p.trace_s, p.predict_s = prog.trace_s, time.perf_counter() - t0
+  return p

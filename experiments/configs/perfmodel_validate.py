@@ -9,7 +9,7 @@ Reproduces: predicted-vs-measured scatter and per-config signed error with the r
 """
 import ml_collections
 
-from perfmodel.suite import BASE
+from perfmodel.calib.suite import BASE
 
 
 def get_config(arg=None):

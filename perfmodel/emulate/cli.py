@@ -8,7 +8,12 @@ from __future__ import annotations
 
 import argparse
 import json
+import os
 import sys
+
+from framework import config as config_lib
+from framework import host_memory
+from perfmodel import hardware as hw_lib
 
 
 def parse(argv):
@@ -48,8 +53,7 @@ def parse(argv):
 
 
 def mesh_overrides(mesh: dict) -> list:
-  from framework.config import MESH_AXES  # noqa: PLC0415
-  return [f"--config.mesh.{a}={mesh.get(a, 1)}" for a in MESH_AXES] if mesh else []
+  return [f"--config.mesh.{a}={mesh.get(a, 1)}" for a in config_lib.MESH_AXES] if mesh else []
 
 
 def _colocated(spec: str, n: int, hardware: str, local_hardware: str) -> int:
@@ -61,8 +65,6 @@ def _colocated(spec: str, n: int, hardware: str, local_hardware: str) -> int:
     if v < 1:
       raise SystemExit(f"--colocated {v}: give a positive integer or 'auto'")
     return v
-  import os  # noqa: PLC0415
-  from perfmodel import hardware as hw_lib  # noqa: PLC0415
   if hw_lib.load(hardware).device_kind == "cpu" and hw_lib.load(local_hardware).device_kind == "cpu":
     return max(1, min(n, os.cpu_count() or 1))
   return 1
@@ -70,12 +72,11 @@ def _colocated(spec: str, n: int, hardware: str, local_hardware: str) -> int:
 
 def main(argv=None) -> int:
   args, overrides = parse(sys.argv[1:] if argv is None else argv)
-  from framework import host_memory  # noqa: PLC0415
   host_memory.apply()  # the real job's allocator regime (experiments.run applies it too), before jax starts
   if args.trace_nodes:
-    from perfmodel import trace_nodes  # noqa: PLC0415
+    from perfmodel.calib import trace_nodes  # noqa: PLC0415
     trace_nodes.enable()  # XLA reads its flags when the backend starts: before anything touches a device
-  from framework import config as config_lib  # noqa: PLC0415
+  # what runs on jax loads after the allocator settings and XLA flags
   from framework import config_file  # noqa: PLC0415
   from perfmodel.emulate import emulator, topology  # noqa: PLC0415
   mesh = topology.parse_mesh(args.mesh)

@@ -18,8 +18,9 @@ import time
 from typing import Optional, Sequence
 
 from framework.config import Config
-from perfmodel import collectives as coll_model
+from framework import xla_flags
 from perfmodel import hardware as hw_lib
+from perfmodel.cost import collectives as coll_model
 from perfmodel.emulate import gloo_calibration as gc
 from perfmodel.emulate import measure, rank_program, shadow, slicing, trace
 from perfmodel.emulate import timeline as tl_lib
@@ -30,9 +31,9 @@ EXACT_MEMORY_MAX_DEVICES = 1024  # XLA:CPU compiles up to here on virtual device
 def target_compile_memory(config_spec: str, overrides: Sequence[str], n: int, timeout_s: float = 600.0) -> dict:
   """Per-device memory of the *real* N-device program, compiled on N virtual CPU devices in a child
   process (XLA_FLAGS must be set before jax starts). Byte-exact for the CPU compiler."""
-  env = dict(os.environ, XLA_FLAGS=f"--xla_force_host_platform_device_count={n}", JAX_PLATFORMS="cpu")
-  code = ("import json,sys; from framework import config_file, config as C; from perfmodel import capture; "
-          "cfg=C.validate(config_file.load(sys.argv[1], sys.argv[2:]), %d); c=capture.train_step(cfg); "
+  env = dict(os.environ, XLA_FLAGS=xla_flags.with_host_device_count(n), JAX_PLATFORMS="cpu")
+  code = ("import json,sys; from framework import config_file, config as C; from perfmodel import program; "
+          "cfg=C.validate(config_file.load(sys.argv[1], sys.argv[2:]), %d); c=program.train_step(cfg); "
           "print('@@'+json.dumps(dict(c.memory, compile_s=c.compile_s)))" % n)
   root = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
   env["PYTHONPATH"] = root + os.pathsep + env.get("PYTHONPATH", "")
@@ -50,13 +51,12 @@ def shrunk_branch_traces(cfg: Config, ranks: Sequence[int], n_cond_sites: dict) 
   the same mesh, schedule, micro-batches, layer count and remat but tiny widths and sequence runs once
   per rank (seconds) and its trace is used for the full-size program. Used only when the copy has the
   same cond sites as the full program (checked per rank); returns ({rank: trace}, notes)."""
-  import dataclasses as dc  # noqa: PLC0415
   m = cfg.mesh
   w = 8 * max(m.tensor, 1) * max(m.fsdp, 1) * max(m.data, 1)  # divisible by every sharding of a width
-  model = dc.replace(cfg.model, vocab_size=w, d_model=w, n_heads=max(m.tensor, 1), n_kv_heads=max(m.tensor, 1),
+  model = dataclasses.replace(cfg.model, vocab_size=w, d_model=w, n_heads=max(m.tensor, 1), n_kv_heads=max(m.tensor, 1),
                      head_dim=8, d_ff=w, max_seq_len=8 * max(m.sequence, 1), dtype="float32", param_dtype="float32")
-  data = dc.replace(cfg.data, seq_len=8 * max(m.sequence, 1))
-  small = dc.replace(cfg, model=model, data=data)
+  data = dataclasses.replace(cfg.data, seq_len=8 * max(m.sequence, 1))
+  small = dataclasses.replace(cfg, model=model, data=data)
   prog = rank_program.build(small)
   out, notes = {}, []
   for r in ranks:
@@ -105,7 +105,7 @@ def emulate(cfg: Config, ranks: Optional[Sequence[int]] = None, hardware: str = 
   each call among symmetric peers then also gets the measured wait for the later peer
   (``timeline.add_call_waits``; ``per_call_wait_s`` per step).
   ``trace_nodes``: split each rank's measured step over its instructions by their traced in-program times
-  (XLA TraceMe; ``perfmodel.trace_nodes.enable()`` must have run before jax started) instead of by roofline."""
+  (XLA TraceMe; ``perfmodel.calib.trace_nodes.enable()`` must have run before jax started) instead of by roofline."""
   t0 = time.perf_counter()
   target_hw, local_hw = hw_lib.load(hardware), hw_lib.load(local_hardware)
   notes = list(notes)

@@ -20,9 +20,9 @@ further buffer of such a combined call.
   python -m perfmodel.emulate.gloo_calibration            # ~1 min; writes perfmodel/emulate/calibration/cpu_gloo.json
 
 The result is data (``[[payload bytes, seconds], ...]`` per kind, n=2, payload in the
-``perfmodel.collectives`` convention). The hook into the shared collective model is
+``perfmodel.cost.collectives`` convention). The hook into the shared collective model is
 :func:`with_gloo_curves`: it returns the profile with ``collective_curve`` / ``collective_next_curve`` set,
-the fields ``perfmodel.collectives.cost`` / ``combined_cost`` price from.
+the fields ``perfmodel.cost.collectives.cost`` / ``combined_cost`` price from.
 
 :func:`replay` times a program's own calls (kind and every buffer's size) the same way, after compute as long
 as the program's: ``emulate --replay-collectives``.
@@ -34,12 +34,11 @@ import datetime
 import json
 import os
 import platform
-import statistics
 import sys
 import time
 from typing import Optional
 
-from perfmodel import collective_bench
+from perfmodel.calib import bench, collective_bench
 
 DEFAULT_PATH = os.path.join(os.path.dirname(__file__), "calibration", "cpu_gloo.json")
 KINDS = ("all-reduce", "all-gather", "reduce-scatter", "collective-permute")
@@ -65,21 +64,6 @@ def _init_child(coord: str, pid: int):
   jax.config.update("jax_cpu_collectives_implementation", "gloo")
   jax.distributed.initialize(coordinator_address=coord, num_processes=2, process_id=pid)
   return jax.make_mesh((2,), ("x",), axis_types=(jax.sharding.AxisType.Explicit,))
-
-
-def _interleaved_medians(fns, args, reps: int) -> list:
-  """Median seconds of each of ``fns(*args)`` (compiled first), run in turn ``reps`` times: a drift of the host
-  hits every variant alike."""
-  import jax  # noqa: PLC0415
-  for f in fns:
-    jax.block_until_ready(f(*args))
-  ts = [[] for _ in fns]
-  for _ in range(reps):
-    for f, t in zip(fns, ts):
-      t0 = time.perf_counter()
-      jax.block_until_ready(f(*args))
-      t.append(time.perf_counter() - t0)
-  return [statistics.median(t) for t in ts]
 
 
 def _child(coord: str, pid: int, reps: int, k: int, burst_dim: int = 0, kinds: tuple = KINDS) -> None:
@@ -113,7 +97,7 @@ def _child(coord: str, pid: int, reps: int, k: int, burst_dim: int = 0, kinds: t
       local = collective_bench.local_elems(kind, size)
       xs = [jax.device_put(np.ones((2 * local,), np.float32), NamedSharding(mesh, P("x"))) for _ in range(MANY)]
       # one collective, none, MANY issued together
-      one_s, none_s, many_s = _interleaved_medians([make(kind, local, n) for n in (1, 0, MANY)], xs, reps)
+      one_s, none_s, many_s = bench.time_interleaved([make(kind, local, n) for n in (1, 0, MANY)], xs, reps)
       pts.append([float(size), max(one_s - none_s, 1e-7) / k, one_s / k, none_s / k,
                   max(many_s - one_s, 1e-7) / k / (MANY - 1)])
     out[kind] = pts
@@ -157,7 +141,7 @@ def _replay_child(coord: str, pid: int, spec_path: str) -> None:
     locals_ = [collective_bench.local_elems(kind, s_) for s_ in call["sizes"]]
     xs = [jax.device_put(np.ones((2 * n,), np.float32), NamedSharding(mesh, P("x"))) for n in locals_]
     iters = max(1, int(round(min(call["burst_s"], REPLAY_MAX_BURST_S) / per_iter)))
-    with_s, without_s = _interleaved_medians([make(kind, locals_, iters, real) for real in (True, False)], xs,
+    with_s, without_s = bench.time_interleaved([make(kind, locals_, iters, real) for real in (True, False)], xs,
                                              call.get("reps", 5))
     out.append(max(with_s - without_s, 1e-7))
   print("@@" + json.dumps({"seconds": out, "burst_iter_s": per_iter}))  # each process's; the parent keeps both
@@ -166,14 +150,14 @@ def _replay_child(coord: str, pid: int, spec_path: str) -> None:
 def replay(calls, reps: int = 5, timeout_s: float = 600.0, per_process: bool = False):
   """Measures the given calls ({kind, sizes, burst_s}) between 2 real processes over gloo, each as the program
   issues it (one combined call of all its buffers, after compute as long as the program's before it, capped at
-  ``REPLAY_MAX_BURST_S``). Returns ``{perfmodel.collectives.call_key(kind, sizes): seconds}`` for
+  ``REPLAY_MAX_BURST_S``). Returns ``{perfmodel.cost.collectives.call_key(kind, sizes): seconds}`` for
   ``HardwareProfile.collective_calls``. The faithful choice when the target is this host's own 2-rank gloo
   job: no curve, no interpolation between sizes, no model of how a tuple's buffers add up.
   ``per_process``: also return ``{key: [process 0's seconds, process 1's]}``."""
   import tempfile  # noqa: PLC0415
 
   from parallelism.distributed import free_port  # noqa: PLC0415
-  from perfmodel import collectives  # noqa: PLC0415
+  from perfmodel.cost import collectives  # noqa: PLC0415
   from perfmodel.emulate import localrun  # noqa: PLC0415
   calls = list(calls)
   if not calls:
@@ -203,26 +187,6 @@ def replay(calls, reps: int = 5, timeout_s: float = 600.0, per_process: bool = F
   return (table, both) if per_process else table
 
 
-_NESTED = " (kinds "
-_OTHERS = "; the others from: "
-
-
-def sources_by_kind(source: str, kinds: list) -> dict:
-  """{kind: the source of the run that measured it} from an older file's nested provenance: each partial
-  re-calibration wrapped the previous source as "NEW (kinds A, B; the others from: OLD)", so the string grew by
-  one level per emulation run (36 KB after 2026-12-01)."""
-  levels, rest = [], source
-  while _NESTED in rest and _OTHERS in rest:
-    head, tail = rest.split(_NESTED, 1)
-    measured, rest = tail.split(_OTHERS, 1)
-    levels.append((head, measured.split(", ")))
-  innermost = rest.rstrip(")")
-  out = {}
-  for k in kinds:
-    out[k] = next((head for head, measured in levels if k in measured), innermost)
-  return out
-
-
 def merge_partial(res: dict, old: Optional[dict], kinds) -> dict:
   """A calibration of some ``kinds`` merged into the previous file ``old`` (None: nothing to keep): the other kinds'
   curves stay, and each kind keeps the source of the run that measured it (``source_by_kind``), flat."""
@@ -231,7 +195,7 @@ def merge_partial(res: dict, old: Optional[dict], kinds) -> dict:
     return res
   for key in ("curves", "next_curves", "raw_with_collective_s", "raw_local_only_s"):
     res[key] = {**{k_: v for k_, v in old.get(key, {}).items() if k_ not in kinds}, **res[key]}
-  prev = old.get("source_by_kind") or sources_by_kind(old.get("source", "?"), list(old.get("curves", {})))
+  prev = old.get("source_by_kind") or {k_: old.get("source", "?") for k_ in old.get("curves", {})}
   res["source_by_kind"] = {**{k_: v for k_, v in prev.items() if k_ not in kinds}, **{k_: res["source"] for k_ in kinds}}
   res["source"] += f" (kinds {', '.join(kinds)}; each other kind's source in source_by_kind)"
   return res

@@ -21,6 +21,8 @@ import tempfile
 import time
 from typing import Optional, Sequence
 
+from framework import xla_flags
+
 # XLA:CPU on one pinned core: one compute thread, so the process does not time-slice with itself.
 SINGLE_CORE_XLA_FLAGS = "--xla_cpu_multi_thread_eigen=false intra_op_parallelism_threads=1"
 
@@ -56,7 +58,7 @@ def pinned(cmd: Sequence[str], core: Optional[int]) -> list:
 
 def base_env(devices_per_process: int = 1) -> dict:
   env = dict(os.environ)
-  env["XLA_FLAGS"] = f"--xla_force_host_platform_device_count={devices_per_process} {SINGLE_CORE_XLA_FLAGS}"
+  env["XLA_FLAGS"] = xla_flags.with_host_device_count(devices_per_process, SINGLE_CORE_XLA_FLAGS)
   env["JAX_PLATFORMS"] = "cpu"
   env["PYTHONPATH"] = _root() + os.pathsep + env.get("PYTHONPATH", "")
   env.setdefault("OMP_NUM_THREADS", "1")

@@ -25,8 +25,10 @@ from typing import Optional
 
 import jax
 
-from perfmodel.capture import memory_of  # one peak-memory convention for predict and emulate
+from perfmodel.program import memory_of  # one peak-memory convention for predict and emulate
+from perfmodel.calib import trace_nodes as tn
 from perfmodel.emulate import rank_program as rp
+from perfmodel.emulate.standins import _sub_jaxprs
 
 
 @dataclasses.dataclass
@@ -80,7 +82,6 @@ def count_branches(prog: rp.RankProgram, rank: int, state, inputs, targets) -> t
 
 
 def _has_cond(jaxpr) -> bool:
-  from perfmodel.emulate.standins import _sub_jaxprs  # noqa: PLC0415
   return any(e.primitive.name == "cond" or any(_has_cond(j) for j in _sub_jaxprs(e.params)) for e in jaxpr.eqns)
 
 
@@ -111,7 +112,7 @@ def run_rank(prog: rp.RankProgram, rank: int, repeats: int = 5, warmup: int = 1,
              seed: int = 0, batch: Optional[tuple] = None, state=None, host_data: bool = True,
              count: bool = True, trace_nodes: bool = False, before_step=None) -> RankRun:
   """``trace_nodes``: after timing, run the step twice more under XLA's per-thunk TraceMe (needs
-  ``perfmodel.trace_nodes.enable()`` before jax started) and keep each instruction's median in-program time."""
+  ``perfmodel.calib.trace_nodes.enable()`` before jax started) and keep each instruction's median in-program time."""
   compiled, interp, compile_s = compile_rank(prog, rank)
   node_times = None
   times, loss = [], float("nan")
@@ -144,7 +145,6 @@ def run_rank(prog: rp.RankProgram, rank: int, repeats: int = 5, warmup: int = 1,
     loss = float(l)
     host_data = nxt is not None
     if trace_nodes:
-      from perfmodel import trace_nodes as tn  # noqa: PLC0415
       box = [state]
 
       def one():

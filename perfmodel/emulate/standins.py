@@ -38,7 +38,7 @@ from jax.extend import core as jcore
 
 from perfmodel.emulate.topology import RankSpace
 
-# primitive name -> perfmodel collective kind (perfmodel.collectives / hlo_parse names)
+# primitive name -> perfmodel collective kind (perfmodel.cost.collectives / hlo_parse names)
 COLLECTIVE_KIND = {
     "psum": "all-reduce", "psum_invariant": "all-reduce", "psum2": "all-reduce", "pmax": "all-reduce",
     "pmin": "all-reduce", "all_gather": "all-gather", "all_gather_invariant": "all-gather",
@@ -57,7 +57,7 @@ class CollectiveRecord:
   primitive: str
   axes: tuple  # mesh axes it runs over
   group_size: int
-  bytes: float  # payload S in the alpha-beta formulas (perfmodel.collectives convention)
+  bytes: float  # payload S in the alpha-beta formulas (perfmodel.cost.collectives convention)
   shape: tuple  # operand shape (per rank)
   dtype: str
   trips: int  # executions per step (product of enclosing scan lengths)

@@ -1,19 +1,21 @@
 """Hybrid execution, the composed half: one rank's timeline at the target scale.
 
-Inputs: the compiled stand-in program of the rank (its HLO, parsed into ``perfmodel.graph``'s execution
-graph, the same graph ``perfmodel predict`` prices), the measured step time of that program on the
-local device, and the collective records. Walking the graph in program order (the compiled module is
-scheduled, so text order is execution order; loops are expanded trip by trip):
+Inputs: the compiled stand-in program of the rank (its HLO, parsed into the execution graph
+``perfmodel predict`` prices, perfmodel/graph/), the measured step time of that program on the local device,
+and the collective records. This module walks the graph in program order, each ``conditional`` into the
+branch the rank really took (the compiled module is scheduled, so text order is execution order; loops are
+expanded trip by trip), and decides what each node costs; where its time falls is placed by the core's
+scheduler (perfmodel/timeline.py), the one prediction uses:
 
 * compute nodes get **measured** time: the measured total is spread over the nodes in proportion to
-  their modelled cost (``perfmodel.costs`` roofline of the local device), so the sum is exactly the
-  measurement and only the split inside it is modelled;
+  their modelled cost (the roofline of the local device), so the sum is exactly the measurement and only
+  the split inside it is modelled;
 * the nodes of a stand-in (marked ``emu_c<i>`` in their op_name) are removed, together with their
-  share of the measured time, and replaced by the real collective, priced by
-  ``perfmodel.collectives`` on the *target* hardware profile for the rank's real group of global ids;
+  share of the measured time, and replaced by the real collective, priced by perfmodel/cost/collectives.py
+  on the *target* hardware profile for the rank's real group of global ids;
 * collectives are synchronous: the stand-in program is compiled for the local device, which has no
   async collectives to overlap (XLA:CPU, the validation target, runs them synchronously too); see
-  README "Limitations" for GPU overlap.
+  perfmodel/emulate/README.md for GPU overlap.
 
 Ranks whose programs differ (pipeline stages) are composed by :func:`compose`: a collective over an
 axis that separates classes is a synchronisation point where every class waits for the slowest
@@ -27,23 +29,18 @@ import dataclasses
 from collections import defaultdict
 from typing import Optional
 
-from perfmodel import collectives as coll_model
-from perfmodel import costs as costs_lib
-from perfmodel import graph as graph_lib
-from perfmodel.emulate.standins import marker_index
+from perfmodel import timeline as core
+from perfmodel.cost import chain as chain_lib
+from perfmodel.cost import collectives as coll_model
+from perfmodel.emulate.standins import branch_marker, marker_index
 from perfmodel.emulate.topology import RankSpace
+from perfmodel.graph import hlo_parse as hp
+from perfmodel.graph.from_hlo import build_graph as _build
 from perfmodel.hardware import HardwareProfile
 
+Event = core.Event
+
 MAX_EVENTS = 2_000_000  # flattened nodes walked per rank; past it the rest of a loop is priced as a block (no comm events)
-
-
-@dataclasses.dataclass
-class Event:
-  name: str
-  cat: str  # compute | comm | wait
-  start: float
-  dur: float
-  args: dict = dataclasses.field(default_factory=dict)
 
 
 @dataclasses.dataclass
@@ -72,9 +69,9 @@ def median_max(samples, k: int) -> float:
   samples (linear interpolation between order statistics). k = 1 gives the median itself.
 
   Why the median and not E[max]: step times are reported as medians over steps (the real job's and the
-  emulated rank's alike), so the slowest-rank term must be the same statistic. The mean let a single stalled
-  step among ten (0.92 s against 0.36-0.42 s, session 12) add 0.11 s to a 0.47 s step, and it gave a
-  one-rank job a wait of mean - median."""
+  emulated rank's alike), so the slowest-rank term must be the same statistic. The mean lets a single stalled
+  step among ten (0.92 s against 0.36-0.42 s) add 0.11 s to a 0.47 s step, and it gives a one-rank job a
+  wait of mean - median."""
   xs = sorted(samples)
   pos = 0.5 ** (1.0 / k) * (len(xs) - 1)
   lo = int(pos)
@@ -89,9 +86,7 @@ def add_straggler_wait(tl: RankTimeline, seconds: float) -> RankTimeline:
     return tl
   comm = [i for i, e in enumerate(tl.events) if e.cat == "comm"]
   at = comm[-1] if comm else len(tl.events)
-  start = tl.events[at].start if at < len(tl.events) else tl.iteration_s
-  events = (tl.events[:at] + [Event("wait (straggling peers)", "wait", start, seconds)]
-            + [dataclasses.replace(e, start=e.start + seconds) for e in tl.events[at:]])
+  events = core.insert_waits(tl.events, [(at, seconds, "wait (straggling peers)", None)])
   return dataclasses.replace(tl, events=events, wait_s=tl.wait_s + seconds)
 
 
@@ -107,25 +102,23 @@ def add_call_waits(tl: RankTimeline, waits: dict, structural: tuple) -> tuple:
   maxima exceeds the max of the sums (the straggler term) and grows with K."""
   if not waits or not tl.events:
     return tl, 0.0
-  out, shift, added = [], 0.0, 0.0
-  for e in tl.events:
+  inserts = []
+  for i, e in enumerate(tl.events):
     w = 0.0
     if (e.cat == "comm" and "sizes" in e.args and not set(e.args.get("axes", ())) & set(structural)):
       w = waits.get(coll_model.call_key(e.args["kind"], e.args["sizes"]), 0.0)
     if w > 0:
-      out.append(Event("wait (peer, this call)", "wait", e.start + shift, w, {"call": e.name}))
-      shift += w
-      added += w
-    out.append(dataclasses.replace(e, start=e.start + shift))
-  return dataclasses.replace(tl, events=out, wait_s=tl.wait_s + added), added
+      inserts.append((i, w, "wait (peer, this call)", {"call": e.name}))
+  added = 0.0
+  for _, w, _, _ in inserts:
+    added += w
+  return dataclasses.replace(tl, events=core.insert_waits(tl.events, inserts), wait_s=tl.wait_s + added), added
 
 
 def build_graph(module):
-  """``perfmodel.graph``'s execution graph of the module (it has a region for every branch of every
-  ``conditional``; emulation walks the branch that really ran)."""
-  b = graph_lib._Builder(module, 1)  # noqa: SLF001 - the shared builder (see README: hooks)
-  b.region(module.entry)
-  return graph_lib.ExecGraph(regions=b.regions, entry=module.entry, n_devices=1, module_name=module.name)
+  """The execution graph of the module (it has a region for every branch of every ``conditional``; emulation
+  walks the branch that really ran)."""
+  return _build(module, 1, program_bytes=False)
 
 
 class _Walker:
@@ -133,7 +126,6 @@ class _Walker:
   each ``conditional`` into the branch that ran (from the branch trace), else its costliest branch."""
 
   def __init__(self, graph, module, trace: Optional[dict], price):
-    from perfmodel.emulate.standins import branch_marker  # noqa: PLC0415
     self.graph, self.module, self.price = graph, module, price
     self.trace = {k: list(v) for k, v in (trace or {}).items()}
     self.cursor = defaultdict(int)
@@ -227,7 +219,7 @@ def _marker_map(module) -> dict:
 def collective_seconds(rec, space: RankSpace, rank: int, hw: HardwareProfile, algorithm: str = "auto",
                        sizes=None) -> tuple:
   """``sizes``: the operand payloads when ``rec`` stands for a combined call (priced by
-  ``perfmodel.collectives.combined_cost``)."""
+  ``perfmodel.cost.collectives.combined_cost``)."""
   group = rec.group(space, rank)
   if len(group) <= 1 or rec.bytes <= 0:
     return 0.0, "none"
@@ -283,24 +275,25 @@ def rank_timeline(rank: int, hlo_text: str, records: list, measured_s: float, sp
   (``measure.run_rank(trace_nodes=True)``): the measured total is then spread over the nodes by these
   instead of by roofline shares (nodes the trace missed keep their roofline cost, scaled like the traced
   ones), so the split inside the step (which pipeline tick, before or after which collective) is measured too."""
-  from perfmodel import hlo_parse as hp  # noqa: PLC0415
   module = hp.parse_module(hlo_text)
   graph = build_graph(module)
   node_region = {n.id: r for r, reg in graph.regions.items() for n in reg.nodes}
   markers = _marker_map(module)
-  chain = costs_lib.make_chain(compute_hw or local_hw, "roofline")
+  chain = chain_lib.make_chain(compute_hw or local_hw, "roofline")
   roof = lambda n: 0.0 if n.kind == "wait" else chain.price(n).seconds  # noqa: E731
-  price = roof
+  ratio = 1.0
   if node_times:
     nodes = [n for reg in graph.regions.values() for n in reg.nodes if n.kind in ("dot", "fusion", "other")]
     hit = [n for n in nodes if n.name in node_times]
     ratio = (sum(node_times[n.name] for n in hit) / max(sum(roof(n) for n in hit), 1e-30)) if hit else 1.0
 
-    def price(n):
-      if n.kind in ("dot", "fusion", "other"):
-        t = node_times.get(n.name)
-        return t if t is not None else roof(n) * ratio
-      return roof(n) * ratio
+  def price(n):
+    if not node_times:
+      return roof(n)
+    if n.kind in ("dot", "fusion", "other"):
+      t = node_times.get(n.name)
+      return t if t is not None else roof(n) * ratio
+    return roof(n) * ratio
   walker = _Walker(graph, module, branch_trace, price)
   flat = []
   walker.walk(graph.entry, (), flat, [MAX_EVENTS])
@@ -314,19 +307,12 @@ def rank_timeline(rank: int, hlo_text: str, records: list, measured_s: float, sp
   scale = measured_s / total_model if measured_s > 0 else (1.0 if compute_hw is not None else 0.0)
   rec_by_index = {r.index: r for r in records}
   groups = _combine_groups(flat, markers, node_region, rec_by_index, combine)
-  events, t, seen = [], 0.0, set()
+  sched = core.Scheduler(record=True)  # collectives are synchronous: both streams, in walk order
+  seen = set()
   standin_local, compute, comm = 0.0, 0.0, 0.0
   by_kind = defaultdict(float)
   calls = 0
-  seg = None  # open compute segment
   last_comm_end = 0.0
-
-  def close():
-    nonlocal seg
-    if seg is not None:
-      events.append(seg)
-      seg = None
-
   for (n, path), m in zip(flat, model):
     dur = m * scale
     idxs, pure = markers.get((node_region.get(n.id), n.name), ((), False))
@@ -347,14 +333,12 @@ def rank_timeline(rank: int, hlo_text: str, records: list, measured_s: float, sp
       secs, alg = collective_seconds(merged, space, rank, target_hw, algorithm, sizes=sizes)
       if secs <= 0:
         continue
-      close()
-      events.append(Event(f"{head.kind} {'x'.join(head.axes)}" + (f" ({len(recs)} combined)" if len(recs) > 1 else ""),
-                          "comm", t, secs,
-                          {"bytes": merged.bytes, "group_size": head.group_size, "axes": list(head.axes),
-                           "algorithm": alg, "sites": members, "scope": head.scope, "kind": head.kind,
-                           "sizes": sizes, "compute_before_s": t - last_comm_end}))
-      t += secs
-      last_comm_end = t
+      sched.collective(secs, name=f"{head.kind} {'x'.join(head.axes)}" + (
+          f" ({len(recs)} combined)" if len(recs) > 1 else ""), args={
+              "bytes": merged.bytes, "group_size": head.group_size, "axes": list(head.axes), "algorithm": alg,
+              "sites": members, "scope": head.scope, "kind": head.kind, "sizes": sizes,
+              "compute_before_s": sched.t_comp - last_comm_end})
+      last_comm_end = sched.t_comp
       comm += secs
       calls += 1
       by_kind[head.kind] += secs
@@ -364,14 +348,9 @@ def rank_timeline(rank: int, hlo_text: str, records: list, measured_s: float, sp
     if dur <= 0:
       continue
     phase = n.attribution.phase
-    if seg is None or seg.args.get("phase") != phase:
-      close()
-      seg = Event(f"compute {phase}", "compute", t, 0.0, {"phase": phase, "nodes": 0, "layer": n.attribution.layer})
-    seg.dur += dur
-    seg.args["nodes"] += 1
-    t += dur
+    sched.compute(dur, name=f"compute {phase}", segment=phase,
+                  args={"phase": phase, "nodes": 0, "layer": n.attribution.layer})
     compute += dur
-  close()
   in_program = {i for v, _ in markers.values() for i in v}
   unplaced = 0
   for rec in records:  # collectives XLA left without a node of their own (e.g. a fused stand-in)
@@ -382,13 +361,12 @@ def rank_timeline(rank: int, hlo_text: str, records: list, measured_s: float, sp
       continue
     unplaced += 1
     total = secs * rec.trips
-    events.append(Event(f"{rec.kind} {'x'.join(rec.axes)} (unplaced x{rec.trips})", "comm", t, total,
-                        {"bytes": rec.bytes, "group_size": rec.group_size, "site": rec.index, "algorithm": alg}))
-    t += total
+    sched.collective(total, name=f"{rec.kind} {'x'.join(rec.axes)} (unplaced x{rec.trips})",
+                     args={"bytes": rec.bytes, "group_size": rec.group_size, "site": rec.index, "algorithm": alg})
     comm += total
     calls += rec.trips
     by_kind[rec.kind] += total
-  return RankTimeline(rank=rank, events=events, compute_s=compute, standin_local_s=standin_local, comm_s=comm,
+  return RankTimeline(rank=rank, events=sched.events, compute_s=compute, standin_local_s=standin_local, comm_s=comm,
                       unplaced=unplaced, by_kind=dict(by_kind), collective_calls=calls,
                       branches={str(k): dict(v) for k, v in walker.taken.items()},
                       untraced_branches=walker.unknown, compute_source="measured" if measured_s > 0 else
@@ -412,32 +390,6 @@ def compose(timelines: dict, sync_axes: tuple) -> dict:
   lengths = {len(s) for s in seqs.values()}
   if len(lengths) != 1:
     return timelines  # classes disagree on their synchronising collectives: left unaligned (reported)
-  out = {}
-  shift = {k: 0.0 for k in timelines}
-  new_events = {k: [] for k in timelines}
-  cursors = {k: 0 for k in timelines}
-  n_sync = lengths.pop()
-  evs = {k: tl.events for k, tl in timelines.items()}
-  for j in range(n_sync + 1):
-    # advance every class to its j-th sync collective
-    arrive = {}
-    for k in timelines:
-      while cursors[k] < len(evs[k]):
-        e = evs[k][cursors[k]]
-        if j < n_sync and e is seqs[k][j]:
-          break
-        new_events[k].append(dataclasses.replace(e, start=e.start + shift[k]))
-        cursors[k] += 1
-      if j < n_sync:
-        arrive[k] = seqs[k][j].start + shift[k]
-    if j == n_sync:
-      break
-    go = max(arrive.values())
-    for k in timelines:
-      if go > arrive[k]:
-        new_events[k].append(Event("wait (peer stages)", "wait", arrive[k], go - arrive[k]))
-      shift[k] += go - arrive[k]
-  for k, tl in timelines.items():
-    waits = sum(e.dur for e in new_events[k] if e.cat == "wait")
-    out[k] = dataclasses.replace(tl, events=new_events[k], wait_s=waits)
-  return out
+  aligned = core.align({k: tl.events for k, tl in timelines.items()}, seqs)
+  return {k: dataclasses.replace(tl, events=aligned[k], wait_s=sum(e.dur for e in aligned[k] if e.cat == "wait"))
+          for k, tl in timelines.items()}

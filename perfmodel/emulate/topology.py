@@ -2,7 +2,7 @@
 
 Devices are numbered row-major over the mesh axes in ``framework.config.MESH_AXES`` order
 ('pipeline', 'data', 'fsdp', 'sequence', 'tensor'): tensor innermost, so a tensor-parallel group is
-a run of neighbouring ids, which is the layout ``perfmodel.collectives`` maps onto link levels
+a run of neighbouring ids, which is the layout ``perfmodel.cost.collectives`` maps onto link levels
 (``id // level.size`` is the NVLink island). Nothing here allocates or needs devices: an
 8192-rank mesh is just arithmetic.
 """

@@ -1,4 +1,5 @@
-"""Conditionals in compile-only prediction: pipeline slots weighted by the schedule, lock-step idle."""
+"""Conditionals in compile-only prediction: pipeline slots weighted by the schedule, lock-step idle
+(perfmodel/pipeline.py)."""
 import dataclasses
 
 import numpy as np
@@ -6,7 +7,9 @@ import pytest
 
 from framework.config import from_dict, validate
 from parallelism import pipeline as pp
-from perfmodel import branches, capture, costs, graph as G, hardware, predict, timeline
+from perfmodel import hardware, pipeline as branches, predict, program, timeline
+from perfmodel.cost import chain as costs
+from perfmodel.graph import from_hlo as G
 
 PIPE = dict(model=dict(d_model=64, n_layers=2, n_heads=4, n_kv_heads=2, d_ff=128, max_seq_len=64),
             data=dict(seq_len=32, global_batch=8), mesh=dict(pipeline=2, microbatches=4, schedule="gpipe", form="shard_map"),
@@ -17,7 +20,7 @@ PIPE = dict(model=dict(d_model=64, n_layers=2, n_heads=4, n_kv_heads=2, d_ff=128
 def piped():
   cfg = validate(from_dict(PIPE), 2)
   flat = validate(from_dict({**PIPE, "mesh": dict(data=1)}), 1)
-  return cfg, capture.train_step(cfg), capture.train_step(flat)
+  return cfg, program.train_step(cfg), program.train_step(flat)
 
 
 def _dot_flops(g):
@@ -60,13 +63,13 @@ def test_lockstep_idle_of_equal_stages_is_the_gpipe_bubble():
 def test_predict_prices_the_work_branches_of_a_pipelined_step(piped):
   cfg, cap, flat = piped
   hw = hardware.load("h100")
-  out = predict.predict_train(cfg, hw, backend="roofline", captured=cap)
-  one = predict.predict_train(validate(from_dict({**PIPE, "mesh": dict(data=1)}), 1), hw, backend="roofline",
-                              captured=flat)
-  assert out["conditionals"]["pipeline_schedule"] >= 2
-  assert out["conditionals"]["lockstep_idle_s"] > 0
+  out = predict.predict(cfg, hw, backend="roofline", captured=cap)
+  one = predict.predict(validate(from_dict({**PIPE, "mesh": dict(data=1)}), 1), hw, backend="roofline",
+                        captured=flat)
+  assert out.conditionals["pipeline_schedule"] >= 2
+  assert out.conditionals["lockstep_idle_s"] > 0
   # two stages each do about half the work, plus recompute and the GPipe bubble: not the idle branch
-  assert 0.5 * one["step_time_s"] < out["step_time_s"] < 3 * one["step_time_s"]
+  assert 0.5 * one.step_time_s < out.step_time_s < 3 * one.step_time_s
 
 
 def test_unresolved_conditional_is_priced_by_its_costliest_branch(piped):

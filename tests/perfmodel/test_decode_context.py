@@ -1,10 +1,13 @@
-"""Decode nodes are priced by sampler programs (perfmodel/learned.py): a node inside a sampler's decode loop is
-flagged (graph.mark_decode), draws its neighbours from the calibration's sampler programs only (class
+"""Decode nodes are priced by sampler programs (perfmodel/cost/learned.py): a node inside a sampler's decode loop
+is flagged (graph.nodes.mark_decode), draws its neighbours from the calibration's sampler programs only (class
 ``@decode``, own k and beta), and falls back to all samples of its class where no sampler sample has it."""
 import jax
 import jax.numpy as jnp
 
-from perfmodel import graph as G, hardware, learned, refit
+from perfmodel import hardware
+from perfmodel.calib import refit
+from perfmodel.cost import learned
+from perfmodel.graph import from_hlo, nodes as G
 
 
 def _loop_graph():
@@ -13,7 +16,7 @@ def _loop_graph():
     return jax.lax.fori_loop(0, 7, lambda i, y: jnp.tanh(y @ w) * 2.0, y)
   x = jax.ShapeDtypeStruct((8, 64), jnp.float32)
   w = jax.ShapeDtypeStruct((64, 64), jnp.float32)
-  g = G.from_hlo_text(jax.jit(f).lower(x, w).compile().as_text(), 1)
+  g = from_hlo.from_hlo_text(jax.jit(f).lower(x, w).compile().as_text(), 1)
   loop = next(n for n in g.regions[g.entry].nodes if n.kind == "loop")
   return g, loop
 
@@ -55,15 +58,10 @@ def test_decode_nodes_take_sampler_neighbours_and_others_take_all():
   assert abs(m3.price(dec).seconds - 4e-6 * ratio) < 1e-12 * ratio
 
 
-def test_refit_labels_every_sample_of_a_sampler_program():
+def test_refit_rederives_classes_and_keeps_the_decode_label_of_a_sampler_programs_samples():
   g, loop = _loop_graph()
   n = next(n for n, _ in g.walk() if n.kind == "fusion")
-  samples = [_sample(n, 1e-6, "dec", False), _sample(n, 1e-6, "train", False),
-             _sample(n, 1e-6, "dec", True)]  # already labelled: unchanged
-  out, marked = refit.add_decode_context(samples, {"dec": {"region": loop.body}, "train": {"region": None}})
-  assert marked == 2
-  assert [s["cls"].endswith(learned.DECODE) for s in out] == [True, False, True]
-  assert out[2]["cls"].count(learned.DECODE) == 1
-  # a full re-derivation keeps the label of a sampler program's samples
-  out2, dropped = refit.refresh_samples(samples[:2], {"dec": g, "train": g}, {"dec"})
-  assert dropped == 0 and out2[0]["cls"].endswith(learned.DECODE) and not out2[1]["cls"].endswith(learned.DECODE)
+  samples = [dict(_sample(n, 1e-6, "dec", False), cls="stale"), dict(_sample(n, 1e-6, "train", False), cls="stale")]
+  out, dropped = refit.refresh_samples(samples, {"dec": g, "train": g}, {"dec"})
+  assert dropped == 0 and out[0]["cls"] == learned.base_class(n) + learned.DECODE
+  assert out[1]["cls"] == learned.base_class(n)

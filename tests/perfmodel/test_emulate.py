@@ -1,6 +1,4 @@
 """Emulation (perfmodel/emulate): stand-ins, per-rank program vs the real step, slicing."""
-import dataclasses
-
 import jax
 import jax.numpy as jnp
 import numpy as np

@@ -8,7 +8,8 @@ import pytest
 
 from framework import config as config_lib
 from framework import config_file
-from perfmodel import collectives, hardware
+from perfmodel import hardware
+from perfmodel.cost import collectives
 from perfmodel.emulate import gloo_calibration, measure, rank_program
 from perfmodel.emulate import timeline as tl_lib
 from perfmodel.emulate.topology import RankSpace
@@ -42,7 +43,7 @@ def test_pipeline_branches_are_counted_per_stage_and_idle_slots_cost_nothing():
     for site, seq in run.branch_trace.items():  # every execution of every compiled conditional was walked
       if site in walked:
         assert walked[site] == len(seq)
-    assert traced.comm_s < bound.comm_s  # idle ticks no longer pay the slot's all-gathers
+    assert traced.comm_s < bound.comm_s  # idle ticks do not pay the slot's all-gathers
     assert abs(traced.compute_s - run.compute_s) / run.compute_s < 0.35  # measured time kept (minus stand-ins)
 
 
@@ -51,7 +52,7 @@ def test_data_parallel_collectives_combine_like_the_real_compiled_program():
   emulated timeline must issue as many calls per step as the real 2-device program executes."""
   from parallelism import shard_map_step
   from parallelism.mesh import make_mesh
-  from perfmodel import graph as graph_lib
+  from perfmodel.graph import from_hlo as graph_lib
   cfg = _cfg("experiments/configs/emulate_validate.py:layout=data,runlocal=True", [], 2)
   real = shard_map_step.build(cfg, make_mesh(cfg.mesh, jax.devices()[:2]))
   g = graph_lib.from_hlo_text(real.lower().compile().as_text(), 2)
@@ -194,7 +195,7 @@ def test_replay_times_the_programs_own_calls_between_two_gloo_processes():
 def test_traced_node_times_split_the_measured_step():
   """With traced in-program times the measured step is spread by them, not by roofline shares: all the
   time on the step's last instruction puts all compute after the gradient all-reduce."""
-  from perfmodel import hlo_parse as hp
+  from perfmodel.graph import hlo_parse as hp
   cfg = _cfg("experiments/configs/emulate_validate.py:layout=data,runlocal=True", [], 2)
   prog = rank_program.build(cfg)
   run = measure.run_rank(prog, 0, execute=False)
@@ -240,13 +241,9 @@ def test_gloo_calibration_of_some_kinds_keeps_the_stored_curves_of_the_others(tm
 
 
 def test_partial_gloo_calibrations_keep_one_flat_source_per_kind():
-  """Re-measuring some kinds keeps the others' curves and records each kind's source once; an older file whose
-  provenance nested one level per run is flattened to the run that measured each kind."""
+  """Re-measuring some kinds keeps the others' curves and records each kind's source once, flat."""
   from perfmodel.emulate import gloo_calibration as gc
-  nested = "run C (kinds all-reduce; the others from: run B (kinds collective-permute; the others from: run A))"
-  assert gc.sources_by_kind(nested, ["all-reduce", "collective-permute", "all-gather"]) == {
-      "all-reduce": "run C", "collective-permute": "run B", "all-gather": "run A"}
-  old = {"curves": {"all-reduce": [[1, 1.0]], "all-gather": [[1, 2.0]]}, "source": nested}
+  old = {"curves": {"all-reduce": [[1, 1.0]], "all-gather": [[1, 2.0]]}, "source": "run A"}
   for run in ("run D", "run E", "run F"):
     new = {"curves": {"all-reduce": [[1, 0.5]]}, "next_curves": {}, "raw_with_collective_s": {},
            "raw_local_only_s": {}, "source": run}
@@ -261,7 +258,7 @@ def test_partial_gloo_calibrations_keep_one_flat_source_per_kind():
 def test_a_graphs_collective_permute_is_priced_from_a_measured_curve_when_the_profile_has_one():
   """Prediction (node_cost) and emulation (cost) price a permute alike: from the host's measured curve when
   there is one (calibrate's in-program marginal cost), from the link levels' latency and bandwidth otherwise."""
-  from perfmodel.graph import CollectiveInfo
+  from perfmodel.graph.nodes import CollectiveInfo
   info = CollectiveInfo("collective-permute", 2, 1, 65536.0, "{{0,1},{1,0}}", n_devices=2)
   base = hardware.load("cpu")
   linked = dataclasses.replace(base, collective_curve={})
@@ -277,7 +274,7 @@ def test_a_graphs_collective_permute_is_priced_from_a_measured_curve_when_the_pr
 def test_in_process_collective_curves_are_the_marginal_cost_inside_a_program():
   """calibrate's curves: k chained collectives minus the same loop without them; positive, and growing with the
   payload from 4 KB to 16 MB (a 16 MB all-reduce moves 4096x the bytes of a 4 KB one)."""
-  from perfmodel import collective_bench
+  from perfmodel.calib import collective_bench
   mesh = jax.make_mesh((2,), ("x",), axis_types=(jax.sharding.AxisType.Explicit,), devices=jax.devices()[:2])
   x = jax.device_put(np.arange(2 * 64, dtype=np.float32),
                      jax.sharding.NamedSharding(mesh, jax.sharding.PartitionSpec("x")))

@@ -46,7 +46,7 @@ def test_without_a_real_run_after_the_emulation_the_pair_is_the_run_before():
   assert per["real_drift_across_emulation_pct"] == []
 
 
-def test_the_session_20_wait_model_is_reported_beside_the_per_call_waits():
+def test_the_whole_step_wait_model_is_reported_beside_the_per_call_waits():
   """Per-call waits of 0.03 s took the place of a 0.02 s whole-step straggler estimate (nothing of it added):
   with the whole estimate instead of them the emulation is 0.01 s shorter (1.05 - 0.03 + 0.02)."""
   ev = _bench()
@@ -57,6 +57,6 @@ def test_the_session_20_wait_model_is_reported_beside_the_per_call_waits():
   assert per["error_pct"] == pytest.approx(5.0)
   assert per["error_without_call_waits_pct"] == pytest.approx(4.0)
   assert per["emulated_per_call_wait_s"] == pytest.approx(0.03)
-  old = _emu(1.05)  # a result written before per-call waits: the same number in both columns
+  old = _emu(1.05)  # a result without per-call waits: the same number in both columns
   per_old = ev.aggregate([{"layouts": {"data": {"real": _real(1.0), "emulated": old}}}], ["data"], predict=False)
   assert per_old["data"]["error_without_call_waits_pct"] == pytest.approx(per_old["data"]["error_pct"])

@@ -1,12 +1,21 @@
-"""The profiled backend's fusion path (perfmodel/fusion_profiler.py): an instruction cut out of a compiled
-program computes what it computed there, keeps its layouts, and every compute node is timed or reported."""
+"""The profiled backend's instruction path (perfmodel/calib/fusion_profiler.py): an instruction cut out of a
+compiled program computes what it computed there, keeps its layouts, and every compute node is timed or reported;
+profiling outside calibration writes the user's cache, never the committed database."""
+import dataclasses
 import json
 
 import jax
 import jax.numpy as jnp
 import numpy as np
 
-from perfmodel import bench, costs, fusion_profiler as fp, graph as G, hardware, hlo_parse as hp
+from perfmodel import hardware
+from perfmodel.calib import bench, fusion_profiler as fp
+from perfmodel.calibration import Calibration, Composition, Form
+from perfmodel.cost import chain as costs
+from perfmodel.cost import database
+from perfmodel.graph import from_hlo as G
+from perfmodel.graph import hlo_parse as hp
+from perfmodel.graph.nodes import COMPUTE_KINDS
 
 TRANSPOSE_COPY = """HloModule t
 
@@ -146,17 +155,37 @@ def test_profile_program_times_every_compute_node_or_says_why(tmp_path):
   res = fp.profile_program(text, 1, path=str(db))
   assert res["cached"] == 0
   g = G.from_hlo_text(text, 1)
-  fps = {n.fingerprint for n, _ in g.walk() if n.kind in G.COMPUTE_KINDS}
+  fps = {n.fingerprint for n, _ in g.walk() if n.kind in COMPUTE_KINDS}
   entries = json.loads(db.read_text())["entries"]
   assert res["timed"] + sum(res["skipped"].values()) == len(fps) and res["timed"] >= 1
   assert all(entries[f]["s"] > 0 for f in fps if f in entries)
-  prof = costs.Profiled(hardware.load("cpu"), str(db))
+  prof = database.Profiled(hardware.load("cpu"), str(db))
   priced = [prof.price(n) for n, _ in g.walk() if n.fingerprint in entries]
   assert priced and all(p.backend == "profiled:isolated-traced" for p in priced)
   # the same program again: nothing is timed, every timed node is found, the file is left as it was
   before = db.read_text()
   again = fp.profile_program(text, 1, path=str(db))
   assert again["timed"] == 0 and again["cached"] == res["timed"] and db.read_text() == before
+
+
+def test_profiling_outside_calibration_writes_the_users_cache_and_prediction_reads_both(tmp_path, monkeypatch):
+  monkeypatch.setenv(database.CACHE_ENV, str(tmp_path / "cache"))
+  monkeypatch.setattr(database, "DB_DIR", str(tmp_path / "committed"))
+  text = _compiled_text()
+  res = fp.profile_program(text, 1, "cpu")
+  cache = database.cache_path(database.db_name("cpu"))
+  assert res["db"] == cache and res["timed"] >= 1 and not (tmp_path / "committed").exists()
+  timed = json.loads(open(cache).read())["entries"]
+  # a committed entry counts as timed (this boot, no calibration date), and a cache entry overrides it
+  committed = database.committed_path(database.db_name("cpu"))
+  fp_one = sorted(timed)[0]
+  other = {"s": 9.0, "method": "isolated-traced", "boot": bench.boot_id(), "timed_at": "2030-01-01T00:00:00"}
+  fp_new = "fusion|made-up"
+  from perfmodel.calib import store
+  store.write_json(committed, {"meta": {}, "entries": {fp_one: other, fp_new: other}})
+  prof = database.Profiled(hardware.load("cpu"))
+  assert prof.seconds(fp_one) == timed[fp_one]["s"] and prof.seconds(fp_new) == 9.0
+  assert fp.profile_program(text, 1, "cpu")["timed"] == 0
 
 
 def test_entries_of_another_boot_are_timed_again_unless_told_to_reuse_them(tmp_path):
@@ -194,7 +223,7 @@ def test_entries_timed_before_the_calibration_are_timed_again(tmp_path):
   assert again["timed"] == res["timed"] and again["cached"] == 0
   assert all(e["s"] < 1.0 and e["timed_at"] > "2026" for e in json.loads(db.read_text())["entries"].values())
   for e in data["entries"].values():
-    del e["timed_at"]  # entries written before timed_at existed count as stale
+    del e["timed_at"]  # an entry without a time counts as stale
   db.write_text(json.dumps(data))
   assert fp.profile_program(text, 1, path=str(db), stale_before="2026-01-01T00:00:00")["timed"] == res["timed"]
 
@@ -205,16 +234,17 @@ def test_profile_program_times_an_in_place_update(tmp_path):
   assert 0 < res["seconds"]["f"] < 1e-3
 
 
-def test_each_backend_composes_with_the_coefficients_fitted_for_its_prices():
-  import dataclasses
+def _comp(scale, loo=None):
+  return Composition(forms={"train": Form(coef={"node_seconds": scale})}, loo_mape=loo)
 
-  from perfmodel import predict
+
+def test_each_backend_composes_with_the_coefficients_fitted_for_its_prices():
   hw = hardware.load("cpu")
-  cal = dict(hw.calibration, composition={"train": {"a": 1.0}}, composition_profiled={"train": {"a": 2.0}})
-  hw = dataclasses.replace(hw, calibration=cal)
-  assert predict.composition_for(hw, costs.make_chain(hw, "profiled")) == {"train": {"a": 2.0}}
-  assert predict.composition_for(hw, costs.make_chain(hw, "learned")) == {"train": {"a": 1.0}}
-  assert predict.composition_for(hw, costs.make_chain(hw, "calibrated")) is None
+  hw = dataclasses.replace(hw, calibration=dataclasses.replace(
+      hw.calibration, compositions={"learned": _comp(1.0), "profiled": _comp(2.0)}))
+  assert costs.make_chain(hw, "profiled").composition() == _comp(2.0)
+  assert costs.make_chain(hw, "learned").composition() == _comp(1.0)
+  assert costs.make_chain(hw, "calibrated").composition() is None
   # learned prices what the profiler left out, before the curves
   assert costs.make_chain(hw, "profiled").names[:2] == ["profiled", "learned"]
 
@@ -222,7 +252,7 @@ def test_each_backend_composes_with_the_coefficients_fitted_for_its_prices():
 def test_cli_predict_profile_nodes_prices_the_program_from_its_own_profiled_instructions(monkeypatch, capsys,
                                                                                        tmp_path):
   from perfmodel import cli
-  monkeypatch.setattr(costs, "DB_DIR", str(tmp_path))  # the shipped database stays untouched
+  monkeypatch.setenv(database.CACHE_ENV, str(tmp_path))
   cli.main(["predict", "--config", "experiments/configs/quickstart.py:runlocal=True", "--hardware", "cpu",
             "--mesh", "data=2", "--profile-nodes", "--backend", "profiled"])
   cap = capsys.readouterr()
@@ -237,15 +267,13 @@ def test_cli_predict_profile_nodes_prices_the_program_from_its_own_profiled_inst
 
 
 def test_auto_uses_the_backend_with_the_lower_calibration_leave_one_out():
-  import dataclasses
   base = hardware.load("cpu")
 
   def with_loo(learned_loo, profiled_loo, profiled=True):
-    cal = {k: v for k, v in base.calibration.items() if not k.startswith(("composition", "calibration_loo"))}
-    cal.update(composition={"train": {"a": 1.0}}, calibration_loo_mape=learned_loo)
+    comps = {"learned": _comp(1.0, learned_loo)}
     if profiled:
-      cal.update(composition_profiled={"train": {"a": 2.0}}, calibration_loo_profiled_mape=profiled_loo)
-    return dataclasses.replace(base, calibration=cal)
+      comps["profiled"] = _comp(2.0, profiled_loo)
+    return dataclasses.replace(base, calibration=dataclasses.replace(base.calibration, compositions=comps))
   lower_profiled, lower_learned = with_loo(16.6, 15.4), with_loo(10.6, 16.5)
   assert costs.resolve_backend(lower_profiled) == "profiled"
   assert costs.make_chain(lower_profiled).names[0] == "profiled"
@@ -253,10 +281,9 @@ def test_auto_uses_the_backend_with_the_lower_calibration_leave_one_out():
   assert costs.resolve_backend(with_loo(10.6, None, profiled=False)) == "auto"
   # an explicit backend is never overridden
   assert costs.resolve_backend(lower_profiled, "learned") == "learned"
-  from perfmodel import predict
   assert costs.make_chain(lower_learned).names[0] == "learned"  # the node samples ship with the profile
-  assert predict.composition_for(lower_learned, costs.make_chain(lower_learned)) == {"train": {"a": 1.0}}
-  assert predict.composition_for(lower_profiled, costs.make_chain(lower_profiled)) == {"train": {"a": 2.0}}
+  assert costs.make_chain(lower_learned).composition() == _comp(1.0, 10.6)
+  assert costs.make_chain(lower_profiled).composition() == _comp(2.0, 15.4)
 
 
 def test_each_instruction_is_timed_in_two_passes_and_the_lower_is_kept(tmp_path, monkeypatch):
@@ -287,9 +314,8 @@ def test_each_instruction_is_timed_in_two_passes_and_the_lower_is_kept(tmp_path,
 
 
 def test_entries_older_than_the_last_profiled_calibration_are_stale():
-  import dataclasses
   hw = hardware.load("cpu")
-  at = lambda **kw: dataclasses.replace(hw, calibration=kw)
+  at = lambda **kw: dataclasses.replace(hw, calibration=Calibration(**kw))  # noqa: E731
   assert fp.stale_before(at()) is None
   assert fp.stale_before(at(date="2026-12-02T20:15:15")) == "2026-12-02T20:15:15"
   assert fp.stale_before(at(date="2026-12-02T20:15:15", profiled_date="2026-12-03T02:40:00")) == "2026-12-03T02:40:00"
@@ -303,8 +329,8 @@ def test_profile_program_times_the_nodes_of_every_branch_of_a_conditional(tmp_pa
   g = G.from_hlo_text(text, 1)
   conds = [n for r in g.regions.values() for n in r.nodes if n.branches]
   assert conds and len(conds[0].branches) == 2
-  in_branches = {n.fingerprint for b in conds[0].branches for n in g.regions[b].nodes if n.kind in G.COMPUTE_KINDS}
-  first_only = {n.fingerprint for n, _ in g.walk() if n.kind in G.COMPUTE_KINDS}
+  in_branches = {n.fingerprint for b in conds[0].branches for n in g.regions[b].nodes if n.kind in COMPUTE_KINDS}
+  first_only = {n.fingerprint for n, _ in g.walk() if n.kind in COMPUTE_KINDS}
   assert not in_branches <= first_only  # the walk of an unresolved conditional misses a branch
   res = fp.profile_program(text, 1, path=str(tmp_path / "db.json"), passes=1)
   entries = json.loads((tmp_path / "db.json").read_text())["entries"]

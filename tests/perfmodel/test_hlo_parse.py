@@ -6,8 +6,9 @@ import jax.numpy as jnp
 import pytest
 from jax.sharding import NamedSharding, PartitionSpec as P
 
-from perfmodel import graph as G
-from perfmodel import hlo_parse as hp
+from perfmodel.graph import from_hlo as G
+from perfmodel.graph import hlo_parse as hp
+from perfmodel.graph.nodes import COMPUTE_KINDS
 
 GOLDEN = os.path.join(os.path.dirname(__file__), "golden")
 
@@ -65,10 +66,10 @@ def test_golden_module_async_pairs_loops_and_collectives():
   assert ard.id in s.deps and nodes["f"][0].id in s.deps
   # working-set context: every compute node carries the bytes of the program's distinct compute nodes, the
   # loop body's dot counted once (not 12 times)
-  compute = {n.name: n for n, _ in g.walk() if n.kind in G.COMPUTE_KINDS}
+  compute = {n.name: n for n, _ in g.walk() if n.kind in COMPUTE_KINDS}
   total = sum(n.bytes for n in compute.values())
   assert total > d.bytes > 0 and all(n.program_bytes == total for n in compute.values())
-  assert all(n.program_bytes == 0 for n, _ in g.walk() if n.kind not in G.COMPUTE_KINDS)
+  assert all(n.program_bytes == 0 for n, _ in g.walk() if n.kind not in COMPUTE_KINDS)
 
 
 def _mesh():
@@ -113,5 +114,4 @@ def test_plain_matmul_flops_equal_xla():
 
 
 def test_bare_mesh_replica_groups_mean_the_whole_mesh():
-  from perfmodel import hlo_parse as hp
   assert hp.parse_replica_groups("mesh['axis_0'=1,'axis_1'=2,'axis_2'=4]") == [tuple(range(8))]

@@ -1,12 +1,19 @@
-"""The hybrid backend (perfmodel/hybrid.py): a node's profiled time scaled by the in-program/alone ratio of its
-nearest calibration samples; selected by `auto` only when its calibration leave-one-out is the lowest."""
+"""The hybrid backend (perfmodel/cost/hybrid.py): a node's profiled time scaled by the in-program/alone ratio of
+its nearest calibration samples; selected by `auto` only when its calibration leave-one-out is the lowest."""
 import dataclasses
 import json
 
 import jax
 import jax.numpy as jnp
 
-from perfmodel import costs, graph as G, hardware, hybrid, learned, predict
+from perfmodel import hardware
+from perfmodel.calib import nodes, refit
+from perfmodel.calibration import Composition, Form
+from perfmodel.cost import chain as costs
+from perfmodel.cost import database, hybrid, learned
+from perfmodel.cost.physical import Calibrated
+from perfmodel.graph import from_hlo as G
+from perfmodel.graph.nodes import ExecGraph, Region
 
 
 def _nodes():
@@ -19,7 +26,7 @@ def _nodes():
 def _db(tmp_path, entries):
   path = tmp_path / "db.json"
   path.write_text(json.dumps({"meta": {}, "entries": entries}))
-  return costs.Profiled(hardware.load("cpu"), str(path))
+  return database.Profiled(hardware.load("cpu"), str(path))
 
 
 def _sample(node, fp, t, prog="p"):
@@ -77,13 +84,12 @@ def test_the_ratio_uses_the_statistic_calibration_chose(tmp_path):
 
 
 def test_a_calibration_sample_carries_p25_median_and_mean_of_its_in_program_times():
-  from perfmodel import calibrate_nodes
   x = jax.ShapeDtypeStruct((64, 128), jnp.float32)
   w = jax.ShapeDtypeStruct((128, 96), jnp.float32)
   g = G.from_hlo_text(jax.jit(lambda x, w: (jnp.tanh(x) @ w).T * 2.0).lower(x, w).compile().as_text(), 1)
   node = next(n for n, _ in g.walk() if n.kind == "dot")
   times = [1e-4, 2e-4, 3e-4, 4e-4, 1e-2]  # one preempted occurrence: the mean pays it, p25 and the median do not
-  (s,) = calibrate_nodes._node_samples(g, {node.name: times}, "p", costs.Calibrated(hardware.load("cpu")))
+  (s,) = nodes.node_samples(g, {node.name: times}, "p", Calibrated(hardware.load("cpu")))
   assert (s["t"], s["t50"]) == (2e-4, 3e-4) and abs(s["tm"] - sum(times) / 5) < 1e-15
 
 
@@ -99,17 +105,17 @@ def test_a_class_without_samples_is_left_to_the_learned_backend(tmp_path):
 def test_auto_picks_the_fitted_backend_with_the_lowest_calibration_leave_one_out():
   base = hardware.load("cpu")
 
+  scale = {"learned": 1.0, "profiled": 2.0, "hybrid": 3.0}
+
   def with_loo(**loo):
-    cal = {k: v for k, v in base.calibration.items() if not k.startswith(("composition", "calibration_loo"))}
-    for name, value in loo.items():
-      comp, key = costs.FITTED[name]
-      cal.update({comp: {"train": {"a": {"learned": 1.0, "profiled": 2.0, "hybrid": 3.0}[name]}}, key: value})
-    return dataclasses.replace(base, calibration=cal)
+    comps = {name: Composition(forms={"train": Form(coef={"node_seconds": scale[name]})}, loo_mape=value)
+             for name, value in loo.items()}
+    return dataclasses.replace(base, calibration=dataclasses.replace(base.calibration, compositions=comps))
   hw = with_loo(learned=14.7, profiled=17.6, hybrid=12.7)
   assert costs.resolve_backend(hw) == "hybrid"
   chain = costs.make_chain(hw)
   assert chain.names[:2] == ["hybrid", "learned"]
-  assert predict.composition_for(hw, chain) == {"train": {"a": 3.0}}
+  assert chain.composition().forms["train"].coef["node_seconds"] == 3.0
   assert costs.resolve_backend(with_loo(learned=12.0, profiled=17.6, hybrid=12.7)) == "auto"
   assert costs.resolve_backend(with_loo(learned=14.7, profiled=11.0, hybrid=12.7)) == "profiled"
   assert costs.resolve_backend(with_loo(learned=12.7, hybrid=12.7)) == "auto"  # a tie keeps learned
@@ -118,11 +124,10 @@ def test_auto_picks_the_fitted_backend_with_the_lowest_calibration_leave_one_out
 
 
 def test_cli_predict_hybrid_profiles_the_program_then_prices_it_in_context(monkeypatch, capsys, tmp_path):
-  import shutil
-
   from perfmodel import cli
-  shutil.copy(costs.db_path("cpu"), tmp_path)  # the calibration samples' alone times; the shipped copy stays
-  monkeypatch.setattr(costs, "DB_DIR", str(tmp_path))
+  monkeypatch.setenv(database.CACHE_ENV, str(tmp_path))  # profiling writes the user's cache, never the shipped db
+  committed = database.committed_path(database.db_name("cpu"))
+  before = open(committed).read()
   cli.main(["predict", "--config", "experiments/configs/quickstart.py:runlocal=True", "--hardware", "cpu",
             "--mesh", "data=2", "--backend", "hybrid"])
   cap = capsys.readouterr()
@@ -133,6 +138,7 @@ def test_cli_predict_hybrid_profiles_the_program_then_prices_it_in_context(monke
   assert by.get("hybrid", 0) > 10 and out["step_time_s"] > 0, by
   assert set(by) <= {"hybrid", "learned", "learned(out-of-range)", "none"} | {
       k for k in by if k.startswith("collective:")}, by
+  assert open(committed).read() == before
 
 
 def test_with_a_program_bytes_weight_the_ratio_comes_from_programs_that_move_as_much(tmp_path):
@@ -149,7 +155,7 @@ def test_with_a_program_bytes_weight_the_ratio_comes_from_programs_that_move_as_
   # weight 0 (a profile fitted before it): the shape alone, both samples as near: their geometric mean
   both = 2e-5 * (3.0 * 1.2) ** 0.5
   assert abs(hybrid.Hybrid(cpu, [big, small], db, k=2, wp=0.0).price(query).seconds - both) < 1e-12
-  assert hybrid.Hybrid(cpu, [big, small], db, k=1).wp == cpu.calibration.get("hybrid_wp", 0.0)
+  assert hybrid.Hybrid(cpu, [big, small], db, k=1).wp == cpu.calibration.neighbours["hybrid"]["train"].wp
   # a query or a sample without program bytes has no context: that dimension adds nothing
   unknown = dataclasses.replace(node, program_bytes=0.0)
   assert abs(hybrid.Hybrid(cpu, [big, small], db, k=2, wp=1.0).price(unknown).seconds - both) < 1e-12
@@ -163,8 +169,7 @@ def test_with_a_program_bytes_weight_the_ratio_comes_from_programs_that_move_as_
 def test_fit_hybrid_chooses_the_program_bytes_weight_by_leave_one_program_out(tmp_path):
   """Three one-node programs of one shape whose in-program/alone ratio follows the bytes they move: a program
   left out is priced right only when its ratio comes from the program nearest in bytes, so the fit must pick a
-  weight above 0, and store it with k and the statistic."""
-  from perfmodel import refit
+  weight above 0, with k and the statistic."""
   node = _nodes()[0]
   entries, samples, programs = {node.fingerprint: {"s": 1e-4}}, [], []
   cpu = hardware.load("cpu")
@@ -173,15 +178,14 @@ def test_fit_hybrid_chooses_the_program_bytes_weight_by_leave_one_program_out(tm
     entries[fp] = {"s": 1e-4}
     samples.append({**_sample(node, fp, 1e-4 * ratio, prog=f"p{i}"), "P": pb})
     n = dataclasses.replace(node, program_bytes=pb)
-    g = G.ExecGraph(regions={"main": G.Region(name="main", nodes=[n])}, entry="main", n_devices=1)
+    g = ExecGraph(regions={"main": Region(name="main", nodes=[n])}, entry="main", n_devices=1)
     cap = type("Cap", (), {"n_devices": 1, "memory": {}})()
     programs.append((f"p{i}", {"measured_s": 1e-4 * ratio, "noise_pct": 0.0}, g, cap, None, False))
   db = _db(tmp_path, entries)
   res = refit.fit_hybrid(cpu, programs, samples, db, log=lambda *a: None, wp_grid=(0.0, 1.0), train_wp=(0.0, 1.0))
-  assert res["choices"]["hybrid_wp"] == 1.0, res["by_k"]
-  assert {"hybrid_k", "hybrid_stat", "hybrid_wp", "hybrid_k_decode", "hybrid_stat_decode",
-          "hybrid_wp_decode"} <= set(res["choices"])
-  assert res["by_k"]["2 t wp1"] < res["by_k"]["2 t"]
-  # by default the training rows keep weight 0 (hybrid.WP_TRAIN), whatever their leave-one-out would choose
+  assert res["neighbours"]["train"].wp == 1.0, res["by_choice"]
+  assert set(res["neighbours"]) == {"train", "decode"} and res["composition"].loo_mape is not None
+  assert res["by_choice"]["2 t wp1"] < res["by_choice"]["2 t"]
+  # by default the training rows keep weight 0 (refit.WP_TRAIN), whatever their leave-one-out would choose
   assert refit.fit_hybrid(cpu, programs, samples, db, log=lambda *a: None,
-                          wp_grid=(0.0, 1.0))["choices"]["hybrid_wp"] == 0.0
+                          wp_grid=(0.0, 1.0))["neighbours"]["train"].wp == 0.0

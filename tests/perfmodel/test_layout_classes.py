@@ -2,9 +2,11 @@
 import jax
 import jax.numpy as jnp
 
-from perfmodel import graph as G
-from perfmodel import hlo_parse as hp
-from perfmodel import learned, refit
+from perfmodel.calib import refit, runners, suite
+from perfmodel.cost import learned
+from perfmodel.graph import from_hlo as G
+from perfmodel.graph import hlo_parse as hp
+from perfmodel.graph.nodes import Node
 
 # Two fusions from a compiled training step (XLA:CPU, trimmed): the first gathers its minor dimension with a
 # stride (a transpose with layout {0,2,1}, then a copy to row-major), the second keeps the minor dimension
@@ -76,8 +78,8 @@ def test_node_classes_split_plain_dots_and_minor_moving_layout_changes():
   assert learned.node_class(n["copy_bitcast_fusion.12"]) == "fusion:kLoop"
   assert learned.node_class(n["copy.7"]) == "copy/minor"
   assert learned.node_class(n["copy.8"]) == "copy"
-  plain = G.Node(id=1, name="dot.3", kind="dot", opcode="dot")
-  library = G.Node(id=2, name="ynn_fusion.3", kind="dot", opcode="fusion:kCustom")
+  plain = Node(id=1, name="dot.3", kind="dot", opcode="dot")
+  library = Node(id=2, name="ynn_fusion.3", kind="dot", opcode="fusion:kCustom")
   assert learned.node_class(plain) == "dot:plain" and learned.node_class(library) == "dot"
 
 
@@ -103,11 +105,8 @@ def test_refit_rederives_sample_classes_and_drops_changed_nodes():
        "t": 1e-3, "phys": 1e-4, "P": 0.0},  # the program compiled now differs: dropped
       {"prog": "p", "name": "gone.1", "fp": "", "cls": "op", "f": [0.0], "t": 1e-3, "phys": 1e-4, "P": 0.0},
   ]
-  # a sample written before the fingerprint tags (graph.FP_TAGS) is the same node: kept, its key updated
-  samples.append({**samples[0], "prog": "q", "fp": G.legacy_fingerprint(fp4)})
-  out, dropped = refit.refresh_samples(samples, {"p": g, "q": g})
-  assert dropped == 2 and len(out) == 2
-  assert fp4 != G.legacy_fingerprint(fp4) and all(o["fp"] == fp4 for o in out)
+  out, dropped = refit.refresh_samples(samples, {"p": g})
+  assert dropped == 2 and len(out) == 1 and out[0]["fp"] == fp4
   assert out[0]["cls"] == "fusion:kLoop/minor"
   assert out[0]["f"] == learned.features(nodes["copy_bitcast_fusion.4"])
   assert out[0]["t"] == 1e-3  # the measurement is kept
@@ -116,18 +115,16 @@ def test_refit_rederives_sample_classes_and_drops_changed_nodes():
 def test_calibration_programs_are_disjoint_from_the_validation_suite():
   """validate is a held-out test only if no calibration program is a validation config (same model, tokens and
   mesh), whatever its name."""
-  from perfmodel import calibrate_nodes as cn, suite, validate
-
   def key(cfg):
     m, d = cfg.model, cfg.data
     return (m.d_model, m.n_layers, m.n_heads, m.n_kv_heads, m.d_ff, m.remat, d.seq_len, d.global_batch,
             tuple(sorted(cfg.mesh.sizes().items())))
-  held_out = {key(validate._entry_cfg(suite, e)[0]) for e in suite.SUITE}
+  held_out = {key(runners.entry_cfg(e)[0]) for e in suite.SUITE}
   for e in suite.CALIBRATION:
-    assert key(cn._cfg(e)) not in held_out, e["name"]
-  infer = {(e["batch"], e["prompt_len"], key(validate._entry_cfg(suite, e)[0])) for e in suite.INFER}
+    assert key(runners.entry_cfg(e)[0]) not in held_out, e["name"]
+  infer = {(e["batch"], e["prompt_len"], key(runners.entry_cfg(e)[0])) for e in suite.INFER}
   for e in suite.CALIBRATION_INFER:
-    assert (e["batch"], e["prompt_len"], key(cn._cfg_infer(e))) not in infer, e["name"]
+    assert (e["batch"], e["prompt_len"], key(runners.entry_cfg(e)[0])) not in infer, e["name"]
 
 
 def test_nodes_that_run_differently_do_not_share_a_profiled_fingerprint():
@@ -154,15 +151,13 @@ ENTRY %main (x: f32[64,32], w: f32[32,16]) -> f32[64,16] {
   a, b = n["copy_fusion.1"], n["copy_fusion.2"]
   assert a.moves_minor and not b.moves_minor
   assert a.fingerprint != b.fingerprint
-  assert G.legacy_fingerprint(a.fingerprint) == G.legacy_fingerprint(b.fingerprint)  # the key both had before
-  assert n["dot.1"].fingerprint.endswith("|plain")
-  assert G.legacy_fingerprint(n["dot.1"].fingerprint) + "|plain" == n["dot.1"].fingerprint
+  assert a.fingerprint.replace(G.FP_MINOR, "") == b.fingerprint  # the minor tag is all that tells them apart
+  assert n["dot.1"].fingerprint.endswith(G.FP_PLAIN)
 
 
 def test_fusions_of_different_structure_do_not_share_a_profiled_fingerprint():
-  """Same kind, output shape, flops and bytes, different fused computation (session 23: a KV-cache update and a
-  broadcast filling the cache shared one database entry): the structure tag keeps them apart, the same structure
-  keeps one key, and a sample stored under the key without the tag is still matched by refit."""
+  """Same kind, output shape, flops and bytes, different fused computation (as a KV-cache update and a broadcast
+  filling the cache): the structure tag keeps them apart, and the same structure keeps one key."""
   mod = """HloModule m
 %sum (a: f32[8,64], b: f32[8,64]) -> f32[8,64] {
   %a = f32[8,64]{1,0} parameter(0)
@@ -190,11 +185,7 @@ ENTRY %main (x: f32[8,64], y: f32[8,64]) -> f32[8,64] {
   g = G.from_hlo_text(mod, 1)
   n = {x.name: x for x, _ in g.walk()}
   add, top, add2 = n["add_fusion.1"], n["maximum_fusion.2"], n["add_fusion.3"]
-  assert G.without_structure(add.fingerprint) == G.without_structure(top.fingerprint)  # the old key collided
+  untagged = lambda fp: fp[:fp.rindex("|s")]  # noqa: E731
+  assert untagged(add.fingerprint) == untagged(top.fingerprint)  # without the tag the keys collide
   assert add.fingerprint != top.fingerprint
   assert add.fingerprint == add2.fingerprint
-  assert G.legacy_fingerprint(add.fingerprint) == G.without_structure(add.fingerprint)
-  old = {"prog": "p", "name": "add_fusion.1", "fp": G.without_structure(add.fingerprint), "cls": "fusion:kLoop",
-         "f": [0.0], "t": 1e-3, "phys": 1e-4, "P": 0.0}
-  out, dropped = refit.refresh_samples([old], {"p": g})
-  assert dropped == 0 and out[0]["fp"] == add.fingerprint

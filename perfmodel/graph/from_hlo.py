@@ -1,0 +1,325 @@
+"""A compiled program's HLO text -> its execution graph (perfmodel/graph/nodes.py).
+
+Every instruction that does work becomes a node with its flops, transcendentals and bytes (HloCostAnalysis
+conventions); free ops (parameter, constant, tuple, get-tuple-element, bitcast, partition-id, ...) make no node and
+the dependencies flow through them. While loops and calls become ``loop`` nodes over a region of their own, a
+conditional a ``loop`` node with every branch as a region, async ``*-start`` / ``*-done`` pairs a collective node
+and a ``wait`` node. Each compute node gets a ``fingerprint``: its key in the profiled database.
+"""
+from __future__ import annotations
+
+import hashlib
+import math
+import re
+from typing import Optional
+
+from perfmodel.graph import hlo_parse as hp
+from perfmodel.graph.nodes import (Attribution, CollectiveInfo, DotInfo, ExecGraph, Node, Region,
+                                   mark_program_bytes)
+
+FREE_OPS = {"parameter", "constant", "get-tuple-element", "tuple", "bitcast", "partition-id", "replica-id",
+            "after-all", "opt-barrier", "add-dependency", "iota", "domain", "get-dimension-size"}
+TRANSCENDENTAL = {"exponential", "exp", "log", "tanh", "rsqrt", "sqrt", "logistic", "sine", "cosine", "power",
+                  "exponential-minus-one", "log-plus-one", "erf", "atan2", "cbrt", "tan"}
+NO_FLOP = FREE_OPS | {"broadcast", "reshape", "transpose", "copy", "slice", "dynamic-slice", "dynamic-update-slice",
+                      "concatenate", "pad", "gather", "scatter", "reverse", "convert", "select"}
+# Fingerprint suffixes: nodes that run at different speeds must not share a profiled-database entry. A dot XLA
+# emits itself ran about 2x slower than a library dot of the same m, n, k on this CPU, and a layout change that
+# moves the minor-most dimension 2-4.5x slower per byte than one that keeps it.
+FP_PLAIN, FP_MINOR = "|plain", "|minor"
+
+
+def structure_tag(body: hp.Computation) -> str:
+  """``|s`` + 8 hex digits of a hash of a fusion's fused opcode sequence: kind, opcode, output shape, flops and
+  bytes do not tell fusions apart (a KV-cache update and a broadcast filling the cache looked the same)."""
+  seq = ";".join(i.opcode for i in body.instructions)
+  return "|s" + hashlib.sha1(seq.encode()).hexdigest()[:8]
+
+
+def conditional_branches(module: hp.Module, ins: hp.Instruction) -> list:
+  """Branch computations of a conditional, indexed like ``lax.switch`` (pred form: [false, true])."""
+  a = ins.attrs
+  if "true_computation" in a:
+    strip = lambda v: v.strip().lstrip("%")  # noqa: E731
+    return [strip(a["false_computation"]), strip(a["true_computation"])]
+  return [c for c in ins.called() if c in module.computations]
+
+
+# ---------------------------------------------------------------- costs of HLO instructions
+
+def _dot_info(ins: hp.Instruction, comp: hp.Computation) -> tuple:
+  """(flops, DotInfo) of a dot: 2 * output elements * contracted size."""
+  out = ins.shapes[0]
+  lhs = comp.by_name.get(ins.operands[0])
+  lhs_dims = lhs.shapes[0].dims if lhs is not None and lhs.shapes else ()
+  contract = [int(x) for x in re.findall(r"\d+", ins.attrs.get("lhs_contracting_dims", ""))]
+  batch_d = [int(x) for x in re.findall(r"\d+", ins.attrs.get("lhs_batch_dims", ""))]
+  k = math.prod(lhs_dims[d] for d in contract) if lhs_dims else 1
+  batch = math.prod(lhs_dims[d] for d in batch_d) if lhs_dims else 1
+  m = math.prod(s for i, s in enumerate(lhs_dims) if i not in contract and i not in batch_d) if lhs_dims else 1
+  n = max(1, out.elements // max(1, batch * m))
+  return 2.0 * out.elements * k, DotInfo(m=m, n=n, k=k, batch=batch, dtype=out.dtype)
+
+
+def computation_flops(module: hp.Module, comp: hp.Computation) -> tuple:
+  """(flops, transcendentals, first DotInfo or None) of everything inside a (fused) computation."""
+  flops, trans, dot = 0.0, 0.0, None
+  for ins in comp.instructions:
+    op = ins.opcode
+    if op == "dot":
+      f, d = _dot_info(ins, comp)
+      flops += f
+      dot = dot or d
+    elif op == "convolution":
+      lhs = comp.by_name.get(ins.operands[1]) if len(ins.operands) > 1 else None
+      kern = lhs.shapes[0].elements if lhs is not None and lhs.shapes else 1
+      out_feat = ins.shapes[0].dims[-1] if ins.shapes[0].dims else 1
+      flops += 2.0 * ins.shapes[0].elements * kern / max(1, out_feat)
+    elif op in ("fusion", "call", "map"):
+      for c in ins.called():
+        if c in module.computations:
+          f, t, d = computation_flops(module, module.computations[c])
+          flops, trans, dot = flops + f, trans + t, dot or d
+    elif op in ("reduce", "reduce-window"):
+      src = comp.by_name.get(ins.operands[0])
+      flops += src.shapes[0].elements if src is not None and src.shapes else ins.shapes[0].elements
+    elif op in TRANSCENDENTAL:
+      trans += ins.shapes[0].elements
+    elif op not in NO_FLOP and ins.shapes:
+      flops += ins.shapes[0].elements
+  return flops, trans, dot
+
+
+def _operand_read_bytes(module, ins, comp) -> float:
+  """Bytes a fusion reads: a parameter used only through dynamic-slice/slice reads the slice only;
+  the in-place buffer of a root dynamic-update-slice is not read at all."""
+  body = module.computations.get(ins.called()[0]) if ins.opcode == "fusion" and ins.called() else None
+  total = 0.0
+  for idx, opname in enumerate(ins.operands):
+    src = comp.by_name.get(opname)
+    full = src.out_bytes if src is not None else 0.0
+    if body is None:
+      total += full
+      continue
+    params = [p for p in body.instructions if p.opcode == "parameter" and p.attrs.get("parameter_number") == str(idx)]
+    if not params:
+      total += full
+      continue
+    pname = params[0].name
+    users = [u for u in body.instructions if pname in u.operands]
+    if users and all(u.opcode in ("dynamic-slice", "slice") and u.operands[0] == pname for u in users):
+      total += sum(u.out_bytes for u in users)
+    elif users and all(u.opcode == "dynamic-update-slice" and u.operands[0] == pname for u in users):
+      total += 0.0
+    else:
+      total += full
+  return total
+
+
+def _minor_dim(dims: tuple, minor_to_major: tuple):
+  """The minor-most physical dimension of size > 1 (None: a scalar-like array)."""
+  return next((d for d in minor_to_major if d < len(dims) and dims[d] > 1), None)
+
+
+def _moves_minor_one(ins: hp.Instruction, comp: hp.Computation) -> bool:
+  """Whether a copy/transpose instruction reads its result's minor-most dimension from a dimension that is not
+  the operand's minor-most one (a strided gather rather than a copy of contiguous runs)."""
+  src = comp.by_name.get(ins.operands[0]) if ins.operands else None
+  if src is None or not src.shapes or not ins.shapes:
+    return False
+  out_minor = _minor_dim(ins.shapes[0].dims, ins.minor_to_major)
+  in_minor = _minor_dim(src.shapes[0].dims, src.minor_to_major)
+  if out_minor is None or in_minor is None:
+    return False
+  if ins.opcode == "transpose":
+    perm = [int(x) for x in re.findall(r"\d+", ins.attrs.get("dimensions", ""))]
+    out_minor = perm[out_minor] if out_minor < len(perm) else out_minor
+  return out_minor != in_minor
+
+
+def moves_minor(module: hp.Module, ins: hp.Instruction, comp: hp.Computation) -> bool:
+  """A copy/transpose, or a fusion with one inside, that moves the minor-most dimension (Node.moves_minor)."""
+  if ins.opcode in ("copy", "transpose"):
+    return _moves_minor_one(ins, comp)
+  if ins.opcode == "fusion" and ins.called() and ins.called()[0] in module.computations:
+    body = module.computations[ins.called()[0]]
+    return any(_moves_minor_one(i, body) for i in body.instructions if i.opcode in ("copy", "transpose"))
+  return False
+
+
+def _write_bytes(module, ins) -> float:
+  body = module.computations.get(ins.called()[0]) if ins.opcode == "fusion" and ins.called() else None
+  if body is not None and body.root.opcode == "dynamic-update-slice":
+    upd = body.by_name.get(body.root.operands[1])
+    return upd.out_bytes if upd is not None else ins.out_bytes
+  return ins.out_bytes
+
+
+def _attribution(ins: hp.Instruction, module: hp.Module) -> Attribution:
+  name = ins.op_name
+  phase = "bwd" if "transpose(" in name else "fwd"
+  if any(t in name for t in ("optax", "apply_updates", "/adam", "scale_by", "clip_by")):
+    phase = "opt"
+  layer = ""
+  m = re.search(r"/(layers_\d+|layers|embed|lm_head|final_norm)(?=/|$)", name)
+  if m:
+    layer = m.group(1)
+  op = name.rsplit("/", 1)[-1] if name else ins.opcode
+  return Attribution(op_name=name, source=ins.source(module.stack_frames), phase=phase, layer=layer, op=op)
+
+
+def _collective_info(ins: hp.Instruction, comp: hp.Computation, kind: str, n_devices: int,
+                     is_async: bool) -> CollectiveInfo:
+  text = ins.attrs.get("replica_groups") or ins.attrs.get("source_target_pairs") or ""
+  if kind == "collective-permute":
+    pairs = hp.parse_pairs(text)
+    size, n = 2, max(1, len(pairs))
+  else:
+    groups = hp.parse_replica_groups(text or None, n_devices)
+    size, n = len(groups[0]) if groups else n_devices, len(groups)
+  in_bytes = sum(comp.by_name[o].out_bytes for o in ins.operands if o in comp.by_name)
+  out_bytes = ins.out_bytes
+  if is_async and ins.shapes:
+    # '*-start' results are tuples (operands, outputs[, scratch]): the output is the second half.
+    out_bytes = max(0.0, out_bytes - in_bytes)
+  payload = {"all-gather": max(out_bytes, in_bytes), "reduce-scatter": in_bytes}.get(kind, in_bytes or out_bytes)
+  cid = re.search(r"\d+", ins.attrs.get("channel_id", "")) if ins.attrs.get("channel_id") else None
+  return CollectiveInfo(kind=kind, group_size=size, n_groups=n, bytes=float(payload), groups_text=text,
+                        channel_id=int(cid.group(0)) if cid else -1, is_async=is_async, n_devices=n_devices)
+
+
+# ---------------------------------------------------------------- builder
+
+class _Builder:
+  def __init__(self, module: hp.Module, n_devices: int):
+    self.module, self.n_devices = module, n_devices
+    self.regions, self.next_id = {}, 0
+
+  def region(self, comp_name: str) -> str:
+    if comp_name in self.regions:
+      return comp_name
+    comp = self.module.computations[comp_name]
+    self.regions[comp_name] = Region(comp_name, [])  # reserve (recursion guard)
+    nodes, produced = [], {}  # instruction name -> frozenset of node ids it depends on / is
+    starts = {}
+    for ins in comp.instructions:
+      dep_ids = frozenset().union(*[produced.get(o, frozenset()) for o in ins.operands]) if ins.operands else frozenset()
+      if ins.opcode in FREE_OPS:
+        produced[ins.name] = dep_ids
+        continue
+      node = self.make_node(ins, comp, tuple(sorted(dep_ids)), starts)
+      if node is None:
+        produced[ins.name] = dep_ids
+        continue
+      nodes.append(node)
+      produced[ins.name] = frozenset([node.id])
+    self.regions[comp_name] = Region(comp_name, nodes)
+    return comp_name
+
+  def new_id(self) -> int:
+    self.next_id += 1
+    return self.next_id - 1
+
+  def make_node(self, ins, comp, deps, starts) -> Optional[Node]:
+    m, op = self.module, ins.opcode
+    attr = _attribution(ins, m)
+    role = hp.async_role(op)
+    kind = hp.collective_kind(op)
+    if op in ("async-start", "async-done") and ins.called():
+      wrapped = m.computations.get(ins.called()[0])
+      if wrapped is not None:
+        kind = hp.collective_kind(wrapped.root.opcode) or kind
+    if role == "done":
+      start = starts.get(ins.operands[0]) if ins.operands else None
+      return Node(id=self.new_id(), name=ins.name, kind="wait", opcode=op, deps=deps, attribution=attr,
+                  start=start if start is not None else -1)
+    if kind is not None or op in ("send", "recv"):
+      kind = kind or "collective-permute"
+      target = ins
+      if op == "async-start" and ins.called():
+        wrapped = m.computations[ins.called()[0]]
+        target = wrapped.root
+        comp = wrapped
+      info = _collective_info(target, comp, kind, self.n_devices, is_async=role == "start")
+      node = Node(id=self.new_id(), name=ins.name, kind="p2p" if kind == "collective-permute" else "collective",
+                  opcode=op, bytes=info.bytes, out_bytes=ins.out_bytes, deps=deps, attribution=attr, collective=info,
+                  fingerprint=f"{kind}|{info.group_size}|{int(info.bytes)}")
+      if role == "start":
+        starts[ins.name] = node.id
+      return node
+    if op == "while":
+      body = ins.attrs.get("body", "").lstrip("%")
+      trips = hp.trip_count(m, ins)
+      self.region(body)
+      return Node(id=self.new_id(), name=ins.name, kind="loop", opcode=op, deps=deps, attribution=attr, body=body,
+                  trip_count=trips if trips is not None else 1,
+                  fingerprint="" if trips is not None else "unknown_trip_count")
+    if op == "conditional":
+      # Every branch becomes a region; which one runs is decided at run time, so pricing needs the branch
+      # weights perfmodel/pipeline.py resolves (costliest branch when nothing better is known).
+      branches = conditional_branches(m, ins)
+      if branches:
+        for c in branches:
+          self.region(c)
+        return Node(id=self.new_id(), name=ins.name, kind="loop", opcode=op, deps=deps, attribution=attr,
+                    body=branches[0], trip_count=1, branches=tuple(branches))
+    if op == "call":
+      called = [c for c in ins.called() if c in m.computations]
+      if called:
+        self.region(called[0])
+        return Node(id=self.new_id(), name=ins.name, kind="loop", opcode=op, deps=deps, attribution=attr,
+                    body=called[0], trip_count=1)
+    flops, trans, dot = 0.0, 0.0, None
+    if op == "fusion" or op == "dot" or op == "convolution":
+      if op == "fusion":
+        flops, trans, dot = computation_flops(m, m.computations[ins.called()[0]])
+      elif op == "dot":
+        flops, dot = _dot_info(ins, comp)
+      else:
+        sub = hp.Computation("_", [ins])
+        sub.by_name.update({o: comp.by_name[o] for o in ins.operands if o in comp.by_name})
+        flops, trans, dot = computation_flops(m, sub)
+      nbytes = _operand_read_bytes(m, ins, comp) + _write_bytes(m, ins)
+    elif op == "custom-call":
+      target = re.sub(r'"', "", ins.attrs.get("custom_call_target", ""))
+      nbytes = sum(comp.by_name[o].out_bytes for o in ins.operands if o in comp.by_name) + ins.out_bytes
+      fkind = "dot" if any(t in target.lower() for t in ("gemm", "matmul", "onednn", "cublas")) else "other"
+      return Node(id=self.new_id(), name=ins.name, kind=fkind, opcode=f"custom-call:{target}", bytes=nbytes,
+                  out_bytes=ins.out_bytes, deps=deps, attribution=attr, fingerprint=f"cc|{target}")
+    else:
+      nbytes = sum(comp.by_name[o].out_bytes for o in ins.operands if o in comp.by_name) + ins.out_bytes
+      if op in TRANSCENDENTAL:
+        trans = ins.shapes[0].elements if ins.shapes else 0
+      elif op not in NO_FLOP and ins.shapes:
+        flops = ins.shapes[0].elements
+    fkind = ins.attrs.get("kind", "")
+    node_kind = "dot" if dot is not None else "fusion"
+    opcode = f"{op}:{fkind}" if fkind else op
+    shapes = ";".join(f"{s.dtype}{list(s.dims)}" for s in ins.shapes)
+    minor = moves_minor(m, ins, comp)
+    fp = f"{node_kind}|{opcode}|{shapes}|f{int(flops)}|t{int(trans)}|b{int(nbytes)}"
+    if dot is not None:
+      fp = f"dot|{dot.dtype}|b{dot.batch}m{dot.m}n{dot.n}k{dot.k}|extra_f{int(flops - 2 * dot.batch * dot.m * dot.n * dot.k)}"
+    fp += FP_PLAIN if dot is not None and op == "dot" else ""
+    fp += FP_MINOR if minor else ""
+    if op == "fusion" and dot is None:
+      fp += structure_tag(m.computations[ins.called()[0]])
+    return Node(id=self.new_id(), name=ins.name, kind=node_kind, opcode=opcode, flops=flops, transcendentals=trans,
+                bytes=nbytes, out_bytes=ins.out_bytes, deps=deps, attribution=attr, dot=dot, fingerprint=fp,
+                moves_minor=minor)
+
+
+def build_graph(module: hp.Module, n_devices: Optional[int] = None, program_bytes: bool = True) -> ExecGraph:
+  """HLO module (per-device program) -> ExecGraph; ``program_bytes``: mark every compute node with the bytes of its
+  program (the working-set context the fitted backends price by; a roofline needs none)."""
+  n = n_devices or max(module.num_partitions, module.num_replicas)
+  b = _Builder(module, n)
+  b.region(module.entry)
+  g = ExecGraph(regions=b.regions, entry=module.entry, n_devices=n, module_name=module.name)
+  if program_bytes:
+    mark_program_bytes(g)
+  return g
+
+
+def from_hlo_text(text: str, n_devices: Optional[int] = None) -> ExecGraph:
+  return build_graph(hp.parse_module(text), n_devices)
