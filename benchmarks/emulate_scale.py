@@ -9,7 +9,7 @@ sequence, 1F1B). The step is compiled, not executed: one rank's step is ~8 x 0.5
 tokens ~ 5.8e14 FLOP (full remat), about 1.6 hours per step at this CPU's best f32 matmul rate, and
 its compute time would be a CPU time, not the target's. So compute nodes are priced by the target
 profile's roofline on the real per-rank graph, and the output says so (`compute_source`); collectives by
-`perfmodel.collectives` on the target's links; which pipeline branch runs in each tick is counted on a
+`perfmodel.cost.collectives` on the target's links; which pipeline branch runs in each tick is counted on a
 shrunk copy of the program (same mesh, schedule and layer count). Memory: the compiled per-rank
 program at real shapes (XLA:CPU refuses an 8192-device compile, so the byte-exact N-device number is
 not available at this scale; on the validation configs the per-rank program is within 0.2-10% of it,

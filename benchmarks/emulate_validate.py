@@ -20,7 +20,7 @@ a linear drift then cancels instead of landing on the error:
     processes instead (`emulate --replay-collectives`; the curve-priced result is kept beside it); memory
     from the real 2-device program compiled on 2 virtual devices.
   * predict / roofline: `python -m perfmodel predict` (compile method) once per layout.
-Prints one JSON object, writes benchmarks/emulate_validate.json and .png, appends a row to RESULTS.md.
+Prints one JSON object, writes benchmarks/data/emulate_validate.json and .png, appends a row to RESULTS.md.
 """
 from __future__ import annotations
 
@@ -252,7 +252,7 @@ def aggregate(rounds: list, layouts: list, predict: bool = True, previous: Optio
   return per
 
 
-def committed_runs(path: str = "benchmarks/emulate_validate.json"):
+def committed_runs(path: str = "benchmarks/data/emulate_validate.json"):
   """(short commit, commit time ISO, the run's JSON) of every committed version of this benchmark's output,
   newest first: the record of all runs, read back from git (the working file keeps only the last)."""
   log = subprocess.run(["git", "log", "--format=%h %cI", "--", path], capture_output=True, text=True, check=True,
@@ -310,7 +310,7 @@ def main(argv=None) -> int:
   ap.add_argument("--replay", action="store_true",
                   help="emulate with --replay-collectives (the program's own 2-rank calls timed between 2 gloo "
                        "processes); the curve-priced iteration is reported beside it")
-  ap.add_argument("--json", default=os.path.join(ROOT, "benchmarks", "emulate_validate.json"))
+  ap.add_argument("--json", default=os.path.join(ROOT, "benchmarks", "data", "emulate_validate.json"))
   ap.add_argument("--no-predict", action="store_true", help="skip the predict / roofline columns")
   ap.add_argument("--reaggregate", default=None, help="recompute the summary from a saved JSON (no runs)")
   a = ap.parse_args(argv)

@@ -3,8 +3,8 @@
 Why: XLA:CPU allocates each execution's temporaries as one buffer with ``malloc`` and frees it when the step
 ends. glibc serves a block above its dynamic mmap threshold (at most 32 MiB on 64-bit) with a fresh ``mmap``,
 and a thread's own arena cannot grow past 64 MiB, so a step whose temporaries exceed 32 MiB gets new pages
-every step and the kernel faults and zeroes every one of them. On 2 cores (``benchmarks/host_regime.py``, a
-fresh process per measurement, median of 3 paired rounds) the settings below take deep4 (43 MiB of
+every step and the kernel faults and zeroes every one of them. On 2 cores (benchmarks/RESULTS.md, row
+2026-11-30T15:20; a fresh process per measurement, median of 3 paired rounds) the settings below take deep4 (43 MiB of
 temporaries) from 79.0 to 62.6 ms per step (0.80x), seq128 (55 MiB) from 96.5 to 77.7 ms (0.81x), batch32
 (95 MiB) from 166.7 to 136.7 ms (0.82x), and 10,900-24,200 faults per step to 0; base (26 MiB) is unchanged.
 On a virtual machine the fault cost also moves with the hypervisor's state, independently of compute speed,

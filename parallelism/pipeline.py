@@ -71,7 +71,7 @@ from parallelism import manual
 
 SCHEDULES = ("gpipe", "1f1b")
 # Named scopes around the schedule's branches: the compiled program's conditionals carry them in their
-# op_name, so perfmodel can tell which predicate each one tests (perfmodel/branches.py). Each scope's
+# op_name, so perfmodel can tell which predicate each one tests (perfmodel/pipeline.py). Each scope's
 # predicate is true on: a tick where the stage has forward (FWD) / backward (BWD) work; the first (FIRST)
 # / last (LAST) stage.
 SCOPE_FWD, SCOPE_BWD, SCOPE_FIRST, SCOPE_LAST = "pp_fwd_slot", "pp_bwd_slot", "pp_first_stage", "pp_last_stage"

@@ -322,9 +322,8 @@ def _train_rank_program(cfg: Config, hw: HardwareProfile, backend: str = "auto")
   tl = timeline.schedule(g, chain)
   p = _base(cfg, hw, chain)
   p.route = p.method = "rank_program"
-  # the wording is part of the pinned output; the modules are perfmodel.program and perfmodel.graph.from_jaxpr
-  p.route_detail = ("per-device shard_map body traced on an AbstractMesh (perfmodel.emulate.rank_program), "
-                    "jaxpr graph (perfmodel.jaxpr_graph); no N-device compile")
+  p.route_detail = ("per-device shard_map body traced on an AbstractMesh (perfmodel.program), "
+                    "jaxpr graph (perfmodel.graph.from_jaxpr); no N-device compile")
   p.n_devices, p.mesh = g.n_devices, _mesh(cfg)
   p.step_time_s = tl.makespan + hw.calibration.step_overhead_s
   _train_rates(p, cfg, hw, g.n_devices)

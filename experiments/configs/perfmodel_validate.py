@@ -1,4 +1,4 @@
-"""Perfmodel accuracy study (Charon-style figure): the validation suite of perfmodel/suite.py on this host.
+"""Perfmodel accuracy study (Charon-style figure): the validation suite of perfmodel/calib/suite.py on this host.
 
 Commands:
   python -m perfmodel calibrate                      # fit the cpu profile (up to an hour on 2 cores)

@@ -108,7 +108,7 @@ CALIBRATION = [
          data=dict(seq_len=64, global_batch=32)),
     dict(name="c_p2_d80_s256_b2_l3", model=dict(d_model=80, n_layers=3, n_heads=4, n_kv_heads=2, d_ff=256),
          data=dict(seq_len=256, global_batch=2)),
-    # pipelined programs (shard_map form: idle slots skipped with lax.cond, resolved by perfmodel/branches.py)
+    # pipelined programs (shard_map form: idle slots skipped with lax.cond, resolved by perfmodel/pipeline.py)
     dict(name="c_pp2_d96", model=dict(d_model=96, n_heads=4, n_kv_heads=2, d_ff=256), data=dict(seq_len=48),
          mesh=dict(pipeline=2, microbatches=4, schedule="gpipe", form="shard_map")),
     dict(name="c_pp2_1f1b_d160", model=dict(d_model=160, n_layers=4, n_heads=4, n_kv_heads=2, d_ff=448),
