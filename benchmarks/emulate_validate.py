@@ -299,7 +299,7 @@ def main(argv=None) -> int:
   ap.add_argument("--no-calibrate", action="store_true", help="use the stored gloo calibration as is")
   ap.add_argument("--gloo-when", choices=("emulation", "round"), default="emulation",
                   help="re-measure the gloo curves right before each emulation, only the kinds its layout uses "
-                       "(default), or once per round for every kind (the design before session 5)")
+                       "(default), or once per round for every kind")
   ap.add_argument("--gloo-reps", type=int, default=9, help="repetitions per gloo curve point (median)")
   ap.add_argument("--no-bracket", action="store_true",
                   help="compare each emulation with the real run before it only (no second real run after it)")
