@@ -109,11 +109,19 @@ def _strip(argv, flag):
 
 
 def cli() -> int:
+  from framework.checkpoint import CheckpointError  # noqa: PLC0415 - no jax at import
+  from resilience.recovery import RunFailed  # noqa: PLC0415
   try:
     return main()
   except ConfigError as e:
     print(f"config error: {e}", file=sys.stderr)
     return 2
+  except CheckpointError as e:
+    print(f"checkpoint error: {e}", file=sys.stderr)
+    return 3
+  except RunFailed as e:
+    print(f"hot-swap run failed: {e}", file=sys.stderr)
+    return 4
 
 
 if __name__ == "__main__":

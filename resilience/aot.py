@@ -26,8 +26,10 @@ def key(cfg_dict: dict, n: int, extra: str = "") -> str:
   return hashlib.sha256(blob.encode()).hexdigest()[:16]
 
 
-def path(cache_dir: str, k: str, rank: int) -> str:
-  return os.path.join(cache_dir, "aot", f"{k}-rank{rank}.pkl")
+def path(workdir: str, run_id: str, k: str, rank: int) -> str:
+  """Per run: an executable is reused only by later generations of the run that compiled it (the key does not
+  cover the code, so a rerun after an edit must compile afresh; launch.py removes other runs' folders)."""
+  return os.path.join(workdir, "aot", run_id, f"{k}-rank{rank}.pkl")
 
 
 def save(p: str, compiled: dict, abstract_state, batch_spec) -> None:
