@@ -108,11 +108,12 @@ def _strip(argv, flag):
   return out
 
 
-def cli() -> int:
+def cli(argv=None) -> int:
+  """``main`` with the errors a user can fix printed as one line (no traceback) and exit codes 2/3/4."""
   from framework.checkpoint import CheckpointError  # noqa: PLC0415 - no jax at import
   from resilience.recovery import RunFailed  # noqa: PLC0415
   try:
-    return main()
+    return main(argv)
   except ConfigError as e:
     print(f"config error: {e}", file=sys.stderr)
     return 2

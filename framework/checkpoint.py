@@ -136,14 +136,17 @@ def state_checksum(state: Any) -> List[int]:
   import jax  # noqa: PLC0415
   import numpy as np  # noqa: PLC0415
   leaves = jax.tree.leaves(state)
-  if not leaves:
-    return []
-  out = jax.jit(lambda ls: [_sums(x) for x in ls])(leaves)
-  vals = []
-  for o in out:
-    a = o if not isinstance(o, jax.Array) or o.is_fully_addressable else o.addressable_data(0)
-    vals.extend(int(v) for v in np.asarray(a))
-  return vals
+  groups = {}  # one program per device set (a jit cannot mix arrays committed to different devices)
+  for i, x in enumerate(leaves):
+    devs = tuple(sorted(d.id for d in x.sharding.device_set)) if isinstance(x, jax.Array) and x.committed else ()
+    groups.setdefault(devs, []).append(i)
+  sums = [None] * len(leaves)
+  for idx in groups.values():
+    out = jax.jit(lambda ls: [_sums(x) for x in ls])([leaves[i] for i in idx])
+    for i, o in zip(idx, out):
+      a = o if o.is_fully_addressable else o.addressable_data(0)
+      sums[i] = [int(v) for v in np.asarray(a)]
+  return [v for s in sums for v in s]
 
 
 def _tree_signature(tree) -> dict:

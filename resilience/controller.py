@@ -88,6 +88,7 @@ class Controller(RecoveryMixin, InjectorMixin):
     self.spare_counter = 0
     self.cache_dir = s.compile_cache_dir or os.path.join(workdir, "jax_cache")
     self.events_f = open(os.path.join(workdir, "hotswap_events.jsonl"), "a")
+    self.metrics_f = open(os.path.join(workdir, "metrics.jsonl"), "a")  # one line per step (rank 0's loss)
     self.t0 = time.time()
 
   # -- bookkeeping -----------------------------------------------------------------------------------
@@ -258,6 +259,9 @@ class Controller(RecoveryMixin, InjectorMixin):
       if rank == 0:
         self.losses[step] = msg["loss"]
         self.loss_gen[step] = self.gen
+        self.metrics_f.write(json.dumps({"step": step, "loss": msg["loss"], "gen": self.gen, "run_id": self.run_id,
+                                         "t": msg["t"]}) + "\n")
+        self.metrics_f.flush()
         self.step_times.append({"gen": self.gen, "step": step, "dt": msg["dt"], "on": msg["on"],
                                 "transition": msg["transition"], "first": msg["first"],
                                 "after_save": msg.get("after_save", False), "t": msg["t"]})
@@ -455,6 +459,7 @@ class Controller(RecoveryMixin, InjectorMixin):
         node.proc.wait()
       self._kill(node.worker_pid)
     self.events_f.close()
+    self.metrics_f.close()
     self.router.close()
     self.pull.close()
     self.pub.close()

@@ -23,7 +23,6 @@ import glob
 import json
 import logging
 import os
-import shutil
 import signal
 import sys
 import time
@@ -64,8 +63,8 @@ def lock_workdir(workdir: str) -> int:
 
 
 def sweep_stale(workdir: str) -> list:
-  """Shared-memory segments and AOT executables of earlier runs of *this* workdir (under its lock, so none is
-  alive): the run ids are in <workdir>/run_id. Returns the removed paths."""
+  """Shared-memory segments of earlier runs of *this* workdir (under its lock, so none is alive): the run ids
+  are in <workdir>/run_id. Returns the removed paths."""
   removed = []
   try:
     with open(os.path.join(workdir, "run_id")) as f:
@@ -81,10 +80,6 @@ def sweep_stale(workdir: str) -> list:
         removed.append(p)
       except OSError:
         pass
-  aot = os.path.join(workdir, "aot")
-  if os.path.isdir(aot):
-    for x in os.listdir(aot):
-      shutil.rmtree(os.path.join(aot, x), ignore_errors=True)
   return removed
 
 

@@ -185,10 +185,11 @@ def _train(start, agent, push, ctx, t_start, name, warm):
   s = start["settings"]
   gen, rank, n = start["gen"], start["rank"], start["n"]
   base = {"rank": rank, "gen": gen, "node": name}
-  # Generation 0 compiles its step fresh and serializes the executable for later generations (aot.py): an
-  # XLA:CPU executable that was itself loaded from the persistent cache re-serializes without its object code
-  # ("Function ... not found" when loaded). Its other programs (state init, checksums) use the persistent
-  # cache; later generations keep it as the fallback when the serialized executable cannot be used.
+  # Without a serialized executable (aot.py) of this job, generation 0 compiles its step fresh and serializes
+  # it for later generations and reruns: an XLA:CPU executable that was itself loaded from the persistent cache
+  # re-serializes without its object code ("Function ... not found" when loaded). Its other programs (state
+  # init, checksums) use the persistent cache; later generations keep it as the fallback when the serialized
+  # executable cannot be used.
   fresh_compile = gen == 0
   jax.config.update("jax_compilation_cache_dir", start["compile_cache_dir"])
   jax.config.update("jax_persistent_cache_min_compile_time_secs", 0.0)
@@ -208,17 +209,16 @@ def _train(start, agent, push, ctx, t_start, name, warm):
   msh = make_mesh(cfg.mesh)
   probe = s["snapshot"] and s["overhead_probe_block"] > 0
   plan = start["restore"]
-  # per run (not in the shared compile cache): an executable is only reused by the run that compiled it
-  aot_path = aot_lib.path(start["workdir"], start["run_id"], aot_lib.key(start["config"], n,
-                                                                          f"{s['snapshot']},{probe}"), rank)
+  aot_path = aot_lib.path(start["compile_cache_dir"], aot_lib.key(start["config"], n, f"{s['snapshot']},{probe}"),
+                          rank)
   loaded = None
-  if not fresh_compile:  # a later generation: reuse this rank's executable from generation 0
-    try:
-      loaded = aot_lib.load(aot_path, msh)
-    except Exception as e:  # noqa: BLE001 - any mismatch: rebuild and recompile instead
-      _log("aot executable unusable, recompiling:", repr(e)[:300])
+  try:  # this rank's executable from an earlier generation or run of the same job, if there is one
+    loaded = aot_lib.load(aot_path, msh)
+  except Exception as e:  # noqa: BLE001 - any mismatch: rebuild and recompile instead
+    _log("aot executable unusable, recompiling:", repr(e)[:300])
   step_obj = donated_obj = None
   if loaded is not None:
+    fresh_compile = False
     compiled, abstract, batch_spec = loaded
   else:
     # The layer reads the state while the next step runs, so its step must not donate the state.
@@ -267,7 +267,8 @@ def _train(start, agent, push, ctx, t_start, name, warm):
       time.sleep(3600)
     start_step = plan["version"]
   else:
-    state = step_obj.init_state(jax.random.key(cfg.train.seed))
+    init_obj = step_obj or build_step(cfg, msh, donate=not s["snapshot"])  # the executable came from aot
+    state = init_obj.init_state(jax.random.key(cfg.train.seed))
     start_step = 0
   jax.block_until_ready(state)
   assert int(jax.device_get(state.step)) == start_step, (int(jax.device_get(state.step)), start_step)
