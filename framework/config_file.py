@@ -70,7 +70,8 @@ def load_configdict(spec: str):
   except Exception as e:  # noqa: BLE001 - any error in the user's file: say where, not a traceback
     raise ConfigError(f"config file {path} does not import: {_where(e, path)}; fix the file") from None
   if not hasattr(mod, "get_config"):
-    raise ConfigError(f"{path} has no get_config(arg) function")
+    raise ConfigError(f"{path} has no get_config(arg) function: add one that returns an ml_collections.ConfigDict "
+                      f"(see experiments/configs/quickstart.py)")
   try:
     return mod.get_config(arg or None)
   except ConfigError:

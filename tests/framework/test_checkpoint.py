@@ -181,7 +181,7 @@ def test_checkpoints_path_is_a_file(tmp_path):
 
 def test_interrupted_save_is_ignored_and_cleaned(tmp_path):
   wd = _workdir(tmp_path)
-  os.rename(os.path.join(wd, "checkpoints", "4"), os.path.join(wd, "checkpoints", "6.orbax-checkpoint-tmp-1234"))
+  os.rename(os.path.join(wd, "checkpoints", "4"), os.path.join(wd, "checkpoints", "6.orbax-checkpoint-tmp"))
   assert ck.step_dirs(os.path.join(wd, "checkpoints")) == [2]
   c = ck.Checkpointer(wd, CheckpointConfig())
   assert c.latest_step() == 2 and _same(c.restore(_abstract(_state(2)))[0], _state(2))
