@@ -87,6 +87,7 @@ class Controller(RecoveryMixin, InjectorMixin):
     self.faults = injection.plan(s, total_steps)
     self.spare_counter = 0
     self.cache_dir = s.compile_cache_dir or os.path.join(workdir, "jax_cache")
+    self.start_timings: Dict[int, dict] = {}
     self.events_f = open(os.path.join(workdir, "hotswap_events.jsonl"), "a")
     self.metrics_f = open(os.path.join(workdir, "metrics.jsonl"), "a")  # one line per step (rank 0's loss)
     self.t0 = time.time()
@@ -285,6 +286,8 @@ class Controller(RecoveryMixin, InjectorMixin):
     elif kind == "timing":
       if self.rec is not None:
         self.rec.setdefault("timings", {})[rank] = msg
+      elif self.gen == 0:  # start-up of this launch (a rerun's restart cost)
+        self.start_timings[rank] = msg
     elif kind == "done":
       self.done[rank] = msg
       if self.rec is not None and self.state == "running":  # recovered at the very end: nothing left to run
@@ -401,6 +404,7 @@ class Controller(RecoveryMixin, InjectorMixin):
       f.__dict__["detected"] = True
       t_inj = f.__dict__.get("t_fail", t_inj)
     self.begin_recovery(ranks, cause, t_inj or t_fail, force_tier=force_tier)
+    self.rec.setdefault("injected", []).extend(f.kind for f in injected)
 
   # -- main loop -------------------------------------------------------------------------------------------
   def run(self) -> dict:
@@ -435,11 +439,25 @@ class Controller(RecoveryMixin, InjectorMixin):
             "persist_every": self.s.persist_every, "persist_saves": done[0].get("persist_saves") if done else None,
             "persist_save_ms_median": done[0].get("persist_save_ms_median") if done else None,
             "resumed_from": next((e["version"] for e in self.events if e["event"] == "resume"), None),
+            "startup_s": self.startup_breakdown(),
             "step_log": self.step_times,
             "step_times_on_s": on, "step_times_off_s": off, "committed": self.committed,
             "wall_s": time.time() - self.t0, "workdir": self.workdir,
             "train_wall_s": getattr(self, "t_last_step", 0.0) - (getattr(self, "t_first_step", None) or 0.0),
             "events": os.path.join(self.workdir, "hotswap_events.jsonl")}
+
+  def startup_breakdown(self) -> dict:
+    """Seconds from this launch to its first step, and the slowest rank's phases of generation 0."""
+    t = self.start_timings
+    ready = next((e["t"] for e in self.events if e["event"] == "agents_ready"), None)
+    out = {"agents_ready": ready,
+           "first_step": (self.t_first_step - self.t0) if getattr(self, "t_first_step", None) else None}
+    if t:
+      for name, a, b in (("jax_init", "t_start", "t_init"), ("build", "t_init", "t_built"),
+                         ("restore", "t_built", "t_restored"), ("compile", "t_restored", "t_compiled")):
+        out[name] = max(x[b] - x[a] for x in t.values())
+      out["tier"] = next(iter(t.values()))["tier"]
+    return out
 
   def close(self):
     for node in self.nodes.values():

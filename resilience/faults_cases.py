@@ -332,7 +332,8 @@ def _sigkill_during_async_save(ws):
 def _hs_argv(ws, workdir, steps, **res):
   opts = {"compile_cache_dir": ws.cache, "heartbeat_timeout_s": 3.0, "wall_timeout_s": 590}
   opts.update(res)
-  return ["--config", HS, "--workdir", workdir, f"--config.train.steps={steps}",
+  # keep every checkpoint: the data-lost check must not mistake orbax's max_to_keep clean-up for a loss
+  return ["--config", HS, "--workdir", workdir, f"--config.train.steps={steps}", "--config.checkpoint.keep=100",
           *[f"--config.extras.resilience.{k}={v}" for k, v in opts.items()]]
 
 

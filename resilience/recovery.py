@@ -156,7 +156,7 @@ class RecoveryMixin:
            "detail_s": {"fence": rec.get("t_fenced", rec["t_detect"]) - rec["t_detect"], "replica_fetch": fetch,
                         "jax_distributed_init": init, "mesh_and_step_build": build,
                         "restore_in_worker": restore_worker},
-           "restarts_during_recovery": rec["n_restarts"]}
+           "restarts_during_recovery": rec["n_restarts"], "injected": rec.get("injected", [])}
     self.recoveries.append(out)
     self.event("recovered", **{k: v for k, v in out.items() if k != "swaps"})
 
