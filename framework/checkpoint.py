@@ -131,6 +131,19 @@ def _sums(x):
   return jnp.stack([jnp.sum(w, dtype=jnp.uint32), jnp.sum(w * pos, dtype=jnp.uint32)])
 
 
+_CHECKSUM_FN = None
+
+
+def _checksum_fn():
+  """One jitted function for the process: jit caches its programs per tree structure / shapes / shardings, so
+  a save after the first reuses the compiled checksum (a fresh lambda per call would retrace and recompile)."""
+  global _CHECKSUM_FN
+  if _CHECKSUM_FN is None:
+    import jax  # noqa: PLC0415
+    _CHECKSUM_FN = jax.jit(lambda ls: [_sums(x) for x in ls])
+  return _CHECKSUM_FN
+
+
 def state_checksum(state: Any) -> List[int]:
   """Per leaf [sum, weighted sum] of its 32-bit words mod 2^32: the same for any sharding of the same values."""
   import jax  # noqa: PLC0415
@@ -142,7 +155,7 @@ def state_checksum(state: Any) -> List[int]:
     groups.setdefault(devs, []).append(i)
   sums = [None] * len(leaves)
   for idx in groups.values():
-    out = jax.jit(lambda ls: [_sums(x) for x in ls])([leaves[i] for i in idx])
+    out = _checksum_fn()([leaves[i] for i in idx])
     for i, o in zip(idx, out):
       a = o if o.is_fully_addressable else o.addressable_data(0)
       sums[i] = [int(v) for v in np.asarray(a)]

@@ -34,7 +34,7 @@ from typing import Callable, Dict, List, Optional
 AREA = "resilience"
 REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 ERROR_LINE = re.compile(r"^(config error|checkpoint error|hot-swap run failed): ")
-FIX_WORDS = re.compile(r"must be|must exceed|use |pass |move |rerun|resume with|choose|fix |set |raise |wait |"
+FIX_WORDS = re.compile(r"must be|must exceed|use |pass |move |rerun|resume with|choose|fix |set |raise |wait |add |"
                        r"stop |give |known|try |lower |delete |check ", re.I)
 
 

@@ -243,8 +243,9 @@ def _train(start, agent, push, ctx, t_start, name, warm):
     slot_file = slots_lib.SlotFile(rep["path"], lay.nbytes, create=False)
 
   workdir = start["workdir"]
-  ckpt = ckpt_lib.Checkpointer(workdir, cfg.checkpoint) if s["persist_every"] > 0 or plan["tier"] == "persistent" \
-      else None
+  # the orbax manager (a collective start-up: seconds on a busy host) is opened only to restore from it, else at
+  # the first save: never on the way from a failure to the first step of the memory tier
+  ckpt = ckpt_lib.Checkpointer(workdir, cfg.checkpoint) if plan["tier"] == "persistent" else None
   # probe: a save every 2N steps only, so N-step windows after a save alternate with windows without one
   persist_period = s["persist_every"] * (2 if s["persist_probe"] else 1)
   if plan["tier"] == "memory":
@@ -330,10 +331,13 @@ def _train(start, agent, push, ctx, t_start, name, warm):
     if persist_period > 0 and version % persist_period == 0 and version < total:
       if not on and probe:
         jax.block_until_ready(state)
+      ckpt = ckpt or ckpt_lib.Checkpointer(workdir, cfg.checkpoint)
       after_save = ckpt.save(version, state, {"step": version, "seed": cfg.data.seed})  # dt of the next step
 
-  if ckpt is not None and s["persist_every"] > 0 and ckpt.latest_step() != total:
-    ckpt.save(total, state, {"step": total, "seed": cfg.data.seed}, force=True)  # the final state is durable too
+  if s["persist_every"] > 0:
+    ckpt = ckpt or ckpt_lib.Checkpointer(workdir, cfg.checkpoint)
+    if ckpt.latest_step() != total:
+      ckpt.save(total, state, {"step": total, "seed": cfg.data.seed}, force=True)  # the final state is durable too
   if ckpt is not None:
     ckpt.wait()
   final_crc, final_bytes = None, None
