@@ -3,13 +3,13 @@
   PYTHONPATH=. python benchmarks/reliability_resilience.py [--class config ...] [--fast] [--workdir DIR]
                                                             [--no-append]
 
-Runs the cases of ``resilience/faults_cases.py`` (``resilience.faults.load_cases()``) against the real entry
-point, one subprocess per run, and prints one JSON object: the counts (``bad_inputs_tried``, ``recovered``,
+Runs the cases of ``resilience/faults_cases.py`` and ``faults_hotswap_cases.py`` (``resilience.fault_suite``)
+against the real entry point, one subprocess per run, and prints one JSON object: the counts (``bad_inputs_tried``, ``recovered``,
 ``clear_errors``, ``unclear_errors``, ``crashes``, ``hangs``, ``silent``, ``data_lost``; the keys the ondevice
 area's registry prints), per class, and every case's outcome. ``--fast`` skips the cases marked slow (the
 multi-minute hot-swap jobs). Appends a row to benchmarks/RESULTS.md unless --no-append.
-``benchmarks/reliability.py`` (all areas) can run this area through the same functions: ``load_cases``,
-``Workspace``, ``run_case``, ``summarise``.
+``benchmarks/reliability.py`` (all areas) can run this area through the same functions of
+``resilience.fault_suite``: ``load_cases``, ``Workspace``, ``run_case``, ``summarise``.
 """
 from __future__ import annotations
 
@@ -27,7 +27,7 @@ sys.path.insert(0, ROOT)
 
 
 def run(classes=None, fast=False, workdir=None, log=print) -> dict:
-  from resilience import faults  # noqa: PLC0415
+  from resilience import fault_suite as faults  # noqa: PLC0415
   cases = [c for c in faults.load_cases() if (not classes or c.klass in classes) and not (fast and c.slow)]
   ws = faults.Workspace(workdir or tempfile.mkdtemp(prefix="prismllm_reliability_"))
   results = {}

@@ -13,7 +13,8 @@ area's registry (``ondevice/faults.py``):
   its time limit; ``silent``: it ran and the result is wrong or unchecked;
 * ``data_lost`` (a flag on any outcome): a committed checkpoint file is gone or changed (moved aside intact
   is fine), or a process / shared-memory segment of the job outlived it.
-Cases are registered per class (``CLASSES``); ``resilience/faults_cases.py`` defines them.
+Cases are registered per class; ``faults_cases.py`` and ``faults_hotswap_cases.py`` define them and
+``fault_suite.py`` loads them all (this module imports neither: no import cycle).
 """
 from __future__ import annotations
 
@@ -70,11 +71,6 @@ def case(klass: str, timeout_s: float = 300.0, slow: bool = False):
 
 def classes() -> list:
   return sorted({c.klass for c in CASES})
-
-
-def load_cases() -> list:
-  import resilience.faults_cases  # noqa: F401, PLC0415 - registers the cases
-  return CASES
 
 
 # ------------------------------------------------------------------------------------------ processes

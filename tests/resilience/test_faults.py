@@ -3,9 +3,9 @@ recovery or in one clear error line, with no crash, no hang and nothing lost. Th
 jobs take minutes and are marked slow; ``benchmarks/reliability_resilience.py`` runs them all and counts."""
 import pytest
 
-from resilience import faults
+from resilience import fault_suite, faults
 
-faults.load_cases()
+fault_suite.load_cases()
 SLOW_CLASSES = {c.klass for c in faults.CASES if c.slow} | {"checkpoint_corrupt", "checkpoint_partial",
                                                              "checkpoint_foreign", "checkpoint_kill"}
 
