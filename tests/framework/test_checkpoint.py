@@ -206,7 +206,7 @@ for s in range(1, 1000):
 """
 
 
-@pytest.mark.parametrize("delay", [0.0, 0.1])
+@pytest.mark.parametrize("delay", [0.05])
 def test_sigkill_during_async_save_resumes_from_committed_step(tmp_path, delay):
   """A process SIGKILLed while its async save writes: the step in flight never shows up as a step, and the
   newest step listed restores and verifies (the previous committed one, or the one in flight if it finished)."""

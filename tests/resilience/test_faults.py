@@ -36,13 +36,21 @@ def test_slow_fault_class(klass, workspace):
   _check_class(klass, workspace)
 
 
-def test_checkpoint_error_is_one_line(workspace):
-  """The wiring from Checkpointer to the command line: a workdir whose checkpoints/ is a file (no training
-  needed to get there) exits with code 3 and one 'checkpoint error:' line naming the fix."""
-  case = next(c for c in faults.CASES if c.name == "checkpoints_is_a_file")
-  o = faults.run_case(case, workspace)
-  assert o.kind == "clear_error" and not o.data_lost, o
-  assert o.detail.startswith("checkpoint error: ") and "another --workdir" in o.detail
+def test_cli_errors_are_one_line(monkeypatch, capsys):
+  """experiments.run.cli turns the errors a user can fix into one stderr line and an exit code (the slow
+  checkpoint classes reach the same lines through real runs)."""
+  from experiments import run as run_mod
+  from framework.checkpoint import CheckpointError
+  from resilience.recovery import RunFailed
+  for exc, rc, prefix in [(CheckpointError("checkpoint step 4 in /w is x: use a fresh --workdir"), 3, "checkpoint error: "),
+                          (RunFailed("workdir /w is in use: wait for it"), 4, "hot-swap run failed: ")]:
+    def boom(argv=None, exc=exc):
+      raise exc
+    monkeypatch.setattr(run_mod, "main", boom)
+    assert run_mod.cli([]) == rc
+    err = capsys.readouterr().err
+    assert err.splitlines() == [prefix + str(exc)]
+    assert faults.classify(faults.Run(rc, "", err, [], [], 0.0)).kind == "clear_error"
 
 
 def test_classify_tells_outcomes_apart():
