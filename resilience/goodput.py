@@ -15,6 +15,14 @@ useful time / expected wall time. Hot swap and in-memory differ in R: hot swap r
 jax init, compile) but restores from memory. Spares are idle hardware: ``goodput_per_node`` divides
 by (nodes + spares) / nodes.
 
+Where the numbers come from: ``costs_from_benchmark`` reads ``measured_costs`` of benchmarks/hotswap.py, every
+one measured on the same job and labelled with its run (``Costs.sources``): step time and overhead ratios
+(failure-free runs A, P), recovery time (calibration run C), save cost (P), restart cost (a relaunch after
+the controller was killed, R, plus C's detection time). ``goodput_vs_mtbf`` evaluates the three strategies
+over node MTBFs (the PHOENIX-style figure). ``predict_schedule`` predicts a run with a known list of injected
+failures from such costs, and the benchmark compares it with that run's measured goodput: the costs never
+come from the run being predicted.
+
 Floor-3 rule: this module takes numbers (a dict or the benchmark's JSON), never imports perfmodel;
 perfmodel may import nothing from here either and can read ``predict`` outputs as JSON.
 """
@@ -74,14 +82,6 @@ def predict(c: Costs) -> dict:
           # hot swap keeps spare hardware idle; the others need none
           "goodput_per_node": {"disk_checkpoint_restart": disk, "in_memory_restart": mem, "hotswap": hs * share},
           "costs": dataclasses.asdict(c)}
-
-
-def predict_injected(step_s: float, overhead_ratio: float, recovery_s: float, failures: int, steps: int) -> float:
-  """Hot-swap goodput when `failures` are injected at steps of a `steps`-step run (failures only strike
-  while training, never during a recovery): the benchmark's measured run, predicted from its costs."""
-  work_s = steps * step_s * overhead_ratio
-  lam = failures / work_s if work_s > 0 else 0.0
-  return step_s / expected_segment_s(step_s * overhead_ratio, recovery_s, lam, fail_during_restart=False)
 
 
 def measured_goodput(useful_steps: int, plain_step_s: float, wall_s: float) -> float:
