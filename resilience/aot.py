@@ -25,7 +25,8 @@ _CODE = None
 
 
 def code_fingerprint() -> str:
-  """Hash of the source that builds the step (framework/, parallelism/, resilience/): an edit changes the key."""
+  """Hash of the source that builds the step (framework/, parallelism/, resilience/): an edit changes the key.
+  Computed once per process, when the zygote imports the code (resilience.worker._warm)."""
   global _CODE
   if _CODE is None:
     root = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))

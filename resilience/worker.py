@@ -51,6 +51,8 @@ def _warm(workdir: str) -> dict:
   import numpy as np  # noqa: F401
   from framework import checkpoint, config, data, model, train_step  # noqa: F401
   from parallelism import mesh, step  # noqa: F401
+  from resilience import aot, layout, slots, snapshot  # noqa: F401
+  aot.code_fingerprint()  # of the code as imported here: every worker forked from this zygote runs exactly it
   with open(os.path.join(workdir, "config.json")) as f:
     cfg0 = config.from_dict(json.load(f)["config"])
   return {"data_cfg": cfg0.data, "corpus": data.split(data.load_corpus(cfg0.data), cfg0.data),
