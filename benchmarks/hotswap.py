@@ -1,18 +1,27 @@
-"""Hot-swap resilience benchmark: overhead, recovery time, recomputed steps, bit-identical trajectory.
+"""Hot-swap resilience benchmark: overheads with their noise floor, recovery, survival, goodput from other runs.
 
-  python benchmarks/hotswap.py [--failures 5] [--steps 60] [--probe-block 5] [--quick] [--no-append]
+  python benchmarks/hotswap.py [--failures 5] [--steps 60] [--probe-block 5] [--persist-every 10]
+                               [--persist-steps 120] [--calib-per-kind 2] [--quick] [--no-append]
 
-Two jobs with the same config (experiments/configs/hotswap.py: 4 nodes + 1 warm spare on localhost,
-FSDP over the nodes, ~13.1 MB of fp32 params):
-  A. failure-free, with the overhead probe: blocks of --probe-block steps alternate the layer on
-     (non-donated step + snapshot + replication + commit) and off (the plain donated step) *in the same
-     processes*, so the ratio of median step times is measured side by side under the same load;
-  B. the same job with --failures randomized failures (worker/node/replication/hang; 'two' when
-     replicas >= 2), spares respawned after each swap (a repaired node rejoins the pool).
-trajectory_identical compares every loss (float equality) and every rank's final state bytes of B with A.
-Goodput: resilience.goodput predicts B's goodput from the measured costs and B's failure rate, and the
-measured goodput is steps x plain step time / training wall time.
-Prints one JSON object and appends a row to benchmarks/RESULTS.md.
+Five jobs of one config (experiments/configs/hotswap.py: 4 nodes + warm spares on localhost, FSDP over the
+nodes, ~13.1 MB of fp32 params; --quick: the tiny model), the persistent tier on (async orbax every
+--persist-every steps) unless said otherwise:
+  A. failure-free, snapshot probe: blocks of --probe-block steps alternate the layer on / off *in the same
+     processes*; ratio of median step times, bootstrap 95% CI, per-side IQR (the noise);
+  P. failure-free, persistence probe: a save every 2N steps only, so N-step windows after a save alternate
+     with windows without one; overhead = median(window with a save) / median(window without), its bootstrap
+     CI, and the noise floor: the same ratio between the two halves of the save-free windows (A/A);
+  C. calibration: every failure kind --calib-per-kind times (its own schedule and seed): recovery time and
+     steps recomputed per kind;
+  R. the controller SIGKILLed once a persistent checkpoint is final, then a rerun in the same workdir: what was
+     left behind (processes, /dev/shm), where it resumed, its restart cost (launch -> first step);
+  B. --failures random failures (worker / node / replication / hang / recovery = a second node dies while
+     recovering), spares respawned after each swap.
+Every job's losses and every rank's final state bytes are compared with A's (trajectory_identical).
+Goodput of B is *predicted from A, P and C only* (goodput.predict_schedule) and compared with B's measured
+goodput. The costs of the three strategies of goodput.predict (disk checkpoint/restart, in-memory + restart,
+hot swap) are all measured here, each with its source (``measured_costs``), and ``goodput_vs_mtbf`` evaluates
+them over a grid of node MTBFs. Prints one JSON object and appends a row to benchmarks/RESULTS.md.
 """
 from __future__ import annotations
 
@@ -21,7 +30,9 @@ import datetime
 import json
 import os
 import platform
+import random
 import shutil
+import signal
 import statistics
 import sys
 import tempfile
@@ -29,6 +40,8 @@ import time
 
 REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 sys.path.insert(0, REPO)
+KINDS = ["worker", "node", "replication", "hang", "recovery"]
+PARTS = ["detect", "rebuild", "restore", "recompile", "first_step"]
 
 
 def _median(x):
@@ -43,14 +56,93 @@ def _iqr_rel(x):
 
 
 def _ratio_ci(on, off, n=2000, seed=0):
-  """Bootstrap 95% interval of median(on) / median(off): the noise of the overhead ratio."""
-  import random  # noqa: PLC0415
-  if len(on) < 4 or len(off) < 4:
+  """Bootstrap 95% interval of median(on) / median(off)."""
+  if len(on) < 3 or len(off) < 3:
     return None
   rng = random.Random(seed)
   rs = sorted(statistics.median(rng.choices(on, k=len(on))) / statistics.median(rng.choices(off, k=len(off)))
               for _ in range(n))
   return [rs[int(0.025 * n)], rs[int(0.975 * n)]]
+
+
+def _windows(step_log, n):
+  """P's windows: sums of step times over steps (2kN, 2kN+N] (after the save at 2kN, k >= 1) and
+  (2kN+N, 2kN+2N] (no save), generation 0 only, never the compiling first step."""
+  dt = {x["step"]: x["dt"] for x in step_log if x["gen"] == 0 and not x["first"]}
+  save, free = [], []
+  k = 0
+  while (2 * k + 2) * n <= max(dt, default=0):
+    w_free = [dt.get(s) for s in range(2 * k * n + n + 1, 2 * k * n + 2 * n + 1)]
+    if None not in w_free:
+      free.append(sum(w_free))
+    if k >= 1:
+      w_save = [dt.get(s) for s in range(2 * k * n + 1, 2 * k * n + n + 1)]
+      if None not in w_save:
+        save.append(sum(w_save))
+    k += 1
+  return save, free
+
+
+def _losses(wd) -> dict:
+  """step -> every loss logged for it in this workdir (every generation, every launch)."""
+  out = {}
+  with open(os.path.join(wd, "metrics.jsonl")) as f:
+    for line in f:
+      m = json.loads(line)
+      out.setdefault(m["step"], []).append(m["loss"])
+  return out
+
+
+def _identical(wa, wb, nodes=4) -> bool:
+  """Every loss of every step in wb equals the failure-free run's (wa), every step is there, final bytes equal."""
+  a, b = _losses(wa), _losses(wb)
+  if set(a) != set(b) or any(x != a[s][0] for s, v in b.items() for x in v):
+    return False
+  for r in range(nodes):
+    with open(os.path.join(wa, "final", f"rank{r}.bin"), "rb") as fa, \
+         open(os.path.join(wb, "final", f"rank{r}.bin"), "rb") as fb:
+      if fa.read() != fb.read():
+        return False
+  return True
+
+
+def _schedule(kinds, per_kind, steps, seed):
+  rng = random.Random(seed)
+  ks = [k for k in kinds for _ in range(per_kind)]
+  rng.shuffle(ks)
+  gap = max((steps - 4) // len(ks), 2)
+  at = [min(2 + i * gap + rng.randrange(gap), steps - 1) for i in range(len(ks))]
+  return {"fail_at": ",".join(map(str, at)), "fail_kind": ",".join(ks), "fail_rank": -1, "fail_seed": seed}
+
+
+def _kill_and_rerun(spec, common, wr, min_step):
+  """R: launcher SIGKILLed after a persistent checkpoint >= min_step; returns what it left and the rerun's summary."""
+  from framework import checkpoint as ckpt_lib  # noqa: PLC0415
+  from resilience import faults  # noqa: PLC0415
+  argv = ["--config", spec, "--workdir", wr, *common]
+  proc = faults.start(argv, module="resilience.launch")
+  committed = None
+  while proc.poll() is None:
+    committed = ckpt_lib.latest_usable_step(ckpt_lib.checkpoint_dir(wr))
+    if committed is not None and committed >= min_step:
+      break
+    time.sleep(0.05)
+  if proc.poll() is not None:
+    faults.finish(proc, 10, wr)
+    return {"error": "the job finished before its controller could be killed"}
+  rid = faults.run_ids_of(wr)[-1]
+  os.kill(proc.pid, signal.SIGKILL)
+  proc.wait()
+  t_kill = time.time()
+  left = faults.wait_gone(proc.pid, 60.0)
+  gone_s = time.time() - t_kill
+  shm = faults.shm_of(wr, rid)
+  faults.finish(proc, 10, wr)
+  r = faults.finish(faults.start(argv, module="resilience.launch"), 3000, wr)
+  with open(os.path.join(wr, "hotswap_summary.json")) as f:
+    rerun = json.load(f)
+  return {"committed_at_kill": committed, "processes_left": left, "shm_left": shm, "all_gone_after_s": gone_s,
+          "rerun_rc": r.rc, "rerun": rerun}
 
 
 def run(args) -> dict:
@@ -61,84 +153,133 @@ def run(args) -> dict:
   root = args.workdir or tempfile.mkdtemp(prefix="prismllm_hotswap_")
   cache = os.path.join(root, "jax_cache")
   spec = "experiments/configs/hotswap.py" + (":runlocal=True" if args.quick else "")
-  common = [f"--config.train.steps={args.steps}", f"--config.extras.resilience.compile_cache_dir={cache}",
-            f"--config.extras.resilience.replicas={args.replicas}",
-            f"--config.extras.resilience.heartbeat_timeout_s={args.heartbeat_timeout}",
-            "--config.extras.resilience.wall_timeout_s=3000"]
-  wa, wb = os.path.join(root, "A_failure_free"), os.path.join(root, "B_failures")
-  for w in (wa, wb):
+  res = lambda **kw: [f"--config.extras.resilience.{k}={v}" for k, v in kw.items()]  # noqa: E731
+  common = [f"--config.train.steps={args.steps}", *res(compile_cache_dir=cache, replicas=args.replicas,
+                                                        heartbeat_timeout_s=args.heartbeat_timeout,
+                                                        wall_timeout_s=3000, persist_every=args.persist_every)]
+  work = {k: os.path.join(root, k) for k in ("A_failure_free", "P_persist_probe", "C_calibration",
+                                              "R_controller_kill", "B_failures")}
+  for w in work.values():
     shutil.rmtree(w, ignore_errors=True)
-  cfg_a = config_file.load(spec, common + [f"--config.extras.resilience.overhead_probe_block={args.probe_block}"])
-  a = run_hotswap(cfg_a, wa)
-  camp = injection.random_campaign(args.failures, args.steps, 4, args.replicas, seed=args.seed)
-  cfg_b = config_file.load(spec, common + [f"--config.extras.resilience.{k}={v}" for k, v in camp.items()] +
-                           ["--config.extras.resilience.respawn_spares=True"])
-  b = run_hotswap(cfg_b, wb)
+  load = lambda extra: config_file.load(spec, common + extra)  # noqa: E731
+  a = run_hotswap(load(res(overhead_probe_block=args.probe_block)), work["A_failure_free"])
+  p = run_hotswap(config_file.load(spec, [f"--config.train.steps={args.persist_steps}"] + common[1:] +
+                                   res(persist_probe=True)), work["P_persist_probe"])
+  spares = res(respawn_spares=True, spares=2)
+  calib = _schedule(KINDS, args.calib_per_kind, args.steps, args.seed + 1000)
+  c = run_hotswap(load(res(**calib) + spares), work["C_calibration"])
+  r = _kill_and_rerun(spec, common, work["R_controller_kill"], args.persist_every)
+  camp = injection.random_campaign(args.failures, args.steps, 4, args.replicas, seed=args.seed, kinds=KINDS)
+  b = run_hotswap(load(res(**camp) + spares), work["B_failures"])
 
+  # A: snapshot layer overhead; P: persistence overhead and its noise floor
   on, off = a["step_times_on_s"], a["step_times_off_s"]
-  identical = a["losses"] == b["losses"] and a["final_crc"] == b["final_crc"] and not b["loss_mismatch_on_recompute"]
-  for r in range(a["nodes"]):
-    with open(os.path.join(wa, "final", f"rank{r}.bin"), "rb") as fa, open(os.path.join(wb, "final", f"rank{r}.bin"),
-                                                                          "rb") as fb:
-      identical = identical and fa.read() == fb.read()
-  recs = b["recoveries"]
-  parts = ["detect", "rebuild", "restore", "recompile", "first_step"]
-  ratio = _median(on) / _median(off)
-  rec_t = [r["recovery_time_s"] for r in recs]
-  survived = b["failures_injected"] if identical else 0
-  plain_step = _median(off)
-  rate = b["failures_injected"] / b["train_wall_s"] if b["train_wall_s"] > 0 else 0.0
-  pred = goodput.predict(goodput.Costs(step_s=plain_step, nodes=4, node_mtbf_s=4 / rate if rate else 1e18,
-                                       spares=1, hotswap_overhead_ratio=ratio,
-                                       hotswap_recovery_s=_median(rec_t) if rec_t else 0.0,
-                                       mem_overhead_ratio=ratio))
+  ratio, plain_step = _median(on) / _median(off), _median(off)
+  n = args.persist_every
+  w_save, w_free = _windows(p["step_log"], n)
+  persist_ratio = _median(w_save) / _median(w_free) if w_save and w_free else float("nan")
+  half_a, half_b = w_free[0::2], w_free[1::2]
+  extra_per_save = _median(w_save) - _median(w_free) if w_save and w_free else float("nan")
+  p_steps = [x["dt"] for x in p["step_log"] if x["gen"] == 0 and not x["first"] and not x["after_save"]]
+  step_mean_free = statistics.fmean(p_steps) if p_steps else float("nan")
+
+  # C: costs per kind; B: measured; prediction of B from A, P, C only
+  def by_kind(summary):
+    out = {}
+    for rec in summary["recoveries"]:
+      out.setdefault((rec.get("injected") or ["uninjected"])[0], []).append(rec)
+    return out
+  calib_by_kind = by_kind(c)
+  rec_s = {k: _median([x["recovery_time_s"] for x in v]) for k, v in calib_by_kind.items()}
+  recomp = {k: _median([x["steps_recomputed"] for x in v]) for k, v in calib_by_kind.items()}
+  step_pred = step_mean_free + (extra_per_save / n if extra_per_save == extra_per_save else 0.0)
+  pred = goodput.predict_schedule(step_pred, args.steps, camp["fail_kind"].split(","), rec_s, recomp, plain_step)
   measured_gp = goodput.measured_goodput(args.steps, plain_step, b["train_wall_s"])
-  predicted_gp = goodput.predict_injected(plain_step, ratio, _median(rec_t) if rec_t else 0.0,
-                                          b["failures_injected"], args.steps)
+  recs = b["recoveries"]
+  rec_t = [x["recovery_time_s"] for x in recs]
+  wa = work["A_failure_free"]
+  ident = {"B": _identical(wa, work["B_failures"]), "C": _identical(wa, work["C_calibration"]),
+           "P": _identical(wa, work["P_persist_probe"]) if args.persist_steps == args.steps else None}
+  rr = r.get("rerun") or {}
+  ident["R"] = _identical(wa, work["R_controller_kill"]) if rr else False
+  st = rr.get("startup_s") or {}
+  restart_s = st.get("first_step") or float("nan")
+  detect = _median([x["breakdown_s"]["detect"] for k in ("worker", "node") for x in calib_by_kind.get(k, [])])
+  mem_restore = _median([x["breakdown_s"]["restore"] for v in calib_by_kind.values() for x in v])
+  src = lambda v, s: {"value": v, "source": s}  # noqa: E731
+  costs = {
+      "step_s": src(plain_step, "A: median plain (donated, no layer) step"),
+      "hotswap_overhead_ratio": src(ratio * (persist_ratio if persist_ratio == persist_ratio else 1.0),
+                                    f"A snapshot-layer ratio x P persistence ratio (save every {n} steps)"),
+      "hotswap_recovery_s": src(_median([x["recovery_time_s"] for v in calib_by_kind.values() for x in v]),
+                                "C: median recovery over every calibration failure"),
+      "mem_overhead_ratio": src(ratio, "A snapshot-layer ratio (no disk)"),
+      "mem_restart_s": src(detect + restart_s - (st.get("restore") or 0.0) + mem_restore,
+                           "C median death detection + R relaunch-to-first-step - R orbax restore + C memory restore "
+                           "(no scheduler requeue time)"),
+      "disk_save_s": src(extra_per_save, "P: median extra time of a window holding one async orbax save"),
+      "disk_restart_s": src(detect + restart_s, "C median death detection + R relaunch-to-first-step (agents, jax "
+                                                "init, orbax restore, cached executable; no scheduler requeue time)"),
+  }
+  base = goodput.Costs(nodes=4, spares=1, node_mtbf_s=3600.0, **{k: v["value"] for k, v in costs.items()})
+  grid = [60.0, 300.0, 1800.0, 3600.0, 6 * 3600.0, 86400.0, 7 * 86400.0]
   out = {
-      "failure_free_overhead_ratio": ratio,
-      "overhead_ratio_ci95": _ratio_ci(on, off),
+      "failure_free_overhead_ratio": ratio, "overhead_ratio_ci95": _ratio_ci(on, off),
       "overhead_noise_iqr_rel": {"on": _iqr_rel(on), "off": _iqr_rel(off)},
       "step_time_on_s": _median(on), "step_time_off_s": plain_step, "n_step_samples": [len(on), len(off)],
-      "recovery_time_s": _median(rec_t) if rec_t else None,
-      "recovery_time_s_max": max(rec_t) if rec_t else None,
-      "recovery_breakdown_s": {p: _median([r["breakdown_s"][p] for r in recs]) for p in parts} if recs else None,
-      "recovery_detail_s": {k: _median([r["detail_s"][k] for r in recs]) for k in recs[0]["detail_s"]} if recs else None,
-      "steps_recomputed": max((r["steps_recomputed"] for r in recs), default=0),
-      "steps_recomputed_total": sum(r["steps_recomputed"] for r in recs),
-      "trajectory_identical": identical,
-      "failures_injected": b["failures_injected"], "failures_survived": survived, "recoveries": len(recs),
-      "tiers": sorted({r["tier"] for r in recs}), "kinds": camp["fail_kind"],
-      "goodput_measured": measured_gp, "goodput_predicted_hotswap": predicted_gp,
-      # the same measured costs under exponential failures at the observed wall-clock rate, all strategies
-      # (disk/in-memory restart costs are the Costs defaults, not measured here)
-      "goodput_model_exponential": pred["goodput"],
+      "persist_every": n, "persist_overhead_ratio": persist_ratio, "persist_ratio_ci95": _ratio_ci(w_save, w_free),
+      "persist_noise_floor_ratio": _median(half_a) / _median(half_b) if half_a and half_b else None,
+      "persist_noise_floor_ci95": _ratio_ci(half_a, half_b), "persist_windows": [len(w_save), len(w_free)],
+      "persist_extra_s_per_save": extra_per_save, "persist_save_blocking_ms_median": p.get("persist_save_ms_median"),
+      "recovery_time_s": _median(rec_t) if rec_t else None, "recovery_time_s_max": max(rec_t) if rec_t else None,
+      "recovery_breakdown_s": {q: _median([x["breakdown_s"][q] for x in recs]) for q in PARTS} if recs else None,
+      "recovery_detail_s": {k: _median([x["detail_s"][k] for x in recs]) for k in recs[0]["detail_s"]} if recs else None,
+      "steps_recomputed": max((x["steps_recomputed"] for x in recs), default=0),
+      "restarts_during_recovery": sum(x["restarts_during_recovery"] for x in recs),
+      "failures_injected": b["failures_injected"],
+      "failures_survived": b["failures_injected"] if ident["B"] and b["committed"] == args.steps else 0,
+      "recoveries": len(recs), "tiers": sorted({x["tier"] for x in recs}), "kinds": camp["fail_kind"],
+      "trajectory_identical": ident,
+      "calibration": {"recovery_s_by_kind": rec_s, "steps_recomputed_by_kind": recomp, "kinds": calib["fail_kind"]},
+      "goodput_measured": measured_gp, "goodput_predicted_from_other_runs": pred["goodput"],
+      "goodput_prediction_error_pct": 100.0 * (pred["goodput"] / measured_gp - 1.0) if measured_gp else None,
+      "goodput_prediction": pred,
+      "controller_kill": {k: v for k, v in r.items() if k != "rerun"} | {
+          "resumed_from": rr.get("resumed_from"), "restart_to_first_step_s": restart_s, "startup_s": st},
+      "measured_costs": costs, "goodput_vs_mtbf": goodput.goodput_vs_mtbf(base, grid),
       "snapshot_mb_per_node": (a["snapshot_bytes_per_rank"] or 0) / 1e6,
       "snapshot_copy_ms_median": a["snapshot_copy_ms_median"], "snapshot_crc_ms_median": a["snapshot_crc_ms_median"],
-      "snapshots_skipped": a["snapshots_skipped"],
       "steps": args.steps, "nodes": 4, "spares": 1, "replicas": args.replicas, "quick": args.quick,
-      "load_avg": os.getloadavg()[0], "wall_s": a["wall_s"] + b["wall_s"], "workdir": root,
+      "load_avg": os.getloadavg()[0], "wall_s": sum(x["wall_s"] for x in (a, p, c, b)), "workdir": root,
   }
   return out
 
 
 def append_results(out: dict, argv) -> None:
   path = os.path.join(REPO, "benchmarks", "RESULTS.md")
-  if not os.path.exists(path):
-    with open(path, "w") as f:
-      f.write("# Benchmark results\n\n| date | command | machine | numbers |\n|---|---|---|---|\n")
-  keys = ["failure_free_overhead_ratio", "overhead_ratio_ci95", "overhead_noise_iqr_rel", "recovery_time_s", "recovery_time_s_max",
-          "recovery_breakdown_s", "steps_recomputed", "trajectory_identical", "failures_injected",
-          "failures_survived", "tiers", "goodput_measured", "goodput_predicted_hotswap", "snapshot_mb_per_node",
-          "load_avg"]
-  nums = json.dumps({k: (round(v, 4) if isinstance(v, float) else
-                         ({a: round(b, 3) for a, b in v.items()} if isinstance(v, dict) else
-                          ([round(x, 4) for x in v] if isinstance(v, list) and v and isinstance(v[0], float) else v)))
-                     for k, v in out.items() if k in keys})
+  keys = ["failure_free_overhead_ratio", "overhead_ratio_ci95", "persist_every", "persist_overhead_ratio",
+          "persist_ratio_ci95", "persist_noise_floor_ratio", "persist_noise_floor_ci95", "persist_save_blocking_ms_median",
+          "recovery_time_s", "recovery_time_s_max", "recovery_breakdown_s", "steps_recomputed",
+          "restarts_during_recovery", "trajectory_identical", "failures_injected", "failures_survived", "tiers",
+          "goodput_measured", "goodput_predicted_from_other_runs", "goodput_prediction_error_pct", "load_avg"]
+
+  def rnd(v):
+    if isinstance(v, float):
+      return round(v, 4)
+    if isinstance(v, dict):
+      return {a: rnd(b) for a, b in v.items()}
+    if isinstance(v, list):
+      return [rnd(x) for x in v]
+    return v
+  nums = {k: rnd(out[k]) for k in keys if k in out}
+  ck = out["controller_kill"]
+  nums["controller_kill"] = {"processes_left": len(ck.get("processes_left", [])), "shm_left": len(ck.get("shm_left", [])),
+                             "committed_at_kill": ck.get("committed_at_kill"), "resumed_from": ck.get("resumed_from"),
+                             "restart_to_first_step_s": rnd(ck.get("restart_to_first_step_s"))}
   machine = f"{platform.machine()} {os.cpu_count()} cores (shared), {platform.python_version()}"
   with open(path, "a") as f:
     f.write(f"| {datetime.datetime.now().isoformat(timespec='minutes')} | `python benchmarks/hotswap.py "
-            f"{' '.join(argv)}` | {machine} | {nums} |\n")
+            f"{' '.join(argv)}` | {machine} | {json.dumps(nums)} |\n")
 
 
 def main(argv=None):
@@ -147,10 +288,13 @@ def main(argv=None):
   ap.add_argument("--failures", type=int, default=5)
   ap.add_argument("--steps", type=int, default=60)
   ap.add_argument("--probe-block", type=int, default=5)
+  ap.add_argument("--persist-every", type=int, default=10)
+  ap.add_argument("--persist-steps", type=int, default=120, help="steps of the persistence probe run P")
+  ap.add_argument("--calib-per-kind", type=int, default=2)
   ap.add_argument("--replicas", type=int, default=1)
   ap.add_argument("--heartbeat-timeout", type=float, default=2.0)
   ap.add_argument("--seed", type=int, default=0)
-  ap.add_argument("--quick", action="store_true", help="tiny model (runlocal) for a smoke run")
+  ap.add_argument("--quick", action="store_true", help="tiny model (runlocal)")
   ap.add_argument("--workdir", default="")
   ap.add_argument("--no-append", action="store_true")
   args = ap.parse_args(argv)

@@ -108,12 +108,21 @@ def _strip(argv, flag):
   return out
 
 
-def cli() -> int:
+def cli(argv=None) -> int:
+  """``main`` with the errors a user can fix printed as one line (no traceback) and exit codes 2/3/4."""
+  from framework.checkpoint import CheckpointError  # noqa: PLC0415 - no jax at import
+  from resilience.recovery import RunFailed  # noqa: PLC0415
   try:
-    return main()
+    return main(argv)
   except ConfigError as e:
     print(f"config error: {e}", file=sys.stderr)
     return 2
+  except CheckpointError as e:
+    print(f"checkpoint error: {e}", file=sys.stderr)
+    return 3
+  except RunFailed as e:
+    print(f"hot-swap run failed: {e}", file=sys.stderr)
+    return 4
 
 
 if __name__ == "__main__":

@@ -136,8 +136,12 @@ class Agent:
         self.on_zygote(words)
 
   def shutdown(self, unlink=True):
-    self.kill_active()
-    for pid in [(self.standby or {}).get("pid"), self.spawning_pid]:
+    """Unlinks this node's shared memory first (a mapping stays valid until its last user dies), then ends
+    the worker, the standby and the zygote (whose death also ends anything it forked)."""
+    for f in [self.own, *self.reps.values()]:
+      if f is not None:
+        f.close(unlink=unlink)
+    for pid in [(self.active or {}).get("pid"), (self.standby or {}).get("pid"), self.spawning_pid]:
       if pid:
         try:
           os.kill(pid, signal.SIGKILL)
@@ -146,9 +150,6 @@ class Agent:
     if getattr(self, "zygote", None) is not None:
       self.zygote.kill()
       self.zygote.wait()
-    for f in [self.own, *self.reps.values()]:
-      if f is not None:
-        f.close(unlink=unlink)
 
   # -- store ---------------------------------------------------------------------------------------
   def _path(self, what: str) -> str:
@@ -318,9 +319,12 @@ class Agent:
                 payload=self.chunks(f.view(slot, m.nbytes)), ident=ident)
 
   # -- loop ----------------------------------------------------------------------------------------
-  def run(self, hb_s: float = 0.25):
+  def run(self, hb_s: float = 0.25, ctl_timeout_s: float = 30.0):
+    """Serves until the controller says exit, or is silent for ``ctl_timeout_s`` (it died: nobody else would
+    unlink this node's shared memory). A SIGTERM (the local launcher's death, PR_SET_PDEATHSIG) ends it too."""
     wire.send(self.ctl, {"type": "hello", "pid": os.getpid(), "data_addr": self.data_addr,
                          "local_addr": self.local_addr})
+    last_ctl = time.time()
     self.start_zygote()
     self.spawn_standby()
     poller = zmq.Poller()
@@ -331,9 +335,13 @@ class Agent:
     while True:
       events = dict(poller.poll(10))
       if self.ctl in events:
+        last_ctl = time.time()
         _, msg, _ = wire.recv(self.ctl)
         if self.on_ctl(msg) == "exit":
           return
+      elif time.time() - last_ctl > ctl_timeout_s:
+        print(f"{self.name}: no word from the controller for {ctl_timeout_s:.0f}s: cleaning up and exiting", flush=True)
+        return
       if self.local in events:
         ident, msg, _ = wire.recv(self.local, router=True)
         self.on_local(ident, msg)
@@ -365,13 +373,22 @@ def main(argv=None):
   ap.add_argument("--workdir", required=True)
   ap.add_argument("--heartbeat-s", type=float, default=0.25)
   ap.add_argument("--chunk-mb", type=int, default=4)
+  ap.add_argument("--controller-timeout-s", type=float, default=30.0)
   args = ap.parse_args(argv)
-  agent = Agent(args.name, args.controller, args.run_id, args.workdir)
-  agent.chunk = args.chunk_mb << 20
+
+  def on_term(signum, _frame):  # the launcher died (PR_SET_PDEATHSIG) or someone asked us to stop
+    raise SystemExit(128 + signum)
+  signal.signal(signal.SIGTERM, on_term)
+  signal.signal(signal.SIGINT, on_term)
+  agent = None
   try:
-    agent.run(args.heartbeat_s)
+    agent = Agent(args.name, args.controller, args.run_id, args.workdir)
+    agent.chunk = args.chunk_mb << 20
+    agent.run(args.heartbeat_s, args.controller_timeout_s)
   finally:
-    agent.shutdown()
+    signal.signal(signal.SIGTERM, signal.SIG_IGN)  # finish cleaning up even if told again
+    if agent is not None:
+      agent.shutdown()
     os._exit(0)
 
 

@@ -21,12 +21,38 @@ from jax.experimental import serialize_executable as ser
 from jax.sharding import NamedSharding
 
 
+_CODE = None
+
+
+def code_fingerprint() -> str:
+  """Hash of the source that builds the step (framework/, parallelism/, resilience/): an edit changes the key.
+  Computed once per process, when the zygote imports the code (resilience.worker._warm)."""
+  global _CODE
+  if _CODE is None:
+    root = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+    h = hashlib.sha256()
+    for top in ("framework", "parallelism", "resilience"):
+      for dirpath, dirs, files in os.walk(os.path.join(root, top)):
+        dirs.sort()
+        for f in sorted(files):
+          if f.endswith(".py"):
+            with open(os.path.join(dirpath, f), "rb") as fh:
+              h.update(f.encode() + b"\0" + fh.read())
+    _CODE = h.hexdigest()
+  return _CODE
+
+
 def key(cfg_dict: dict, n: int, extra: str = "") -> str:
-  blob = json.dumps(cfg_dict, sort_keys=True, default=str) + f"|n={n}|jax={jax.__version__}|{extra}"
+  """Everything the executable depends on: config, process count, jax / jaxlib, XLA flags, the code."""
+  import jaxlib  # noqa: PLC0415
+  blob = (json.dumps(cfg_dict, sort_keys=True, default=str) + f"|n={n}|jax={jax.__version__}|"
+          f"jaxlib={jaxlib.__version__}|xla={os.environ.get('XLA_FLAGS', '')}|code={code_fingerprint()}|{extra}")
   return hashlib.sha256(blob.encode()).hexdigest()[:16]
 
 
 def path(cache_dir: str, k: str, rank: int) -> str:
+  """Next to the persistent compilation cache: a later generation, or a rerun of the same job (e.g. after the
+  controller died), loads it instead of compiling."""
   return os.path.join(cache_dir, "aot", f"{k}-rank{rank}.pkl")
 
 

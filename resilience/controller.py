@@ -25,9 +25,11 @@ from typing import Dict, List, Optional
 import zmq
 
 from resilience import injection, wire
-from resilience.deathsig import die_with_parent
+from framework import checkpoint as ckpt_lib
+from resilience.deathsig import term_with_parent
 from resilience.injection import InjectorMixin
 from resilience.recovery import RecoveryMixin, RunFailed
+from resilience.report import ReportMixin
 from resilience.settings import HotswapSettings, to_dict
 
 log = logging.getLogger("prismllm.resilience")
@@ -46,9 +48,11 @@ class Node:
     self.hello = False
 
 
-class Controller(RecoveryMixin, InjectorMixin):
-  def __init__(self, cfg_dict: dict, total_steps: int, s: HotswapSettings, workdir: str, run_id: str):
+class Controller(RecoveryMixin, InjectorMixin, ReportMixin):
+  def __init__(self, cfg_dict: dict, total_steps: int, s: HotswapSettings, workdir: str, run_id: str,
+               lock_fd: Optional[int] = None):
     self.cfg_dict, self.total, self.s, self.workdir, self.run_id = cfg_dict, total_steps, s, workdir, run_id
+    self.lock_fd = lock_fd  # the workdir lock: agents inherit it, so it is free only once all of them are gone
     self.ctx = zmq.Context()
     self.router = wire.new_socket(self.ctx, zmq.ROUTER)
     self.router_addr = wire.bind_random(self.router)
@@ -84,7 +88,9 @@ class Controller(RecoveryMixin, InjectorMixin):
     self.faults = injection.plan(s, total_steps)
     self.spare_counter = 0
     self.cache_dir = s.compile_cache_dir or os.path.join(workdir, "jax_cache")
+    self.start_timings: Dict[int, dict] = {}
     self.events_f = open(os.path.join(workdir, "hotswap_events.jsonl"), "a")
+    self.metrics_f = open(os.path.join(workdir, "metrics.jsonl"), "a")  # one line per step (rank 0's loss)
     self.t0 = time.time()
 
   # -- bookkeeping -----------------------------------------------------------------------------------
@@ -102,14 +108,23 @@ class Controller(RecoveryMixin, InjectorMixin):
     proc = subprocess.Popen(
         [sys.executable, "-m", "resilience.agent", "--name", name, "--controller", self.router_addr,
          "--run-id", self.run_id, "--workdir", self.workdir, "--heartbeat-s", str(self.s.heartbeat_s),
-         "--chunk-mb", str(self.s.chunk_mb)],
-        env=env, cwd=REPO, stdout=logf, stderr=subprocess.STDOUT, preexec_fn=die_with_parent)
+         "--chunk-mb", str(self.s.chunk_mb), "--controller-timeout-s", str(self.s.controller_timeout_s)],
+        env=env, cwd=REPO, stdout=logf, stderr=subprocess.STDOUT, preexec_fn=term_with_parent,
+        pass_fds=() if self.lock_fd is None else (self.lock_fd,))
     logf.close()
     node = self.nodes[name] = Node(name, proc)
     return node
 
   def send(self, name: str, msg: dict):
     wire.send(self.router, msg, ident=name.encode())
+
+  def ping_agents(self, now: float):
+    """Agents clean up and exit when the controller is silent for controller_timeout_s (it died)."""
+    if now - getattr(self, "last_ping", 0.0) > self.s.heartbeat_s:
+      self.last_ping = now
+      for node in self.nodes.values():
+        if node.alive:
+          self.send(node.name, {"type": "ping"})
 
   def spares(self) -> List[str]:
     return [n.name for n in self.nodes.values() if n.role == "spare" and n.alive and n.standby_ready]
@@ -134,6 +149,7 @@ class Controller(RecoveryMixin, InjectorMixin):
         raise RunFailed(f"agents {bad} did not come up within {self.s.startup_timeout_s}s: see "
                         f"{self.workdir}/logs/*.log")
       self.poll_once(50)
+      self.ping_agents(time.time())
       for n in self.nodes.values():
         if n.proc.poll() is not None:
           raise RunFailed(f"agent {n.name} exited with rc {n.proc.returncode} at start-up: see "
@@ -142,7 +158,16 @@ class Controller(RecoveryMixin, InjectorMixin):
     for name in self.members:
       self.nodes[name].role = "member"
     self.event("agents_ready", nodes=self.members, spares=self.spares())
-    self.start_generation({"tier": "init", "version": 0})
+    self.start_generation(self.resume_plan())
+
+  def resume_plan(self) -> dict:
+    """A rerun in the same workdir continues from its newest persistent checkpoint (verified by the workers on
+    restore: a corrupt one is moved aside and the next older one is used, a foreign one stops the run)."""
+    step = ckpt_lib.latest_usable_step(ckpt_lib.checkpoint_dir(self.workdir))
+    if step is None or step <= 0:
+      return {"tier": "init", "version": 0}
+    self.event("resume", version=step, source=ckpt_lib.checkpoint_dir(self.workdir))
+    return {"tier": "persistent", "version": min(step, self.total)}
 
   def start_generation(self, plan: dict):
     self.gen += 1
@@ -163,7 +188,7 @@ class Controller(RecoveryMixin, InjectorMixin):
       msg = {"type": "assign", "gen": self.gen, "rank": rank, "n": self.s.nodes, "coordinator": coordinator,
              "restore": dict(plan), "buddies": [self.nodes[self.members[b]].data_addr for b in self.buddies(rank)],
              "config": self.cfg_dict, "settings": to_dict(self.s), "workdir": self.workdir,
-             "controller_pull": self.pull_addr, "controller_pub": self.pub_addr,
+             "controller_pull": self.pull_addr, "controller_pub": self.pub_addr, "run_id": self.run_id,
              "compile_cache_dir": self.cache_dir}
       self.send(name, msg)
     self.event("generation", coordinator=coordinator, members=list(self.members), tier=plan["tier"],
@@ -236,8 +261,12 @@ class Controller(RecoveryMixin, InjectorMixin):
       if rank == 0:
         self.losses[step] = msg["loss"]
         self.loss_gen[step] = self.gen
+        self.metrics_f.write(json.dumps({"step": step, "loss": msg["loss"], "gen": self.gen, "run_id": self.run_id,
+                                         "t": msg["t"]}) + "\n")
+        self.metrics_f.flush()
         self.step_times.append({"gen": self.gen, "step": step, "dt": msg["dt"], "on": msg["on"],
-                                "transition": msg["transition"], "first": msg["first"]})
+                                "transition": msg["transition"], "first": msg["first"],
+                                "after_save": msg.get("after_save", False), "t": msg["t"]})
       if step > self.gen_max_step:
         self.gen_max_step = step
         self.last_progress = time.time()
@@ -258,6 +287,8 @@ class Controller(RecoveryMixin, InjectorMixin):
     elif kind == "timing":
       if self.rec is not None:
         self.rec.setdefault("timings", {})[rank] = msg
+      elif self.gen == 0:  # start-up of this launch (a rerun's restart cost)
+        self.start_timings[rank] = msg
     elif kind == "done":
       self.done[rank] = msg
       if self.rec is not None and self.state == "running":  # recovered at the very end: nothing left to run
@@ -265,15 +296,28 @@ class Controller(RecoveryMixin, InjectorMixin):
         if len(self.rec["first_step_t"]) == self.s.nodes:
           self.finish_recovery()
     elif kind == "restore_failed":
-      self.event("restore_failed", rank=rank, node=msg["node"], why=msg["why"])
-      if self.rec is not None and self.state == "running":
-        self.begin_recovery(set(), "in-memory restore failed its checksum", time.time(), force_tier="persistent")
+      self.on_restore_failed(msg)
     elif kind == "error":
       self.event("worker_error", rank=rank, node=msg["node"], error=msg["error"], trace=msg.get("trace"))
       # an error with no failure detected within the grace period is a bug, also while a new generation
       # is still starting (its first steps not yet seen); a secondary effect of a crash clears it
       if self.pending_error is None and self.state == "running":
         self.pending_error = {"t": time.time(), **msg}
+
+  def on_restore_failed(self, msg: dict):
+    """A worker could not restore its plan: memory snapshot checksum, or a bad / foreign persistent checkpoint."""
+    self.event("restore_failed", rank=msg["rank"], node=msg["node"], why=msg["why"], kind=msg.get("kind"),
+               step=msg.get("step"))
+    if self.state != "running":
+      return  # this generation is already being fenced
+    if msg.get("kind") == "foreign":
+      raise RunFailed(msg["why"])
+    cause = "in-memory restore failed its checksum"
+    if msg.get("tier") == "persistent":
+      cause = f"persistent checkpoint step {msg.get('step')} unusable"
+    self.begin_recovery(set(), cause, time.time(), force_tier="persistent")
+    if msg.get("tier") == "persistent":  # moved aside once the generation is fenced (advance_recovery)
+      self.rec.setdefault("quarantine", []).append((msg.get("step"), msg["why"]))
 
   def check_commit(self, v: int):
     if v <= self.committed or len(self.stored.get(v, ())) < self.s.nodes:
@@ -344,6 +388,7 @@ class Controller(RecoveryMixin, InjectorMixin):
         pe = self.pending_error
         raise RunFailed(f"worker rank {pe['rank']} ({pe['node']}) raised and no node failed: this is a bug, "
                         f"not a fault: {pe['error']}\n{pe.get('trace', '')}")
+    self.ping_agents(now)
     if self.state == "running" and now - getattr(self, "last_commit_pub", 0.0) > self.s.heartbeat_s and \
        self.committed >= 0:
       # re-publish: a subscriber that joined after the commit went out (zmq slow joiner) must not wait forever
@@ -360,6 +405,7 @@ class Controller(RecoveryMixin, InjectorMixin):
       f.__dict__["detected"] = True
       t_inj = f.__dict__.get("t_fail", t_inj)
     self.begin_recovery(ranks, cause, t_inj or t_fail, force_tier=force_tier)
+    self.rec.setdefault("injected", []).extend(f.kind for f in injected)
 
   # -- main loop -------------------------------------------------------------------------------------------
   def run(self) -> dict:
@@ -374,27 +420,6 @@ class Controller(RecoveryMixin, InjectorMixin):
     self.state = "done"
     self.event("finished", steps=self.total)
     return self.summary()
-
-  def summary(self) -> dict:
-    fired = [f for f in self.faults if f.fired]
-    on = [x["dt"] for x in self.step_times if x["on"] and not x["first"] and not x["transition"]]
-    off = [x["dt"] for x in self.step_times if not x["on"] and not x["first"] and not x["transition"]]
-    done = [self.done[r] for r in sorted(self.done)]
-    return {"steps": self.total, "nodes": self.s.nodes, "spares": self.s.spares, "replicas": self.s.replicas,
-            "generations": self.gen + 1, "failures_injected": sum(2 if f.kind in ("two",) or
-                                                                  (f.kind == "recovery" and f.stage) else 1
-                                                                  for f in fired if f.kind != "spare"),
-            "spares_killed": sum(1 for f in fired if f.kind == "spare"),
-            "recoveries": self.recoveries, "losses": {str(k): v for k, v in sorted(self.losses.items())},
-            "loss_mismatch_on_recompute": self.loss_mismatch, "recompute_checks": self.recompute_checks, "final_crc": [d["final_crc"] for d in done],
-            "snapshot_bytes_per_rank": done[0].get("snapshot_bytes") if done else None,
-            "snapshot_copy_ms_median": done[0].get("snap_copy_ms_median") if done else None,
-            "snapshot_crc_ms_median": done[0].get("snap_crc_ms_median") if done else None,
-            "snapshots_skipped": sum(d.get("snapshots_skipped") or 0 for d in done),
-            "step_times_on_s": on, "step_times_off_s": off, "committed": self.committed,
-            "wall_s": time.time() - self.t0, "workdir": self.workdir,
-            "train_wall_s": getattr(self, "t_last_step", 0.0) - (getattr(self, "t_first_step", None) or 0.0),
-            "events": os.path.join(self.workdir, "hotswap_events.jsonl")}
 
   def close(self):
     for node in self.nodes.values():
@@ -414,6 +439,7 @@ class Controller(RecoveryMixin, InjectorMixin):
         node.proc.wait()
       self._kill(node.worker_pid)
     self.events_f.close()
+    self.metrics_f.close()
     self.router.close()
     self.pull.close()
     self.pub.close()

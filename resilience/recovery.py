@@ -4,9 +4,10 @@ Mixed into :class:`resilience.controller.Controller` (it uses its members, nodes
 """
 from __future__ import annotations
 
-import os
 import time
 from typing import Optional
+
+from framework import checkpoint as ckpt_lib
 
 
 class RunFailed(RuntimeError):
@@ -58,6 +59,9 @@ class RecoveryMixin:
     if any(self.nodes[n].alive for n in rec["kills_pending"]):
       return
     rec.setdefault("t_fenced", time.time())
+    for step, why in rec.pop("quarantine", []):  # a bad persistent step: set aside (kept), then the next older
+      moved = ckpt_lib.quarantine(ckpt_lib.checkpoint_dir(self.workdir), step, why)
+      self.event("checkpoint_quarantined", step=step, why=why, moved_to=moved)
     if "plan" not in rec:
       # assign spares to every failed rank whose member is retired
       need = [r for r in range(self.s.nodes) if self.nodes[self.members[r]].role != "member"]
@@ -152,15 +156,12 @@ class RecoveryMixin:
            "detail_s": {"fence": rec.get("t_fenced", rec["t_detect"]) - rec["t_detect"], "replica_fetch": fetch,
                         "jax_distributed_init": init, "mesh_and_step_build": build,
                         "restore_in_worker": restore_worker},
-           "restarts_during_recovery": rec["n_restarts"]}
+           "restarts_during_recovery": rec["n_restarts"], "injected": rec.get("injected", [])}
     self.recoveries.append(out)
     self.event("recovered", **{k: v for k, v in out.items() if k != "swaps"})
 
 
 def latest_persistent_step(workdir: str) -> Optional[int]:
-  """Latest *finalized* orbax step in <workdir>/checkpoints (orbax writes tmp dirs, then renames)."""
-  d = os.path.join(os.path.abspath(workdir), "checkpoints")
-  if not os.path.isdir(d):
-    return None
-  steps = [int(x) for x in os.listdir(d) if x.isdigit() and os.path.isdir(os.path.join(d, x))]
-  return max(steps) if steps else None
+  """Latest *finalized* orbax step in <workdir>/checkpoints that looks complete (orbax writes tmp dirs, then
+  renames; the workers verify its checksum when they restore it)."""
+  return ckpt_lib.latest_usable_step(ckpt_lib.checkpoint_dir(workdir))

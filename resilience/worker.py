@@ -51,6 +51,8 @@ def _warm(workdir: str) -> dict:
   import numpy as np  # noqa: F401
   from framework import checkpoint, config, data, model, train_step  # noqa: F401
   from parallelism import mesh, step  # noqa: F401
+  from resilience import aot, layout, slots, snapshot  # noqa: F401
+  aot.code_fingerprint()  # of the code as imported here: every worker forked from this zygote runs exactly it
   with open(os.path.join(workdir, "config.json")) as f:
     cfg0 = config.from_dict(json.load(f)["config"])
   return {"data_cfg": cfg0.data, "corpus": data.split(data.load_corpus(cfg0.data), cfg0.data),
@@ -185,15 +187,15 @@ def _train(start, agent, push, ctx, t_start, name, warm):
   s = start["settings"]
   gen, rank, n = start["gen"], start["rank"], start["n"]
   base = {"rank": rank, "gen": gen, "node": name}
-  # Generation 0 compiles fresh and serializes the executable for later generations (aot.py): an XLA:CPU
-  # executable that was itself loaded from the persistent cache re-serializes without its object code
-  # ("Function ... not found" when loaded). Later generations keep the persistent cache as the
-  # fallback when the serialized executable cannot be used.
-  fresh_compile = start["restore"]["tier"] == "init"
-  if not fresh_compile:
-    jax.config.update("jax_compilation_cache_dir", start["compile_cache_dir"])
-    jax.config.update("jax_persistent_cache_min_compile_time_secs", 0.0)
-    jax.config.update("jax_persistent_cache_min_entry_size_bytes", -1)
+  # Without a serialized executable (aot.py) of this job, generation 0 compiles its step fresh and serializes
+  # it for later generations and reruns: an XLA:CPU executable that was itself loaded from the persistent cache
+  # re-serializes without its object code ("Function ... not found" when loaded). Its other programs (state
+  # init, checksums) use the persistent cache; later generations keep it as the fallback when the serialized
+  # executable cannot be used.
+  fresh_compile = gen == 0
+  jax.config.update("jax_compilation_cache_dir", start["compile_cache_dir"])
+  jax.config.update("jax_persistent_cache_min_compile_time_secs", 0.0)
+  jax.config.update("jax_persistent_cache_min_entry_size_bytes", -1)
   jax.config.update("jax_cpu_collectives_implementation", "gloo")
   # jax's own heartbeat would abort every survivor (SIGABRT) when a peer stops; our controller
   # detects and fences first, so give jax a long timeout and let fencing be the only exit path.
@@ -209,16 +211,16 @@ def _train(start, agent, push, ctx, t_start, name, warm):
   msh = make_mesh(cfg.mesh)
   probe = s["snapshot"] and s["overhead_probe_block"] > 0
   plan = start["restore"]
-  # per run (not in the shared compile cache): an executable is only reused by the run that compiled it
-  aot_path = aot_lib.path(start["workdir"], aot_lib.key(start["config"], n, f"{s['snapshot']},{probe}"), rank)
+  aot_path = aot_lib.path(start["compile_cache_dir"], aot_lib.key(start["config"], n, f"{s['snapshot']},{probe}"),
+                          rank)
   loaded = None
-  if plan["tier"] != "init":  # a later generation: reuse this rank's executable from generation 0
-    try:
-      loaded = aot_lib.load(aot_path, msh)
-    except Exception as e:  # noqa: BLE001 - any mismatch: rebuild and recompile instead
-      _log("aot executable unusable, recompiling:", repr(e)[:300])
+  try:  # this rank's executable from an earlier generation or run of the same job, if there is one
+    loaded = aot_lib.load(aot_path, msh)
+  except Exception as e:  # noqa: BLE001 - any mismatch: rebuild and recompile instead
+    _log("aot executable unusable, recompiling:", repr(e)[:300])
   step_obj = donated_obj = None
   if loaded is not None:
+    fresh_compile = False
     compiled, abstract, batch_spec = loaded
   else:
     # The layer reads the state while the next step runs, so its step must not donate the state.
@@ -243,8 +245,11 @@ def _train(start, agent, push, ctx, t_start, name, warm):
     slot_file = slots_lib.SlotFile(rep["path"], lay.nbytes, create=False)
 
   workdir = start["workdir"]
-  ckpt = ckpt_lib.Checkpointer(workdir, cfg.checkpoint) if s["persist_every"] > 0 or plan["tier"] == "persistent" \
-      else None
+  # the orbax manager (a collective start-up: seconds on a busy host) is opened only to restore from it, else at
+  # the first save: never on the way from a failure to the first step of the memory tier
+  ckpt = ckpt_lib.Checkpointer(workdir, cfg.checkpoint) if plan["tier"] == "persistent" else None
+  # probe: a save every 2N steps only, so N-step windows after a save alternate with windows without one
+  persist_period = s["persist_every"] * (2 if s["persist_probe"] else 1)
   if plan["tier"] == "memory":
     slot = plan["slot"]
     view = slot_file.view(slot, lay.nbytes)
@@ -257,10 +262,16 @@ def _train(start, agent, push, ctx, t_start, name, warm):
     state = layout_lib.unpack(view, lay)
     start_step = plan["version"]
   elif plan["tier"] == "persistent":
-    state, _ = ckpt.restore(abstract, step=plan["version"])
+    try:
+      state, _ = ckpt.restore_step(abstract, plan["version"])
+    except ckpt_lib.CheckpointError as e:  # the controller sets a corrupt step aside and falls back; foreign: stop
+      wire.send(push, {"type": "restore_failed", **base, "tier": "persistent", "kind": e.kind,
+                       "step": plan["version"], "why": str(e)})
+      time.sleep(3600)
     start_step = plan["version"]
   else:
-    state = step_obj.init_state(jax.random.key(cfg.train.seed))
+    init_obj = step_obj or build_step(cfg, msh, donate=not s["snapshot"])  # the executable came from aot
+    state = init_obj.init_state(jax.random.key(cfg.train.seed))
     start_step = 0
   jax.block_until_ready(state)
   assert int(jax.device_get(state.step)) == start_step, (int(jax.device_get(state.step)), start_step)
@@ -270,6 +281,10 @@ def _train(start, agent, push, ctx, t_start, name, warm):
   if loaded is not None:
     run, run_donated = compiled["run"], compiled.get("run_donated")
   else:
+    if fresh_compile:  # see above: the step itself must not come from the persistent cache
+      from jax._src import compilation_cache  # noqa: PLC0415
+      jax.config.update("jax_enable_compilation_cache", False)
+      compilation_cache.reset_cache()
     with step_obj.context():
       run = step_obj.lower().compile()
       run_donated = donated_obj.lower().compile() if probe else None
@@ -297,6 +312,7 @@ def _train(start, agent, push, ctx, t_start, name, warm):
   prev_on = None
   t_prev = time.perf_counter()
   first = True
+  after_save = False
   for step in range(start_step, total):
     on = s["snapshot"] and (not probe or ((step - start_step) // block) % 2 == 0)
     transition = prev_on is not None and on != prev_on
@@ -312,13 +328,18 @@ def _train(start, agent, push, ctx, t_start, name, warm):
     if on:
       snap.offer(version, state)
     wire.send(push, {"type": "step", **base, "step": version, "loss": loss, "dt": dt, "on": bool(on),
-                     "transition": transition, "first": first, "t": wire.now()})
-    first = False
-    if ckpt is not None and s["persist_every"] > 0 and version % s["persist_every"] == 0:
+                     "transition": transition, "first": first, "after_save": after_save, "t": wire.now()})
+    first = after_save = False
+    if persist_period > 0 and version % persist_period == 0 and version < total:
       if not on and probe:
         jax.block_until_ready(state)
-      ckpt.save(version, state, {"step": version, "seed": cfg.data.seed})
+      ckpt = ckpt or ckpt_lib.Checkpointer(workdir, cfg.checkpoint)
+      after_save = ckpt.save(version, state, {"step": version, "seed": cfg.data.seed})  # dt of the next step
 
+  if s["persist_every"] > 0:
+    ckpt = ckpt or ckpt_lib.Checkpointer(workdir, cfg.checkpoint)
+    if ckpt.latest_step() != total:
+      ckpt.save(total, state, {"step": total, "seed": cfg.data.seed}, force=True)  # the final state is durable too
   if ckpt is not None:
     ckpt.wait()
   final_crc, final_bytes = None, None
@@ -339,6 +360,8 @@ def _train(start, agent, push, ctx, t_start, name, warm):
     stats = {"snap_copy_ms_median": 1e3 * float(np.median(snap.copy_s)) if snap.copy_s else None,
              "snap_crc_ms_median": 1e3 * float(np.median(snap.crc_s)) if snap.crc_s else None,
              "snapshots_written": snap.written, "snapshots_skipped": snap.skipped}
+  if ckpt is not None and ckpt.save_s:
+    stats.update(persist_saves=len(ckpt.save_s), persist_save_ms_median=1e3 * float(np.median(ckpt.save_s)))
   wire.send(push, {"type": "done", **base, "final_crc": final_crc, "final_bytes": final_bytes,
                    "snapshot_bytes": lay.nbytes, **stats})
   if ckpt is not None:

@@ -5,7 +5,8 @@ Command:
   python -m experiments.run --config experiments/configs/hotswap.py --workdir /tmp/prismllm/hotswap \
       --config.extras.resilience.fail_at=12 --config.extras.resilience.fail_kind=node
 Reproduces: the run survives the injected failure, the spare takes the failed rank, and losses and final
-state are bit-identical to a failure-free run (benchmarks/hotswap.py measures it side by side).
+state are bit-identical to a failure-free run (benchmarks/hotswap.py measures it side by side). The persistent
+tier (async orbax every 10 steps) is on: rerun the same command after the controller died and it resumes.
 Variants: ':runlocal=True' is the small model used by tests/resilience (seconds per run).
 Model: ~3.3M params = 13.1 MB fp32 (39 MB train state with AdamW moments, 9.9 MB per node).
 """
@@ -30,7 +31,7 @@ def get_config(arg=None):
   c.extras = dict(resilience=dict(
       nodes=a.nodes, spares=a.spares, replicas=a.replicas, respawn_spares=False,
       fail_at="", fail_kind="worker", fail_rank=-1, fail_seed=0,
-      heartbeat_s=0.25, heartbeat_timeout_s=2.0, persist_every=0, overhead_probe_block=0, compile_cache_dir=""))
+      heartbeat_s=0.25, heartbeat_timeout_s=2.0, persist_every=10, overhead_probe_block=0, compile_cache_dir=""))
   if a.runlocal:
     c.model.update(d_model=64, n_layers=2, n_heads=4, n_kv_heads=2, d_ff=128, max_seq_len=32)
     c.data.update(seq_len=32, global_batch=8, max_bytes=200_000)

@@ -117,3 +117,63 @@ def test_goodput_orders_strategies_sensibly():
   assert g["hotswap"] < 1 / 1.01
   no_fail = goodput.predict(goodput.Costs(step_s=1.0, nodes=4, node_mtbf_s=1e15, hotswap_overhead_ratio=1.02))
   assert no_fail["goodput"]["hotswap"] == pytest.approx(1 / 1.02, rel=1e-6)
+
+
+@pytest.mark.parametrize("d,match", [
+    ({"nodes": "abc"}, "nodes must be int"), ({"persist_every": -1}, "persist_every=-1 is out of range"),
+    ({"spares": -1}, "spares=-1"), ({"heartbeat_timeout_s": 0}, "heartbeat_timeout_s=0.0"),
+    ({"snapshot": "yes"}, "snapshot must be bool"), ({"fail_at": "x"}, "fail_at='x' must be a step"),
+    ({"fail_at": "3,4", "fail_kind": "node,hang,worker"}, "3 entries for 2 fail_at"), ({"fail_rank": 4}, "< nodes=4"),
+    ({"heartbeat_s": 3.0}, "must exceed heartbeat_s"), ({"fail_at": -3}, ">= 0")])
+def test_settings_reject_wrong_types_and_ranges(d, match):
+  with pytest.raises(ConfigError, match=match):
+    settings.from_dict(d)
+  assert settings.from_dict({"nodes": 3.0, "heartbeat_s": 1}).nodes == 3  # integral float / int widened: fine
+
+
+def test_workdir_lock_and_sweep_touch_only_this_workdir(tmp_path, monkeypatch):
+  from resilience import launch
+  from resilience.recovery import RunFailed
+  shm = tmp_path / "shm"
+  shm.mkdir()
+  monkeypatch.setattr(slots, "shm_dir", lambda: str(shm))
+  monkeypatch.setattr(launch, "LOCK_WAIT_S", 0.3)
+  wd = tmp_path / "wd"
+  wd.mkdir()
+  (wd / "run_id").write_text("aaaa1\n")
+  for name in ("prismllm-aaaa1-node0-own", "prismllm-aaaa1-node1-rep0", "prismllm-bbbb2-node0-own"):
+    (shm / name).write_bytes(b"x")
+  fd = launch.lock_workdir(str(wd))
+  try:
+    with pytest.raises(RunFailed, match="in use by another hot-swap run .*another --workdir"):
+      launch.lock_workdir(str(wd))
+    removed = launch.sweep_stale(str(wd))
+  finally:
+    os.close(fd)
+  assert sorted(os.path.basename(p) for p in removed) == ["prismllm-aaaa1-node0-own", "prismllm-aaaa1-node1-rep0"]
+  assert os.listdir(shm) == ["prismllm-bbbb2-node0-own"]  # another job's segment is never touched
+  os.close(launch.lock_workdir(str(wd)))  # free again once the holder closed it
+
+
+def test_goodput_schedule_prediction_adds_measured_costs():
+  base = goodput.predict_schedule(0.5, 101, [], {}, {}, plain_step_s=0.4)
+  assert base["wall_s"] == pytest.approx(50.0) and base["goodput"] == pytest.approx(101 * 0.4 / 50.0)
+  one = goodput.predict_schedule(0.5, 101, ["node"], {"node": 7.0}, {"node": 2}, plain_step_s=0.4)
+  assert one["wall_s"] == pytest.approx(50.0 + 7.0 + 0.5)  # recovery + the one extra recomputed step
+  unk = goodput.predict_schedule(0.5, 101, ["hang"], {"node": 7.0, "worker": 3.0}, {"node": 1, "worker": 1}, 0.4)
+  assert unk["wall_s"] == pytest.approx(55.0) and unk["unmeasured_kinds"] == ["hang"]  # median of the measured
+
+
+def test_goodput_vs_mtbf_orders_strategies_and_keeps_sources():
+  d = {"nodes": 4, "spares": 1, "measured_costs": {
+      "step_s": {"value": 0.3, "source": "A"}, "hotswap_overhead_ratio": {"value": 1.05, "source": "A x P"},
+      "hotswap_recovery_s": {"value": 5.0, "source": "C"}, "mem_overhead_ratio": {"value": 1.03, "source": "A"},
+      "mem_restart_s": {"value": 30.0, "source": "C + R"}, "disk_save_s": {"value": 0.5, "source": "P"},
+      "disk_restart_s": {"value": 35.0, "source": "C + R"}}}
+  c = goodput.costs_from_benchmark(d, node_mtbf_s=3600.0)
+  assert dict(c.sources)["hotswap_recovery_s"] == "C" and c.disk_restart_s == 35.0
+  rows = goodput.goodput_vs_mtbf(c, [120.0, 3600.0, 1e9])
+  assert [r["node_mtbf_s"] for r in rows] == [120.0, 3600.0, 1e9]
+  assert rows[0]["goodput_hotswap"] > rows[0]["goodput_in_memory_restart"] > rows[0]["goodput_disk_checkpoint_restart"]
+  assert all(a["goodput_hotswap"] < b["goodput_hotswap"] for a, b in zip(rows, rows[1:]))  # fewer failures: better
+  assert rows[-1]["goodput_hotswap"] == pytest.approx(1 / 1.05, rel=1e-4)
