@@ -20,7 +20,7 @@ from typing import Iterable, Optional
 import numpy as np
 
 from framework.config import ModelConfig
-from ondevice import kernels, planes
+from ondevice import gguf_check, kernels, planes
 from ondevice.weights import MappedGGUF
 
 
@@ -119,6 +119,7 @@ class GGUFLlama:
     """``repack``: copy Q8_0/Q4_0 matrices once into SIMD planes (kernels.repack; ~6x faster mat-vecs,
     +11%/+6% bytes of anonymous memory). False computes on the mmap views, so the file's pages are
     what the kernels touch (ring devices with real I/O)."""
+    gguf_check.check_runnable(mapped.info)
     self.mapped = mapped
     self.repack = repack
     self.cfg: ModelConfig = mapped.info.cfg
