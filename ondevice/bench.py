@@ -3,9 +3,9 @@
    python -m ondevice.bench --model m.gguf --suite ring --devices devices.yaml [--draft d.gguf]
 
 Prints one JSON object and appends a row to benchmarks/RESULTS.md.
-single: TPOT / prefill of our packed-weight engine vs llama.cpp on the same file and thread count (if
-        installed; decoded token by token in turn with ours, so machine load drift hits both alike) vs a
-        jitted JAX f32 decode step (framework.model on the file's dequantised weights; --no-jax skips it).
+single: TPOT / prefill of our engine vs llama.cpp (exact and default configurations) on the same file, the
+        same token stream and 1 and 2 threads (bench_single.py), and a jitted JAX f32 decode step
+        (framework.model on the file's dequantised weights; --no-jax skips it).
 kernels: one 2816x1024 mat-vec per kernel (mmap layout, planes hot/streamed/4 tokens, F16, F32 BLAS).
 ring:   emulated devices (labelled "clock": "emulated"): single mmap device, exo-like memory split (k=1),
         dllama-like equal split, Halda + pipelined ring + prefetch, Halda at k=1, and speculative decoding.
@@ -30,134 +30,6 @@ def _median_ms(ts):
 
 def _iqr_ms(ts):
   return [1e3 * float(np.percentile(ts, 25)), 1e3 * float(np.percentile(ts, 75))]
-
-
-class _Ours:
-  """Our engine behind the same step interface as _LlamaCpp: prefill(prompt) and step(token) -> logits."""
-  name = "ours"
-
-  def __init__(self, path: str, ctx: int, repack: bool = True):
-    from ondevice.forward import GGUFLlama
-    from ondevice.weights import MappedGGUF
-    self.m = GGUFLlama(MappedGGUF(path), max_len=ctx, repack=repack)
-    self.m.forward(list(b"warm"), 0, self.m.new_cache())  # compile / load kernels outside the timing
-    self.m.forward(list(b"w"), 4, self.m.new_cache())
-
-  def prefill(self, prompt):
-    self.c, self.pos = self.m.new_cache(), len(prompt)
-    return self.m.forward(prompt, 0, self.c)[-1]
-
-  def step(self, tok):
-    logits = self.m.forward([tok], self.pos, self.c)[-1]
-    self.pos += 1
-    return logits
-
-
-class _LlamaCpp:
-  """llama.cpp through llama-cpp-python with its default settings (f16 KV cache), n_threads as ours."""
-  name = "llama_cpp"
-
-  def __init__(self, path: str, ctx: int, threads: int):
-    import llama_cpp
-    self.llm = llama_cpp.Llama(path, n_ctx=ctx, n_threads=threads, n_threads_batch=threads, verbose=False)
-    self.n_vocab = self.llm.n_vocab()
-    self.llm.eval(list(b"warm"))
-
-  def _last_logits(self):
-    # Llama.scores is only filled with logits_all=True (which costs a full logits copy per token);
-    # read the last row straight from the context instead.
-    return np.ctypeslib.as_array(self.llm._ctx.get_logits_ith(-1), shape=(self.n_vocab,)).copy()
-
-  def prefill(self, prompt):
-    self.llm.reset()
-    self.llm.eval(prompt)
-    return self._last_logits()
-
-  def step(self, tok):
-    self.llm.eval([tok])
-    return self._last_logits()
-
-
-def bench_paired(engines: list, prompt: list, n: int) -> dict:
-  """Decode n greedy tokens with every engine, one token of each in turn, so that load drift on this
-  shared machine hits all of them alike. Per engine: median TPOT, IQR, prefill tokens/s, tokens."""
-  out = {}
-  state = {}
-  for e in engines:
-    t0 = time.perf_counter()
-    logits = e.prefill(prompt)
-    state[e.name] = {"prefill_s": time.perf_counter() - t0, "tok": int(np.argmax(logits)), "ts": [], "toks": []}
-  for _ in range(n):
-    for e in engines:
-      st = state[e.name]
-      st["toks"].append(st["tok"])
-      t0 = time.perf_counter()
-      logits = e.step(st["tok"])
-      st["ts"].append(time.perf_counter() - t0)
-      st["tok"] = int(np.argmax(logits))
-  for name, st in state.items():
-    out[name] = {"tpot_ms": _median_ms(st["ts"]), "tpot_iqr_ms": _iqr_ms(st["ts"]),
-                 "prefill_tok_s": len(prompt) / st["prefill_s"], "tokens": st["toks"]}
-  return out
-
-
-def bench_parity(path: str, prompt: list, n: int) -> dict:
-  """Greedy tokens of ours vs llama.cpp in its exact-arithmetic configuration (f32 KV cache, no flash
-  attention: its CPU flash-attention path rounds Q to f16). Reports the prefill logit difference and,
-  if the token streams diverge, where, with llama.cpp's top-2 logit margin there."""
-  import llama_cpp
-  from ondevice.forward import GGUFLlama
-  from ondevice.weights import MappedGGUF
-  ctx = len(prompt) + n + 8
-  m = GGUFLlama(MappedGGUF(path), max_len=ctx)
-  c = m.new_cache()
-  llm = llama_cpp.Llama(path, n_ctx=ctx, n_threads=1, logits_all=True, type_k=0, type_v=0, flash_attn=False,
-                        verbose=False)
-  ours = m.forward(prompt, 0, c)
-  llm.eval(prompt)
-  theirs = llm.scores[:len(prompt)]
-  out = {"config": "llama.cpp f32 KV, flash_attn off", "tokens_compared": n, "first_divergence": None,
-         "prefill_max_abs_logit_diff": float(np.abs(ours - theirs).max()),
-         "logit_scale": float(np.abs(theirs).max())}
-  a, b = ours[-1], theirs[-1]
-  for i in range(n):
-    ta, tb = int(np.argmax(a)), int(np.argmax(b))
-    if ta != tb:
-      top2 = np.sort(b)[-2:]
-      out.update(first_divergence=i, llama_cpp_top2_margin_there=float(top2[1] - top2[0]))
-      break
-    a = m.forward([ta], len(prompt) + i, c)[-1]
-    llm.eval([ta])
-    b = llm.scores[llm.n_tokens - 1]
-  return out
-
-
-def bench_single(path: str, prompt: list, n: int, threads: int) -> dict:
-  from ondevice.weights import io_counters
-  ctx = len(prompt) + n + 8
-  io0 = io_counters()
-  engines = [_Ours(path, ctx)]
-  try:
-    engines.append(_LlamaCpp(path, ctx, threads))
-    skipped = None
-  except ImportError:
-    skipped = "llama-cpp-python not installed (pip install llama-cpp-python builds it from source)"
-  res = bench_paired(engines, prompt, n)
-  io1 = io_counters()
-  res["ours"].update(major_faults=io1["major_faults"] - io0["major_faults"],
-                     disk_read_mb=(io1.get("read_bytes", 0) - io0.get("read_bytes", 0)) / 2**20)
-  if skipped:
-    res["llama_cpp"] = {"skipped": skipped}
-  else:
-    a, b = res["ours"], res["llama_cpp"]
-    res["tpot_ratio_ours_over_llama_cpp"] = a["tpot_ms"] / b["tpot_ms"]
-    res["same_greedy_tokens"] = a["tokens"] == b["tokens"]
-    res["llama_cpp"]["config"] = "default (f16 KV cache), n_threads = --threads, interleaved token by token"
-    res["greedy_parity_exact_config"] = bench_parity(path, prompt, n)
-  for r in res.values():
-    if isinstance(r, dict) and "tokens" in r:
-      r["tokens"] = bytes(t for t in r["tokens"] if t < 256).decode("utf-8", "replace")
-  return res
 
 
 def bench_jax(path: str, prompt: list, n: int) -> dict:
@@ -353,14 +225,14 @@ def main(argv=None) -> int:
   ap.add_argument("--gammas", default="2,3,4,6", help="spec: draft lengths to sweep")
   ap.add_argument("--tokens", type=int, default=32)
   ap.add_argument("--prompt", default="def fibonacci(n):\n    ")
-  ap.add_argument("--threads", type=int, default=1)
+  ap.add_argument("--threads", default="1,2", help="single: thread counts to compare (ours and llama.cpp alike)")
+  ap.add_argument("--rounds", type=int, default=3, help="single: repetitions of the paired stream (noise floor)")
   ap.add_argument("--no-jax", action="store_true")
   ap.add_argument("--no-append", action="store_true")
   ap.add_argument("--scenarios", default="", help="ring: extra scenarios to run besides single, exo-like and Halda (which always run); 'none' = only those")
   args = ap.parse_args(argv)
   from ondevice import kernels
   from ondevice.gguf_io import describe, read_info
-  kernels.set_threads(args.threads)
   prompt = list(args.prompt.encode())
   if args.suite != "kernels" and not args.model:
     ap.error(f"--suite {args.suite} needs --model")
@@ -371,7 +243,9 @@ def main(argv=None) -> int:
   if args.suite == "kernels":
     res["kernels"] = bench_kernels()
   elif args.suite == "single":
-    res.update(bench_single(args.model, prompt, args.tokens, args.threads))
+    from ondevice import bench_single
+    threads = tuple(int(t) for t in str(args.threads).split(","))
+    res.update(bench_single.run(args.model, prompt, args.tokens, threads, args.rounds))
     res["jax_f32"] = {"skipped": "--no-jax"} if args.no_jax else bench_jax(args.model, prompt, args.tokens)
   elif args.suite == "spec":
     if not args.draft:
