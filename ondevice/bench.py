@@ -7,8 +7,9 @@ single: TPOT / prefill of our engine vs llama.cpp (exact and default configurati
         same token stream and 1 and 2 threads (bench_single.py), and a jitted JAX f32 decode step
         (framework.model on the file's dequantised weights; --no-jax skips it).
 kernels: one 2816x1024 mat-vec per kernel (mmap layout, planes hot/streamed/4 tokens, F16, F32 BLAS).
-ring:   emulated devices (labelled "clock": "emulated"): single mmap device, exo-like memory split (k=1),
-        dllama-like equal split, Halda + pipelined ring + prefetch, Halda at k=1, and speculative decoding.
+ring:   emulated devices (labelled "clock": "emulated"): every device alone (the best one is the baseline),
+        exo-like, equal-layers and dllama-like tensor-parallel splits, Halda's ring, and speculative decoding on
+        stdlib text (bench_ring.py).
 """
 from __future__ import annotations
 
@@ -56,71 +57,6 @@ def bench_jax(path: str, prompt: list, n: int) -> dict:
         ts.append(time.perf_counter() - t0)
       pos += 1
   return {"tpot_ms": _median_ms(ts)}
-
-
-def bench_ring(path: str, devices: str, n: int, prompt: list, draft: str = None, gamma: int = 4,
-               only: tuple = ()) -> dict:
-  from ondevice import generate, planner, profiler
-  from ondevice.device import DeviceOptions
-  from ondevice.emulation import load_devices
-  from ondevice.forward import GGUFLlama
-  from ondevice.gguf_io import read_info
-  from ondevice.ring import RingEngine
-  from ondevice.weights import MappedGGUF
-  info = read_info(path)
-  d = load_devices(devices)
-  specs = d["devices"]
-  layer_s, head_s = profiler.layer_time(path), profiler.head_time(path)
-  ctx = len(prompt) + n + 8
-  chunk = 4096  # one page: the emulated page cache is exact at page granularity
-  # (plan method, k, residency policy, prefetch). "os" = LRU page cache decides (llama.cpp / exo mmap);
-  # "os" + prefetch = prima.cpp's runtime (read ahead the whole next window after sending, no release);
-  # "plan" = Halda's pin / prefetch-buffer / fault split (device.py).
-  scen = {
-      "single_mmap": ("single", 1, "os", False),
-      "exo_like_memory_split": ("memory", 1, "os", False),
-      "dllama_like_equal_split": ("equal", 1, "os", False),
-      "prima_runtime_k1": ("halda", 1, "os", True),
-      "prima_runtime_kauto": ("halda", "auto", "os", True),
-      "halda_k1": ("halda", 1, "plan", True),
-      "halda_prp_prefetch": ("halda", "auto", "plan", True),
-  }
-  if only:
-    scen = {k: v for k, v in scen.items() if k in only or k in ("single_mmap", "exo_like_memory_split",
-                                                                 "halda_prp_prefetch")}
-  out = {"clock": "emulated", "measured_layer_ms": 1e3 * layer_s, "chunk_bytes": chunk}
-  tokens_ref = None
-  for name, (method, k, policy, pf) in scen.items():
-    p, kept = planner.plan(info, specs, method, k, layer_s, head_s, ctx)
-    opts = DeviceOptions(prefetch=pf, policy=policy, chunk_bytes=chunk, max_len=ctx)
-    res = p.residency if policy == "plan" else None
-    with RingEngine(path, p.windows, kept, opts, n_gpu=p.n_gpu, residency=res) as eng:
-      st = generate.greedy(eng, prompt, n)
-      stats = eng.stats()
-      row = dict(p.as_dict(), policy=policy, prefetch=pf, **st.as_dict(),
-                 disk_read_mb_per_token=sum(s.get("emulated_disk_read_mb", 0) for s in stats) / max(1, n),
-                 compute_s_all_devices=sum(s.get("compute_s", 0) for s in stats),
-                 pressure=[round((s.get("emulated_resident_mb", 0) + s.get("kv_mb", 0)) / s["budget_mb"], 3)
-                           if s.get("budget_mb") else None for s in stats])
-      if draft and name == "halda_prp_prefetch":
-        dm = GGUFLlama(MappedGGUF(draft), max_len=ctx)
-        dm.forward(prompt[:gamma + 1], 0, dm.new_cache())  # compile the draft's kernels outside the clock
-        dm.forward(prompt[:1], 0, dm.new_cache())
-        sp = generate.speculative(eng, generate.Draft(dm, eng), prompt, n, gamma)
-        row["speculative"] = dict(sp.as_dict(), gamma=gamma, identical_to_greedy=sp.tokens == st.tokens)
-    tokens_ref = tokens_ref or st.tokens
-    row["same_tokens_as_single"] = st.tokens == tokens_ref
-    out[name] = row
-  a, b, dd = out["single_mmap"]["tpot_ms"], out["exo_like_memory_split"]["tpot_ms"], out["halda_prp_prefetch"]["tpot_ms"]
-  out["speedup_vs_single"] = a / dd
-  out["speedup_vs_exo_like"] = b / dd
-  if "prima_runtime_k1" in out:
-    out["disk_mb_per_token_prima_runtime_k1_vs_kauto"] = [out["prima_runtime_k1"]["disk_read_mb_per_token"],
-                                                          out["prima_runtime_kauto"]["disk_read_mb_per_token"]]
-  if draft:
-    spd = out["halda_prp_prefetch"]["speculative"]
-    out["speculative_speedup"] = spd["tokens_per_s"] / out["halda_prp_prefetch"]["tokens_per_s"]
-  return out
 
 
 SPEC_PROMPTS = ("def fibonacci(n):\n    ", "import os\nimport sys\n\n\nclass ", "    def __init__(self, ",
@@ -229,7 +165,7 @@ def main(argv=None) -> int:
   ap.add_argument("--rounds", type=int, default=3, help="single: repetitions of the paired stream (noise floor)")
   ap.add_argument("--no-jax", action="store_true")
   ap.add_argument("--no-append", action="store_true")
-  ap.add_argument("--scenarios", default="", help="ring: extra scenarios to run besides single, exo-like and Halda (which always run); 'none' = only those")
+  ap.add_argument("--scenarios", default="", help="ring: 'all' adds prima.cpp's runtime on Halda's windows")
   args = ap.parse_args(argv)
   from ondevice import kernels
   from ondevice.gguf_io import describe, read_info
@@ -255,8 +191,9 @@ def main(argv=None) -> int:
   else:
     if not args.devices:
       ap.error("--suite ring needs --devices")
-    res["ring"] = bench_ring(args.model, args.devices, args.tokens, prompt, args.draft, args.gamma,
-                            tuple(x for x in args.scenarios.split(",") if x))
+    from ondevice import bench_ring
+    res["ring"] = bench_ring.run(args.model, args.devices, args.tokens, prompt, args.draft, args.gamma,
+                                 tuple(x for x in args.scenarios.split(",") if x))
   print(json.dumps(res))
   if not args.no_append:
     append_results("python -m ondevice.bench " + " ".join(argv if argv is not None else sys.argv[1:]), res)

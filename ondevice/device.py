@@ -120,7 +120,7 @@ class Device:
   def logits(self, x_TxD) -> np.ndarray:
     return self._timed(self.model.head, x_TxD)
 
-  def run_window(self, cycle: int, x_TxD: np.ndarray, pos0: int, t_in: float) -> np.ndarray:
+  def run_window(self, cycle: int, x_TxD: np.ndarray, pos0: int, t_in: float, batch_invariant: bool = False) -> np.ndarray:
     """recv (t_in) -> wait for the window's weights -> compute. Caller sends, then calls after_send."""
     if t_in > self.clock.now:
       self.clock.idle_s += t_in - self.clock.now
@@ -136,7 +136,7 @@ class Device:
     else:
       self._access(*self.cpu_ranges[cycle])
     g = min(self.n_gpu, len(layers)) / len(layers)
-    return self._timed(self.model.run_layers, x_TxD, pos0, layers, self.cache, gpu_fraction=g)
+    return self._timed(self.model.run_layers, x_TxD, pos0, layers, self.cache, batch_invariant, gpu_fraction=g)
 
   def after_send(self, cycle: int) -> None:
     """Release the buffer just used and read ahead the next window (policy ``plan``); or, with policy ``os``,

@@ -114,7 +114,7 @@ def _worker(rank: int, world: int, base: int, model_path: str, windows: list, sp
         _send(push, header, None)
       elif op == "fwd":
         c = header["cycle"]
-        y = dev.run_window(c, x, header["pos0"], header["t"])
+        y = dev.run_window(c, x, header["pos0"], header["t"], header.get("bi", False))
         t = dev.clock.now + (spec.link_time(y.nbytes) if spec is not None else 0.0)
         _send(push, dict(header, t=t), y)
         dev.after_send(c)
@@ -167,15 +167,17 @@ class RingEngine:
   def clock(self):
     return self.head.clock
 
-  def forward(self, tokens, pos0: int) -> np.ndarray:
+  def forward(self, tokens, pos0: int, batch_invariant: bool = False) -> np.ndarray:
+    """Logits for tokens at positions pos0..; ``batch_invariant``: every token's result equals a one-token
+    pass (speculative verification; planes.layers)."""
     h = self.head
     x = h.embed(tokens)
     for c in range(self.k):
-      x = h.run_window(c, x, pos0, h.clock.now)
+      x = h.run_window(c, x, pos0, h.clock.now, batch_invariant)
       if self.world > 1:
         spec = self.specs[0]
         t = h.clock.now + (spec.link_time(x.nbytes) if spec is not None else 0.0)
-        _send(self.push, {"op": "fwd", "cycle": c, "pos0": pos0, "t": t}, x)
+        _send(self.push, {"op": "fwd", "cycle": c, "pos0": pos0, "t": t, "bi": batch_invariant}, x)
         h.after_send(c)
         header, x = _recv(self.pull, self.procs, self.peer_timeout_s, self.names)
         if header["t"] > h.clock.now:
