@@ -1,11 +1,14 @@
 """python -m ondevice.bench --model m.gguf --suite single [--tokens 32]
    python -m ondevice.bench --suite kernels
    python -m ondevice.bench --model m.gguf --suite ring --devices devices.yaml [--draft d.gguf]
+   python -m ondevice.bench --model m.gguf --suite halda-real --devices benchmarks/ondevice_devices_real.yaml
 
 Prints one JSON object and appends a row to benchmarks/RESULTS.md.
 single: TPOT / prefill of our engine vs llama.cpp (exact and default configurations) on the same file, the
         same token stream and 1 and 2 threads (bench_single.py), and a jitted JAX f32 decode step
         (framework.model on the file's dequantised weights; --no-jax skips it).
+halda-real: Halda's predicted TPOT vs a ring that really reads its files through kernel-throttled disks
+        (realio.py; wall clock; needs root and cgroups).
 kernels: one 2816x1024 mat-vec per kernel (mmap layout, planes hot/streamed/4 tokens, F16, F32 BLAS).
 ring:   emulated devices (labelled "clock": "emulated"): every device alone (the best one is the baseline),
         exo-like, equal-layers and dllama-like tensor-parallel splits, Halda's ring, and speculative decoding on
@@ -154,7 +157,7 @@ def main(argv=None) -> int:
   ap = argparse.ArgumentParser(prog="python -m ondevice.bench", description=__doc__,
                                formatter_class=argparse.RawDescriptionHelpFormatter)
   ap.add_argument("--model", default=None, help="GGUF file (all suites but kernels)")
-  ap.add_argument("--suite", default="single", choices=["single", "ring", "spec", "kernels"])
+  ap.add_argument("--suite", default="single", choices=["single", "ring", "halda-real", "spec", "kernels"])
   ap.add_argument("--devices", default=None)
   ap.add_argument("--draft", default=None)
   ap.add_argument("--gamma", type=int, default=4, help="ring: draft length")
@@ -188,6 +191,16 @@ def main(argv=None) -> int:
       ap.error("--suite spec needs --draft")
     gammas = tuple(int(g) for g in args.gammas.split(","))
     res["spec"] = bench_spec(args.model, args.draft, args.tokens, gammas)
+  elif args.suite == "halda-real":
+    if not args.devices:
+      ap.error("--suite halda-real needs --devices (e.g. benchmarks/ondevice_devices_real.yaml)")
+    from ondevice import realio
+    from ondevice.errors import InputError
+    try:
+      res["halda_real"] = realio.run(args.model, args.devices, args.tokens, prompt)
+    except InputError as e:
+      print(f"error: {e}", file=sys.stderr)
+      return 2
   else:
     if not args.devices:
       ap.error("--suite ring needs --devices")

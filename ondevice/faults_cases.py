@@ -8,13 +8,7 @@ killed or frozen mid-generation; export: a failed export must not destroy the fi
 """
 from __future__ import annotations
 
-import hashlib
 import os
-import signal
-import subprocess
-import sys
-import threading
-import time
 
 import numpy as np
 
@@ -252,7 +246,7 @@ def _nan_scale_without_crc(ws):
   return _run_model(ws.copy_with("d-nan.gguf", lambda d: put(d, off, "H", 0x7E00), src))
 
 
-@case("gguf_data")
+@case("gguf_data", undetectable=True)
 def _flip_nibble_without_crc(ws):
   """Undetectable damage: one nibble of a file without CRCs. The run completes; whether the text changes
   is reported ('silent' if it does, 'recovered' if the flip happened not to change the greedy tokens)."""

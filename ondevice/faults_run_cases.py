@@ -13,7 +13,6 @@ import os
 import signal
 import subprocess
 import sys
-import threading
 import time
 
 from ondevice.faults import Outcome, case, classify, invoke, run_cli
@@ -167,49 +166,26 @@ windows: [2, 3, 3]
 """
 
 
-def _ring_with_fault(ws, action: str, extra: list, timeout_s: float = 90.0, n: int = 200) -> tuple:
-  """Runs ``ondevice.run`` on a 3-device ring in a subprocess; once it has printed some generated text,
-  ``action`` ('kill' or 'stop') hits one device process from outside. -> (Outcome, stdout, stderr)."""
-  import psutil
+def _ring_with_fault(ws, action: str, extra: list, timeout_s: float = 120.0, n: int = 200) -> tuple:
+  """Runs ``ondevice.run`` on a 3-device ring in a subprocess whose device 'tail' (rank 2) SIGKILLs or
+  SIGSTOPs itself on its 20th forward pass (ring.py's ONDEVICE_FAULT hook). -> (rc, stdout, stderr) or Outcome."""
   d = ws.devices("dev3.yaml", _DEV3)
   cmd = [sys.executable, "-m", RUN, "--model", ws.ring_model, "--devices", d, "--prompt", "def f", "--max-tokens",
          str(n), "--ctx", "256", "--no-stop", *extra]
-  env = dict(os.environ, PYTHONPATH=ROOT, OPENBLAS_NUM_THREADS="1")
-  p = subprocess.Popen(cmd, cwd=ROOT, env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE)
-  got = bytearray()
-  hit = threading.Event()
-
-  def reader():
-    while True:
-      b = p.stdout.read(1)
-      if not b:
-        return
-      got.extend(b)
-      if len(got) > len("def f") + 3 and not hit.is_set():
-        hit.set()
-  t = threading.Thread(target=reader, daemon=True)
-  t.start()
-  hit.wait(timeout_s)
-  victims = [c for c in psutil.Process(p.pid).children(recursive=True)
-             if "spawn_main" in " ".join(c.cmdline()) and "resource_tracker" not in " ".join(c.cmdline())]
-  if victims:
-    os.kill(victims[-1].pid, signal.SIGKILL if action == "kill" else signal.SIGSTOP)
+  env = dict(os.environ, PYTHONPATH=ROOT, OPENBLAS_NUM_THREADS="1", ONDEVICE_FAULT=f"rank=2,after=20,action={action}")
+  p = subprocess.Popen(cmd, cwd=ROOT, env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE, start_new_session=True)
   try:
-    _, err = p.communicate(timeout=timeout_s)
+    out, err = p.communicate(timeout=timeout_s)
   except subprocess.TimeoutExpired:
-    for c in psutil.Process(p.pid).children(recursive=True):
-      c.kill()
-    p.kill()
+    os.killpg(p.pid, signal.SIGKILL)
     p.communicate()
-    return Outcome("hang", f"no exit within {timeout_s} s"), bytes(got), b""
+    return Outcome("hang", f"no exit within {timeout_s} s")
   finally:
-    for v in victims:
-      if psutil.pid_exists(v.pid):
-        v.kill()
-  t.join(5)
-  if not victims:
-    return Outcome("crash", "the fault was not injected (no device process found)"), bytes(got), err
-  return None, bytes(got), err, p.returncode
+    try:
+      os.killpg(p.pid, signal.SIGKILL)  # a frozen device process left behind must not outlive the case
+    except ProcessLookupError:
+      pass
+  return p.returncode, out, err
 
 
 def _reference_text(ws, n=200) -> bytes:
@@ -224,9 +200,9 @@ def _peer_killed_replan(ws):
   """A device killed mid-generation: the head drops it, re-plans on the rest and re-prefills; the text is the
   single-device greedy text (nothing lost), and the summary records where it happened."""
   r = _ring_with_fault(ws, "kill", [])
-  if len(r) == 3:
-    return r[0]
-  _, out, err, rc = r
+  if isinstance(r, Outcome):
+    return r
+  rc, out, err = r
   ref = _reference_text(ws)
   o = classify(rc, out.decode(errors="replace"), err.decode(errors="replace"), None,
                ok=lambda o_, e_: out == ref and json.loads(e_.strip().splitlines()[-1])["recoveries"])
@@ -236,9 +212,9 @@ def _peer_killed_replan(ws):
 @case("ring_peer", timeout_s=180)
 def _peer_killed_fail_fast(ws):
   r = _ring_with_fault(ws, "kill", ["--on-peer-failure", "fail"])
-  if len(r) == 3:
-    return r[0]
-  _, out, err, rc = r
+  if isinstance(r, Outcome):
+    return r
+  rc, out, err = r
   return classify(rc, out.decode(errors="replace"), err.decode(errors="replace"), None)
 
 
@@ -246,9 +222,9 @@ def _peer_killed_fail_fast(ws):
 def _peer_frozen_times_out(ws):
   t0 = time.perf_counter()
   r = _ring_with_fault(ws, "stop", ["--peer-timeout", "3"])
-  if len(r) == 3:
-    return r[0]
-  _, out, err, rc = r
+  if isinstance(r, Outcome):
+    return r
+  rc, out, err = r
   o = classify(rc, out.decode(errors="replace"), err.decode(errors="replace"), None)
   if o.kind == "clear_error" and time.perf_counter() - t0 > 60:
     o.kind, o.detail = "hang", f"took {time.perf_counter() - t0:.0f} s for a 3 s peer timeout"

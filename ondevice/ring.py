@@ -14,6 +14,7 @@ from __future__ import annotations
 import json
 import multiprocessing as mp
 import os
+import signal
 import socket
 import sys
 from typing import Optional, Sequence
@@ -93,19 +94,33 @@ def _recv(pull, procs: Sequence = (), timeout_s: float = None, names: Sequence =
   return header, x
 
 
+def _fault_plan(rank: int):
+  """Fault injection for reliability tests: ONDEVICE_FAULT="rank=R,after=N,action=kill|stop" makes device R
+  SIGKILL or SIGSTOP itself on its N-th forward pass (deterministic, unlike a kill from outside)."""
+  spec = os.environ.get("ONDEVICE_FAULT", "")
+  if not spec:
+    return None
+  d = dict(kv.split("=", 1) for kv in spec.split(","))
+  if int(d.get("rank", -1)) != rank:
+    return None
+  return int(d.get("after", 1)), signal.SIGKILL if d.get("action", "kill") == "kill" else signal.SIGSTOP
+
+
 def _worker(rank: int, world: int, base: int, model_path: str, windows: list, spec: Optional[DeviceSpec],
             opts: DeviceOptions, n_gpu: int, residency: Optional[tuple], env: dict):
   os.environ.update(env)
   from ondevice.errors import InputError
   from ondevice.gguf_check import GGUFError
   try:
-    dev = Device(model_path, windows, spec, opts, head=False, n_gpu=n_gpu, residency=residency)
+    dev = Device(model_path, windows, spec, opts, head=False, n_gpu=n_gpu, residency=residency, rank=rank)
   except (GGUFError, InputError) as e:  # one line, then the head reports this device's exit
     print(f"error: ring device rank {rank}: {e}", file=sys.stderr)
     raise SystemExit(3) from None
   ctx, pull, push = _sockets(rank, world, base)
   if rank == 1:  # readiness token: each rank forwards it only once its own model is loaded
     _send(push, {"op": "ready"}, None)
+  fault = _fault_plan(rank)
+  n_fwd = 0
   try:
     while True:
       header, x = _recv(pull)
@@ -113,6 +128,9 @@ def _worker(rank: int, world: int, base: int, model_path: str, windows: list, sp
       if op == "ready":  # readiness token travels round to the head
         _send(push, header, None)
       elif op == "fwd":
+        n_fwd += 1
+        if fault and n_fwd == fault[0]:
+          os.kill(os.getpid(), fault[1])
         c = header["cycle"]
         y = dev.run_window(c, x, header["pos0"], header["t"], header.get("bi", False))
         t = dev.clock.now + (spec.link_time(y.nbytes) if spec is not None else 0.0)
@@ -196,18 +214,19 @@ class RingEngine:
     return out
 
   def close(self) -> None:
+    graceful = True
     if self.world > 1 and self.ctx is not None:
       try:
         _send(self.push, {"op": "stop"}, None)
         _recv(self.pull, self.procs, 5.0, self.names)
-      except Exception:  # a dead worker must not keep us from cleaning up the rest
-        pass
+      except Exception:  # noqa: BLE001 - a dead or frozen worker must not keep us from cleaning up the rest
+        graceful = False
       self.pull.close(0)
       self.push.close(0)
       self.ctx.term()
       self.ctx = None
     for p in self.procs:
-      p.join(timeout=10)
+      p.join(timeout=10 if graceful else 0.5)
       if p.is_alive():
         p.kill()
         p.join(timeout=5)

@@ -20,11 +20,11 @@ from ondevice.errors import InputError, PeerError, check_generation, cli
 def load_devices_checked(path: str) -> dict:
   from ondevice.emulation import load_devices
   if not os.path.isfile(path):
-    raise InputError(f"--devices {path}: no such file (see ondevice/README.md for the format)")
+    raise InputError(f"--devices {path}: no such file; pass an existing devices file (format: ondevice/README.md)")
   try:
     d = load_devices(path)
   except (ValueError, TypeError, KeyError) as e:
-    raise InputError(f"--devices {path}: {e}") from None
+    raise InputError(f"--devices: {e}; fix the devices file (format: ondevice/README.md)") from None
   except Exception as e:  # yaml.YAMLError and friends: the file is not YAML
     raise InputError(f"--devices {path} is not valid YAML ({type(e).__name__}); fix the file") from None
   return d
