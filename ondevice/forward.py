@@ -127,6 +127,7 @@ class GGUFLlama:
     self.rope = RopeTable(self.max_len, c.hd, c.rope_theta)
     self.layers = {i: self._layer(i) for i in self.layer_ids}
     self.stack = self._stack()
+    self._teams: dict = {}
     self.has_head = head
     if head:
       self.tok_embd = self._mat("token_embd.weight")
@@ -162,6 +163,16 @@ class GGUFLlama:
           gate_up=dataclasses.replace(w.gate_up, packed=v[2]), down=dataclasses.replace(w.down, packed=v[3]))
     return st
 
+  def team(self) -> "planes.Team":
+    """The kernel threads for this model's stack at the current planes.set_threads (started on first use)."""
+    n = min(planes.get_threads(), max(1, self.stack.gate_up[0].shape[1] // 2))
+    t = self._teams.get(n)
+    if t is None:
+      c = self.cfg
+      t = self._teams[n] = planes.Team(self.stack, n, c.n_heads, c.n_kv_heads, c.hd, c.norm_eps, self.rope.cos,
+                                       self.rope.sin)
+    return t
+
   def new_cache(self, layers: Optional[Iterable[int]] = None) -> KVCache:
     return KVCache(self.cfg, self.layer_ids if layers is None else layers, self.max_len)
 
@@ -179,8 +190,8 @@ class GGUFLlama:
       raise ValueError(f"context overflow: position {pos0 + T} > max_len {cache.max_len}; raise --ctx")
     if self.stack is not None:
       j, cj = self.layer_ids.index(i), cache.layer_ids.index(i)
-      return planes.layers(self.stack.slice(j, j + 1), x_TxD, cache.k_all[cj:cj + 1], cache.v_all[cj:cj + 1],
-                           self.rope.cos, self.rope.sin, pos0, H, K, E, c.norm_eps, batch_invariant)
+      return planes.layers(self.team(), j, j + 1, x_TxD, cache.k_all[cj:cj + 1], cache.v_all[cj:cj + 1], pos0,
+                           batch_invariant)
     h_TxD = rms_norm(x_TxD, w.attn_norm, c.norm_eps)
     q_TxHE, k_TxKE, v_TxKE = w.qkv(h_TxD)
     q_TxHxE = self.rope.apply(q_TxHE.reshape(T, H, E), pos0)
@@ -214,9 +225,7 @@ class GGUFLlama:
       j, cj = self.layer_ids.index(layers[0]), cache.layer_ids.index(layers[0])
       n = len(layers)
       if self.layer_ids[j:j + n] == layers and list(cache.layer_ids[cj:cj + n]) == layers:
-        c = self.cfg
-        return planes.layers(self.stack.slice(j, j + n), x_TxD, cache.k_all[cj:cj + n], cache.v_all[cj:cj + n],
-                             self.rope.cos, self.rope.sin, pos0, c.n_heads, c.n_kv_heads, c.hd, c.norm_eps,
+        return planes.layers(self.team(), j, j + n, x_TxD, cache.k_all[cj:cj + n], cache.v_all[cj:cj + n], pos0,
                              batch_invariant)
     for i in layers:
       x_TxD = self.layer(i, x_TxD, pos0, cache, batch_invariant)

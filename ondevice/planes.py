@@ -19,6 +19,7 @@ import ctypes
 import ctypes.util
 import dataclasses
 import threading
+import weakref
 
 import numpy as np
 
@@ -167,69 +168,63 @@ def stack(layer_planes: list, attn_norms: list, ffn_norms: list):
   return st, views
 
 
+def _stop(ctrl: np.ndarray) -> None:
+  ctrl[pk.C_STOP] = 1
+  ctrl[pk.C_GEN] += 1
+
+
 class Team:
-  """n-1 helper threads that, with the caller, run one kernel call each (``run(fn)`` calls fn(tid) on all)."""
+  """The kernel threads of one Stack: n-1 helper threads that live inside ``planes_kernels.worker`` (no GIL,
+  no Python between calls: they poll a control block, then nap) and the caller as thread 0. ``run`` publishes
+  a job (the per-call arrays as addresses) and runs the caller's share; the step's barriers do the rest."""
 
-  def __init__(self, n: int):
-    self.n = n
+  def __init__(self, st: "Stack", n: int, n_heads: int, n_kv_heads: int, head_dim: int, eps: float, cos, sin):
+    self.st, self.n = st, n
+    self.dims = (n_heads, n_kv_heads, head_dim, st.d_ff, np.float32(eps))
     self.sync = np.zeros(32, np.int64)
-    self._go = [threading.Event() for _ in range(n - 1)]
-    self._done = [threading.Event() for _ in range(n - 1)]
-    self._job, self._err = None, None
-    for i in range(1, n):
-      threading.Thread(target=self._loop, args=(i,), daemon=True, name=f"ondevice-kernel-{i}").start()
+    self.ctrl = np.zeros(32, np.int64)
+    q = st.is_q4
+    self._persist = (st.attn_norm_LxD, st.ffn_norm_LxD, st.qkv[0], st.qkv[1], q[0], st.wo[0], st.wo[1], q[1],
+                     st.gate_up[0], st.gate_up[1], q[2], st.down[0], st.down[1], q[3], cos, sin) + self.dims
+    for tid in range(1, n):
+      threading.Thread(target=pk.worker, args=(tid, n, self.sync, self.ctrl, 0) + self._persist, daemon=True,
+                       name=f"ondevice-kernel-{tid}").start()
+    self._finalizer = weakref.finalize(self, _stop, self.ctrl)
 
-  def _loop(self, i: int) -> None:
-    while True:
-      self._go[i - 1].wait()
-      self._go[i - 1].clear()
-      try:
-        self._job(i)
-      except BaseException as e:  # noqa: BLE001 - handed to the caller
-        self._err = e
-      self._done[i - 1].set()
+  def run(self, l0: int, l1: int, x, k_LxSxKxE, v_LxSxKxE, pos0: int, tiny: bool) -> np.ndarray:
+    st, (H, K, E, F, eps) = self.st, self.dims
+    T = x.shape[0]
+    bufs = (np.empty((T, st.qkv[0].shape[1] * R), np.float32), np.empty((T, H * E), np.float32),
+            np.empty((T, st.wo[0].shape[1] * R), np.float32),
+            np.empty((T, st.gate_up[0].shape[1] * R // 2), np.float32))
+    out = np.empty_like(x)
+    if self.n > 1:
+      c = self.ctrl
+      for i, v in ((pk.C_T, T), (pk.C_POS, pos0), (pk.C_TINY, int(tiny)), (pk.C_L0, l0), (pk.C_L1, l1),
+                   (pk.C_S, k_LxSxKxE.shape[1])):
+        c[i] = v
+      for i, a in zip((pk.C_X, pk.C_OUT, pk.C_K, pk.C_V, pk.C_QKV, pk.C_ATT, pk.C_Y, pk.C_A),
+                      (x, out, k_LxSxKxE, v_LxSxKxE) + bufs):
+        c[i] = a.ctypes.data
+      c[pk.C_GEN] += 1  # publishes the job (x86 keeps these stores in order)
+    p = self._persist
+    pk.step(0, self.n, self.sync, x, out, p[0][l0:l1], p[1][l0:l1], p[2][l0:l1], p[3][l0:l1], p[4], p[5][l0:l1],
+            p[6][l0:l1], p[7], p[8][l0:l1], p[9][l0:l1], p[10], p[11][l0:l1], p[12][l0:l1], p[13], k_LxSxKxE,
+            v_LxSxKxE, p[14], p[15], pos0, H, K, E, F, eps, tiny, *bufs)
+    return out
 
-  def run(self, fn) -> None:
-    self._job, self._err = fn, None
-    for e in self._go:
-      e.set()
-    fn(0)
-    for e in self._done:
-      e.wait()
-      e.clear()
-    if self._err is not None:
-      raise self._err
-
-
-_teams: dict = {}
-
-
-def _team(n: int) -> Team:
-  t = _teams.get(n)
-  if t is None:
-    t = _teams[n] = Team(n)
-  return t
+  def close(self) -> None:
+    self._finalizer()
 
 
-def layers(st: Stack, x_TxD, k_LxSxKxE, v_LxSxKxE, cos_SxE2, sin_SxE2, pos0: int, n_heads: int, n_kv_heads: int,
-           head_dim: int, eps: float, batch_invariant: bool = False) -> np.ndarray:
-  """All stacked blocks for T tokens; writes K/V rows pos0.. of every layer's cache. With T >= 2 the KV
-  product follows llama.cpp's batched order unless ``batch_invariant`` (then each token's result equals what a
-  one-token pass gives: speculative verification relies on it)."""
+def layers(team: Team, l0: int, l1: int, x_TxD, k_LxSxKxE, v_LxSxKxE, pos0: int,
+           batch_invariant: bool = False) -> np.ndarray:
+  """Blocks [l0, l1) of the team's stack for T tokens; writes K/V rows pos0.. into the given caches (their
+  L axis = those blocks). With T >= 2 the KV product follows llama.cpp's batched order unless
+  ``batch_invariant`` (then each token's result equals what a one-token pass gives: speculative
+  verification relies on it)."""
   x = np.ascontiguousarray(x_TxD, np.float32)
-  T = x.shape[0]
-  q = st.is_q4
-  bufs = (np.empty((T, st.qkv[0].shape[1] * R), np.float32), np.empty((T, n_heads * head_dim), np.float32),
-          np.empty((T, st.wo[0].shape[1] * R), np.float32), np.empty((T, st.gate_up[0].shape[1] * R // 2), np.float32))
-  out = np.empty_like(x)
-  tiny = T >= 2 and not batch_invariant
-  n = min(_threads, max(1, st.gate_up[0].shape[1] // 2))
-  team = _team(n)
-  args = (team.sync, x, out, st.attn_norm_LxD, st.ffn_norm_LxD, st.qkv[0], st.qkv[1], q[0], st.wo[0], st.wo[1],
-          q[1], st.gate_up[0], st.gate_up[1], q[2], st.down[0], st.down[1], q[3], k_LxSxKxE, v_LxSxKxE, cos_SxE2,
-          sin_SxE2, pos0, n_heads, n_kv_heads, head_dim, st.d_ff, np.float32(eps), tiny) + bufs
-  team.run(lambda tid: pk.step(tid, n, *args))
-  return out
+  return team.run(l0, l1, x, k_LxSxKxE, v_LxSxKxE, pos0, x.shape[0] >= 2 and not batch_invariant)
 
 
 def rope_tables(max_len: int, head_dim: int, theta: float) -> tuple:

@@ -36,8 +36,8 @@ from ondevice.simd import HAVE_NUMBA
 
 if HAVE_NUMBA:
   import numba
-  from ondevice.simd import (atomic_add, atomic_load, cpu_relax, fma32, q4_rows64, q8_rows64, round_f16,
-                             sched_yield, vaxpy, vdot_f32, vexp_sum, vswiglu)
+  from ondevice.simd import (atomic_add, atomic_load, cpu_relax, f32_ptr, fma32, q4_rows64, q8_rows64, round_f16,
+                             sched_yield, usleep, vaxpy, vdot_f32, vexp_sum, vswiglu)
 
 QK = 32
 R = 64  # rows per plane group
@@ -331,3 +331,40 @@ def step(tid, nth, sync, x_TxD, out_TxD, an_LxD, fn_LxD, qkv_w, qkv_s, qkv_q4, w
         x[t, i] = y_buf[t, i] + x[t, i]
   if tid == 0:
     out_TxD[:, :] = x
+
+
+# Control block shared by the caller and the kernel threads of a planes.Team (int64; gen alone on its line).
+C_GEN, C_STOP, C_T, C_POS, C_TINY, C_L0, C_L1, C_S, C_X, C_OUT, C_K, C_V, C_QKV, C_ATT, C_Y, C_A = (
+    0, 8, 9, 10, 11, 12, 13, 14, 15, 16, 17, 18, 19, 20, 21, 22)
+SPIN_BEFORE_NAP = 200000  # ~ a millisecond of polling before the idle thread naps (50 us naps)
+
+
+@_jit(nogil=True)
+def worker(tid, nth, sync, ctrl, seen, an_LxD, fn_LxD, qkv_w, qkv_s, qkv_q4, wo_w, wo_s, wo_q4, gu_w, gu_s, gu_q4, dn_w,
+           dn_s, dn_q4, cos_SxE2, sin_SxE2, H, K, E, F, eps):  # pragma: no cover - compiled
+  """A kernel thread's life: wait for the next job in ``ctrl`` (spin, then nap), run ``step`` on it as thread
+  ``tid``, until ctrl[C_STOP]. The per-call arrays travel as addresses the caller keeps alive. ``seen``: the
+  job counter when the team was made (a job published while this thread was still starting is not missed)."""
+  D = an_LxD.shape[1]
+  cq, cy, ca = qkv_w.shape[1] * 64, wo_w.shape[1] * 64, gu_w.shape[1] * 32
+  while True:
+    spins = 0
+    while atomic_load(ctrl, C_GEN) == seen:
+      cpu_relax()
+      spins += 1
+      if spins > SPIN_BEFORE_NAP:
+        usleep(50)
+    seen = atomic_load(ctrl, C_GEN)
+    if ctrl[C_STOP]:
+      return
+    T, pos0, l0, l1, S = ctrl[C_T], ctrl[C_POS], ctrl[C_L0], ctrl[C_L1], ctrl[C_S]
+    L = l1 - l0
+    x = numba.carray(f32_ptr(ctrl[C_X]), (T, D))
+    out = numba.carray(f32_ptr(ctrl[C_OUT]), (T, D))
+    kc = numba.carray(f32_ptr(ctrl[C_K]), (L, S, K, E))
+    vc = numba.carray(f32_ptr(ctrl[C_V]), (L, S, K, E))
+    step(tid, nth, sync, x, out, an_LxD[l0:l1], fn_LxD[l0:l1], qkv_w[l0:l1], qkv_s[l0:l1], qkv_q4, wo_w[l0:l1],
+         wo_s[l0:l1], wo_q4, gu_w[l0:l1], gu_s[l0:l1], gu_q4, dn_w[l0:l1], dn_s[l0:l1], dn_q4, kc, vc, cos_SxE2,
+         sin_SxE2, pos0, H, K, E, F, eps, ctrl[C_TINY] != 0, numba.carray(f32_ptr(ctrl[C_QKV]), (T, cq)),
+         numba.carray(f32_ptr(ctrl[C_ATT]), (T, H * E)), numba.carray(f32_ptr(ctrl[C_Y]), (T, cy)),
+         numba.carray(f32_ptr(ctrl[C_A]), (T, ca)))

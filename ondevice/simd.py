@@ -315,3 +315,19 @@ if HAVE_NUMBA:
         builder.store(builder.fmul(s, uv), _f32_ptr(context, builder, sig.args[4], oa, builder.add(oo_, o)), align=4)
       return context.get_dummy_value()
     return nbt.void(g, nbt.int64, u, nbt.int64, out, nbt.int64, nbt.int64), codegen
+
+
+if HAVE_NUMBA:
+  @intrinsic
+  def f32_ptr(typingctx, addr):
+    """An int64 address -> float32* (for numba.carray over memory the caller keeps alive)."""
+    def codegen(context, builder, sig, args):
+      return builder.inttoptr(args[0], F32.as_pointer())
+    return nbt.CPointer(nbt.float32)(nbt.int64), codegen
+
+  @intrinsic
+  def usleep(typingctx, us):
+    """libc usleep(us): an idle kernel thread naps instead of spinning on a shared machine."""
+    def codegen(context, builder, sig, args):
+      return _call(builder, "usleep", I32, [builder.trunc(args[0], I32)])
+    return nbt.int32(nbt.int64), codegen
