@@ -62,8 +62,6 @@ def bench_jax(path: str, prompt: list, n: int) -> dict:
   return {"tpot_ms": _median_ms(ts)}
 
 
-SPEC_PROMPTS = ("def fibonacci(n):\n    ", "import os\nimport sys\n\n\nclass ", "    def __init__(self, ",
-                "        if not isinstance(")
 
 
 def bench_spec(path: str, draft: str, n: int, gammas=(2, 3, 4, 6)) -> dict:
@@ -73,24 +71,26 @@ def bench_spec(path: str, draft: str, n: int, gammas=(2, 3, 4, 6)) -> dict:
   from ondevice.forward import GGUFLlama
   from ondevice.ring import RingEngine
   from ondevice.weights import MappedGGUF
-  out = {"clock": "wall", "prompts": len(SPEC_PROMPTS), "tokens_per_prompt": n}
+  from ondevice.bench_ring import stdlib_prompts
+  prompts = stdlib_prompts()
+  out = {"clock": "wall", "prompts": "stdlib source (bench_ring.stdlib_prompts)", "tokens_per_prompt": n}
   with RingEngine(path, [[list(range(_n_layers(path)))]], [None]) as eng:
     generate.greedy(eng, list(b"warm up"), 4)  # compile kernels outside the timing
     dm = GGUFLlama(MappedGGUF(draft), max_len=eng.head.model.max_len)
     generate.Draft(dm, eng).propose(list(b"warm up"), 2)
     plain_s, plain_tok, ref = 0.0, 0, []
-    for pr in SPEC_PROMPTS:
+    for pr in prompts:
       eng.head.cache = eng.head.model.new_cache()
-      st = generate.greedy(eng, list(pr.encode()), n)
+      st = generate.greedy(eng, pr, n)
       plain_s += st.decode_s
       plain_tok += len(st.tokens) - 1
       ref.append(st.tokens)
     out["greedy_tokens_per_s"] = plain_tok / plain_s
     for g in gammas:
       sp_s, sp_tok, drafted, accepted, same = 0.0, 0, 0, 0, True
-      for pr, r in zip(SPEC_PROMPTS, ref):
+      for pr, r in zip(prompts, ref):
         eng.head.cache = eng.head.model.new_cache()
-        st = generate.speculative(eng, generate.Draft(dm, eng), list(pr.encode()), n, g)
+        st = generate.speculative(eng, generate.Draft(dm, eng), pr, n, g)
         sp_s += st.decode_s
         sp_tok += len(st.tokens) - 1
         drafted, accepted = drafted + st.drafted, accepted + st.accepted
@@ -129,7 +129,8 @@ def bench_kernels(n_out: int = 2816, n_in: int = 1024, copies: int = 40, reps: i
                "planes_streamed_ms": med(lambda: [p(x1) for p in ps], 5) / copies,
                "planes_T4_streamed_ms": med(lambda: [p(x4) for p in ps], 5) / copies}
     asm = planes.inspect_asm(qt)
-    out[qt]["vector_registers"] = "zmm" if "zmm" in asm else ("ymm" if "ymm" in asm else "none")
+    out[qt]["vector_code"] = ("vpdpbusd zmm" if "vpdpbusd" in asm and "zmm" in asm else
+                              "zmm" if "zmm" in asm else "ymm" if "ymm" in asm else "none")
   w16 = w.astype(np.float16)
   out["F16_ms"] = med(lambda: kernels.matmul("F16", w16, x1, n_out, n_in))
   out["F32_blas_ms"] = med(lambda: kernels.matmul("F32", w, x1, n_out, n_in))
