@@ -171,7 +171,6 @@ def main(argv=None) -> int:
   ap.add_argument("--no-append", action="store_true")
   ap.add_argument("--scenarios", default="", help="ring: 'all' adds prima.cpp's runtime on Halda's windows")
   args = ap.parse_args(argv)
-  from ondevice import kernels
   from ondevice.gguf_io import describe, read_info
   prompt = list(args.prompt.encode())
   if args.suite != "kernels" and not args.model:

@@ -86,9 +86,9 @@ def run(path: str, devices: str, n: int, prompt: list, draft: str = None, gamma:
   M = 1 << (min(len(specs), info.cfg.n_kv_heads).bit_length() - 1)  # dllama: 2^n nodes, <= KV heads
   with TensorParallelEmulation(path, specs[:M], ctx, chunk) as tp:
     st = generate.greedy(tp, prompt, n)
+    disk = sum(s["emulated_disk_read_mb"] for s in tp.stats()) / n
     out["dllama_like_tensor_parallel"] = dict(st.as_dict(), devices=[s.name for s in specs[:M]],
-                                              disk_read_mb_per_token=sum(s["emulated_disk_read_mb"] for s in tp.stats()) / n,
-                                              same_tokens=st.tokens == ref)
+                                              disk_read_mb_per_token=disk, same_tokens=st.tokens == ref)
   scen = [("halda_k1", 1, "plan", True), ("halda_ring", "auto", "plan", True)]
   if "all" in extra or "prima" in extra:
     scen = [("prima_runtime_k1", 1, "os", True), ("prima_runtime_kauto", "auto", "os", True)] + scen
@@ -96,7 +96,8 @@ def run(path: str, devices: str, n: int, prompt: list, draft: str = None, gamma:
     p, kept = planner.plan(info, specs, "halda", k, layer_s, head_s, ctx)
     row = ring(name, p, kept, policy, pf)
     if policy == "plan":
-      row["halda_model_error_pct"] = 100 * (row["tpot_ms"] - row["halda_model_latency_ms"]) / row["halda_model_latency_ms"]
+      model = row["halda_model_latency_ms"]
+      row["halda_model_error_pct"] = 100 * (row["tpot_ms"] - model) / model
     if draft and name == "halda_ring":
       out["speculative"] = speculative_on_ring(path, draft, p, kept, ctx, gamma, chunk)
   t = out["halda_ring"]["tpot_ms"]

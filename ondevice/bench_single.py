@@ -6,8 +6,8 @@ exact-arithmetic configuration (f32 KV cache, flash attention off) and in its de
 flash attention auto), each with n_threads = n_threads_batch = n.
 
 Same stream: the greedy continuation of the prompt is decoded once; then every engine is fed exactly that
-stream (teacher forcing), one token of each engine in turn, so all do the same work and load drift on this
-shared machine hits all alike. Reported per engine: median per-token time over all steps of all rounds, its
+stream (teacher forcing), in turns of 8 tokens per engine (``paired``), so all do the same work and load drift
+on this shared machine hits all alike. Reported per engine: median per-token time over all steps of all rounds, its
 IQR, each round's median (their spread is the noise floor), prefill tokens/s, and whether the engine's own
 argmax followed the stream at every step (ours and llama.cpp's exact configuration must; the default
 configuration's f16 KV cache may not).
@@ -90,8 +90,10 @@ def _pct(ts, q):
   return 1e3 * float(np.percentile(ts, q))
 
 
-def paired(engines: list, prompt: list, stream: list, rounds: int) -> dict:
-  """Every engine decodes ``stream`` after ``prompt``, token by token in turn (rotating who goes first)."""
+def paired(engines: list, prompt: list, stream: list, rounds: int, block: int = 8) -> dict:
+  """Every engine decodes ``stream`` after ``prompt``, in turns of ``block`` tokens (rotating who goes first):
+  short enough that load drift hits all alike, long enough that one engine's idle threads (still polling
+  after its turn) rarely overlap another engine's timed tokens."""
   st = {e.name: {"ts": [], "round_medians": [], "prefill_s": [], "followed": True} for e in engines}
   for r in range(rounds):
     order = engines[r % len(engines):] + engines[:r % len(engines)]
@@ -101,14 +103,15 @@ def paired(engines: list, prompt: list, stream: list, rounds: int) -> dict:
       last[e.name] = int(np.argmax(e.prefill(prompt)))
       st[e.name]["prefill_s"].append(time.perf_counter() - t0)
     ts = {e.name: [] for e in engines}
-    for i, tok in enumerate(stream):
+    for b0 in range(0, len(stream), block):
       for e in order:
-        if last[e.name] != tok:
-          st[e.name]["followed"] = False
-        t0 = time.perf_counter()
-        logits = e.step(tok)
-        ts[e.name].append(time.perf_counter() - t0)
-        last[e.name] = int(np.argmax(logits))
+        for tok in stream[b0:b0 + block]:
+          if last[e.name] != tok:
+            st[e.name]["followed"] = False
+          t0 = time.perf_counter()
+          logits = e.step(tok)
+          ts[e.name].append(time.perf_counter() - t0)
+          last[e.name] = int(np.argmax(logits))
     for name, v in ts.items():
       st[name]["ts"] += v
       st[name]["round_medians"].append(1e3 * statistics.median(v))

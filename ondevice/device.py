@@ -145,7 +145,8 @@ class Device:
   def logits(self, x_TxD) -> np.ndarray:
     return self._timed(self.model.head, x_TxD)
 
-  def run_window(self, cycle: int, x_TxD: np.ndarray, pos0: int, t_in: float, batch_invariant: bool = False) -> np.ndarray:
+  def run_window(self, cycle: int, x_TxD: np.ndarray, pos0: int, t_in: float,
+                 batch_invariant: bool = False) -> np.ndarray:
     """recv (t_in) -> wait for the window's weights -> compute. Caller sends, then calls after_send."""
     if t_in > self.clock.now:
       self.clock.idle_s += t_in - self.clock.now

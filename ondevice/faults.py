@@ -268,5 +268,5 @@ def fresh_copy(src: str, dst: str) -> str:
 
 def load_cases() -> list:
   import ondevice.faults_cases  # noqa: F401  (registers the cases)
-  import ondevice.faults_run_cases  # noqa: F401
+  import ondevice.faults_run_cases  # noqa: F401  (registers the cases)
   return CASES

@@ -421,7 +421,6 @@ def _llama_cpp_style_q8_0_page_aligned(ws):
 def _tied_embeddings(ws):
   """No output.weight: llama.cpp reuses token_embd. Ours must too (reference: our file with output = embd)."""
   from ondevice.gguf_io import write_arrays
-  p = _foreign(ws, "foreign-tied.gguf", "f32", tied=True)
   ref_arrays = dict(ws.arrays, **{"output.weight": ws.arrays["token_embd.weight"]})
   ref = ws.path("ours-tied-ref.gguf")
   write_arrays(ref_arrays, ws.cfg, ref, "f32")

@@ -82,7 +82,6 @@ def export_gguf(params: Any, cfg: ModelConfig, path: str, quant: str = "f32", al
   ``quant`` applies to every matrix (token_embd included, as llama.cpp does); norms stay F32.
   ``q4_k`` quantises an F16 file with llama.cpp's own quantizer (needs llama-cpp-python).
   """
-  import gguf
   quant = quant.lower()
   if quant not in QUANTS:
     raise GGUFError(f"--quant {quant!r} unknown; choose one of {', '.join(QUANTS)}")

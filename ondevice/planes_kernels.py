@@ -336,7 +336,7 @@ def step(tid, nth, sync, x_TxD, out_TxD, an_LxD, fn_LxD, qkv_w, qkv_s, qkv_q4, w
 # Control block shared by the caller and the kernel threads of a planes.Team (int64; gen alone on its line).
 C_GEN, C_STOP, C_T, C_POS, C_TINY, C_L0, C_L1, C_S, C_X, C_OUT, C_K, C_V, C_QKV, C_ATT, C_Y, C_A = (
     0, 8, 9, 10, 11, 12, 13, 14, 15, 16, 17, 18, 19, 20, 21, 22)
-SPIN_BEFORE_NAP = 200000  # ~ a millisecond of polling before the idle thread naps (50 us naps)
+SPIN_BEFORE_NAP = 20000  # ~0.3 ms of polling (pause) before an idle kernel thread naps in 50 us steps
 
 
 @_jit(nogil=True)

@@ -44,7 +44,8 @@ def throttle_available() -> str:
     return "needs root to create blkio/io cgroups"
   if os.path.exists(os.path.join(CG_V1, "blkio.throttle.read_bps_device")):
     return ""
-  if os.path.exists(os.path.join(CG_V2, "cgroup.controllers")) and "io" in open(os.path.join(CG_V2, "cgroup.controllers")).read():
+  ctl = os.path.join(CG_V2, "cgroup.controllers")
+  if os.path.exists(ctl) and "io" in open(ctl).read().split():
     return ""
   return "no cgroup blkio (v1) or io (v2) controller to throttle reads"
 

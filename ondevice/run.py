@@ -158,7 +158,8 @@ def _main(args) -> int:
         print(f"warning: {e}; re-planned without {plan['dropped']} and continuing from token {len(done)}",
               file=sys.stderr)
     sys.stdout.write(pending.decode("utf-8", errors="replace") + "\n")
-    summary = {"plan": plan, **st.as_dict(), "tokens": len(done), "token_ids": done, "clock": "emulated" if eng.head.emulated else "wall",
+    summary = {"plan": plan, **st.as_dict(), "tokens": len(done), "token_ids": done,
+               "clock": "emulated" if eng.head.emulated else "wall",
                "recoveries": recoveries, "devices": eng.stats()}
     print(json.dumps(summary), file=sys.stderr)
   finally:

@@ -87,8 +87,8 @@ def _rows64(context, builder, sig, args, q4: bool):
     wbase = builder.add(wq_off, builder.mul(b, ir.Constant(I64, blk_bytes)))
     xb = builder.add(x_off, builder.mul(b, ir.Constant(I64, 8)))
     xs_b = builder.add(xs_off, builder.mul(b, ir.Constant(I64, 1 if q4 else 8)))
-    xq = [_splat(builder, builder.load(_ptr(context, builder, t[5], x32, builder.add(xb, ir.Constant(I64, c)), I32)), 16)
-          for c in range(8)]
+    xq = [_splat(builder, builder.load(_ptr(context, builder, t[5], x32, builder.add(xb, ir.Constant(I64, c)), I32)),
+                 16) for c in range(8)]
     xq8 = [builder.bitcast(v, v64b) for v in xq]
     dx = _splat(builder, builder.load(_ptr(context, builder, t[7], xd, b, F32)), 16)
     for s in range(4):
@@ -216,7 +216,8 @@ def _reduce16(builder, v):
   t8 = builder.fadd(part(v, list(range(8, 16))), part(v, list(range(8))))
   t4 = builder.fadd(part(t8, [4, 5, 6, 7]), part(t8, [0, 1, 2, 3]))
   t2 = builder.fadd(t4, part(t4, [2, 3, 0, 1]))
-  return builder.fadd(builder.extract_element(t2, ir.Constant(I32, 0)), builder.extract_element(t2, ir.Constant(I32, 1)))
+  lane = lambda i: builder.extract_element(t2, ir.Constant(I32, i))  # noqa: E731
+  return builder.fadd(lane(0), lane(1))
 
 
 def _expf16(builder, x):

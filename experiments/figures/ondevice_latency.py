@@ -76,7 +76,8 @@ def _append_results(runs, a) -> None:
   for r in runs:
     ring = r["ring"]
     h = ring["halda_ring"]
-    cells.append(f"{r['model']}: best single device ({ring['best_single_device']}) {_tpot(ring, 'best_single'):.1f} ms, "
+    best = ring["best_single_device"]
+    cells.append(f"{r['model']}: best single device ({best}) {_tpot(ring, 'best_single'):.1f} ms, "
                  f"exo-like {ring['exo_like_memory_split']['tpot_ms']:.1f} ms, dllama-like "
                  f"{ring['dllama_like_tensor_parallel']['tpot_ms']:.1f} ms, Halda ring {h['tpot_ms']:.1f} ms "
                  f"(k={h.get('k')}, w={h.get('w')}, model {h.get('halda_model_latency_ms') or float('nan'):.1f} ms)")
