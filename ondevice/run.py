@@ -113,6 +113,10 @@ def _main(args) -> int:
     check_draft(args.model, args.draft, args.gamma)
   if args.peer_timeout <= 0:
     raise InputError(f"--peer-timeout {args.peer_timeout}: pass a positive number of seconds")
+  if args.threads < 1:
+    raise InputError(f"--threads {args.threads}: pass --threads >= 1")
+  from ondevice import planes
+  planes.set_threads(args.threads)
   pending = bytearray()
 
   def emit(tok: int):
@@ -195,6 +199,7 @@ def main(argv=None) -> int:
   ap.add_argument("--policy", default="plan", choices=["plan", "os"])
   ap.add_argument("--real-io", action="store_true", help="issue real madvise/fadvise prefetch/release")
   ap.add_argument("--no-stop", action="store_true", help="do not stop at the file's EOS token")
+  ap.add_argument("--threads", type=int, default=1, help="kernel threads per device process (planes.set_threads)")
   ap.add_argument("--peer-timeout", type=float, default=60.0, help="seconds a ring pass may take (hang detection)")
   ap.add_argument("--on-peer-failure", default="replan", choices=["replan", "fail"],
                   help="a ring device that dies: re-plan without it and continue, or stop with an error")
