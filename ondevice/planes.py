@@ -168,9 +168,11 @@ def stack(layer_planes: list, attn_norms: list, ffn_norms: list):
   return st, views
 
 
-def _stop(ctrl: np.ndarray) -> None:
+def _stop(ctrl: np.ndarray, threads: list = ()) -> None:
   ctrl[pk.C_STOP] = 1
   ctrl[pk.C_GEN] += 1
+  for t in threads:
+    t.join(timeout=1.0)
 
 
 class Team:
@@ -186,10 +188,12 @@ class Team:
     q = st.is_q4
     self._persist = (st.attn_norm_LxD, st.ffn_norm_LxD, st.qkv[0], st.qkv[1], q[0], st.wo[0], st.wo[1], q[1],
                      st.gate_up[0], st.gate_up[1], q[2], st.down[0], st.down[1], q[3], cos, sin) + self.dims
-    for tid in range(1, n):
-      threading.Thread(target=pk.worker, args=(tid, n, self.sync, self.ctrl, 0) + self._persist, daemon=True,
-                       name=f"ondevice-kernel-{tid}").start()
-    self._finalizer = weakref.finalize(self, _stop, self.ctrl)
+    threads = [threading.Thread(target=pk.worker, args=(tid, n, self.sync, self.ctrl, 0) + self._persist, daemon=True,
+                                name=f"ondevice-kernel-{tid}") for tid in range(1, n)]
+    for t in threads:
+      t.start()
+    # Stopped when the team goes away or at interpreter exit (before the arrays they read are torn down).
+    self._finalizer = weakref.finalize(self, _stop, self.ctrl, threads)
 
   def run(self, l0: int, l1: int, x, k_LxSxKxE, v_LxSxKxE, pos0: int, tiny: bool) -> np.ndarray:
     st, (H, K, E, F, eps) = self.st, self.dims
