@@ -168,9 +168,22 @@ def stack(layer_planes: list, attn_norms: list, ffn_norms: list):
   return st, views
 
 
+_libc = ctypes.CDLL(None, use_errno=True)
+_libc.syscall.restype = ctypes.c_long
+
+
+def _publish(ctrl: np.ndarray) -> None:
+  """Bump the job counter and wake kernel threads sleeping on it (planes_kernels.wait_change)."""
+  ctrl[pk.C_GEN] += 1  # x86 keeps this store after the job's fields
+  if ctrl[pk.C_SLEEPERS] > 0:
+    from ondevice.simd import FUTEX_WAKE_PRIVATE, SYS_FUTEX
+    _libc.syscall(ctypes.c_long(SYS_FUTEX), ctypes.c_void_p(ctrl.ctypes.data + 8 * pk.C_GEN),
+                  ctypes.c_int(FUTEX_WAKE_PRIVATE), ctypes.c_int(1 << 30), None, None, ctypes.c_int(0))
+
+
 def _stop(ctrl: np.ndarray, threads: list = ()) -> None:
   ctrl[pk.C_STOP] = 1
-  ctrl[pk.C_GEN] += 1
+  _publish(ctrl)
   for t in threads:
     t.join(timeout=1.0)
 
@@ -210,7 +223,7 @@ class Team:
       for i, a in zip((pk.C_X, pk.C_OUT, pk.C_K, pk.C_V, pk.C_QKV, pk.C_ATT, pk.C_Y, pk.C_A),
                       (x, out, k_LxSxKxE, v_LxSxKxE) + bufs):
         c[i] = a.ctypes.data
-      c[pk.C_GEN] += 1  # publishes the job (x86 keeps these stores in order)
+      _publish(c)
     p = self._persist
     pk.step(0, self.n, self.sync, x, out, p[0][l0:l1], p[1][l0:l1], p[2][l0:l1], p[3][l0:l1], p[4], p[5][l0:l1],
             p[6][l0:l1], p[7], p[8][l0:l1], p[9][l0:l1], p[10], p[11][l0:l1], p[12][l0:l1], p[13], k_LxSxKxE,

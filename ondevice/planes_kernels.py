@@ -36,13 +36,13 @@ from ondevice.simd import HAVE_NUMBA
 
 if HAVE_NUMBA:
   import numba
-  from ondevice.simd import (atomic_add, atomic_load, cpu_relax, f32_ptr, fma32, q4_rows64, q8_rows64, round_f16,
-                             sched_yield, usleep, vaxpy, vdot_f32, vexp_sum, vswiglu)
+  from ondevice.simd import (atomic_add, atomic_load, cpu_relax, f32_ptr, fma32, futex_wait, futex_wake, q4_rows64,
+                             q8_rows64, round_f16, vaxpy, vdot_f32, vexp_sum, vswiglu)
 
 QK = 32
 R = 64  # rows per plane group
 Q4_GROUP_BLOCK = 1024  # bytes of one (group, block) of Q4_0 quants; Q8_0: 2048
-SPIN_BEFORE_YIELD = 2000
+SPIN_BEFORE_SLEEP = 4000  # ~0.1 ms of `pause` spinning, then the waiter sleeps in the kernel (futex) until woken
 
 
 def _prefer_512_bit_vectors() -> None:
@@ -235,22 +235,34 @@ def matmul(wq, sc, is_q4, n_groups, x_TxI):  # pragma: no cover - compiled
 
 
 @_jit
+def wait_change(word, idx, old, sleepers):  # pragma: no cover - compiled
+  """Until int64 word[idx] != old: spin with `pause` (partners that are merely late arrive within it), then sleep
+  in the kernel (futex), counted in word[sleepers] so that the waker knows to wake. On a shared machine a peer
+  may be descheduled for milliseconds: spinning (or yielding) through that costs far more than sleeping."""
+  spins = 0
+  while atomic_load(word, idx) == old:
+    cpu_relax()
+    spins += 1
+    if spins > SPIN_BEFORE_SLEEP:
+      atomic_add(word, sleepers, 1)
+      if atomic_load(word, idx) == old:  # seq_cst: a waker that bumped idx before our increment is seen here
+        futex_wait(word, idx, old & 0xFFFFFFFF)
+      atomic_add(word, sleepers, -1)
+
+
+@_jit
 def barrier(sync, nth):  # pragma: no cover - compiled
-  """All nth threads meet here. sync: int64[32], count at 0 and generation at 16 (separate cache lines).
-  Spins with `pause`, and yields the core after a while (a shared machine may have descheduled a peer)."""
+  """All nth threads meet here. sync: int64[32]: count at 0, generation at 16, sleepers at 24 (own lines)."""
   if nth == 1:
     return
   gen = atomic_load(sync, 16)
   if atomic_add(sync, 0, 1) == nth - 1:
     atomic_add(sync, 0, -nth)
     atomic_add(sync, 16, 1)
+    if atomic_load(sync, 24) > 0:
+      futex_wake(sync, 16, nth)
   else:
-    spins = 0
-    while atomic_load(sync, 16) == gen:
-      cpu_relax()
-      spins += 1
-      if spins > SPIN_BEFORE_YIELD:
-        sched_yield()
+    wait_change(sync, 16, gen, 24)
 
 
 @_jit
@@ -336,24 +348,19 @@ def step(tid, nth, sync, x_TxD, out_TxD, an_LxD, fn_LxD, qkv_w, qkv_s, qkv_q4, w
 # Control block shared by the caller and the kernel threads of a planes.Team (int64; gen alone on its line).
 C_GEN, C_STOP, C_T, C_POS, C_TINY, C_L0, C_L1, C_S, C_X, C_OUT, C_K, C_V, C_QKV, C_ATT, C_Y, C_A = (
     0, 8, 9, 10, 11, 12, 13, 14, 15, 16, 17, 18, 19, 20, 21, 22)
-SPIN_BEFORE_NAP = 20000  # ~0.3 ms of polling (pause) before an idle kernel thread naps in 50 us steps
+C_SLEEPERS = 24
 
 
 @_jit(nogil=True)
 def worker(tid, nth, sync, ctrl, seen, an_LxD, fn_LxD, qkv_w, qkv_s, qkv_q4, wo_w, wo_s, wo_q4, gu_w, gu_s, gu_q4, dn_w,
            dn_s, dn_q4, cos_SxE2, sin_SxE2, H, K, E, F, eps):  # pragma: no cover - compiled
-  """A kernel thread's life: wait for the next job in ``ctrl`` (spin, then nap), run ``step`` on it as thread
+  """A kernel thread's life: wait for the next job in ``ctrl`` (spin, then sleep), run ``step`` on it as thread
   ``tid``, until ctrl[C_STOP]. The per-call arrays travel as addresses the caller keeps alive. ``seen``: the
   job counter when the team was made (a job published while this thread was still starting is not missed)."""
   D = an_LxD.shape[1]
   cq, cy, ca = qkv_w.shape[1] * 64, wo_w.shape[1] * 64, gu_w.shape[1] * 32
   while True:
-    spins = 0
-    while atomic_load(ctrl, C_GEN) == seen:
-      cpu_relax()
-      spins += 1
-      if spins > SPIN_BEFORE_NAP:
-        usleep(50)
+    wait_change(ctrl, C_GEN, seen, C_SLEEPERS)
     seen = atomic_load(ctrl, C_GEN)
     if ctrl[C_STOP]:
       return

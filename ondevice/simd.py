@@ -332,3 +332,30 @@ if HAVE_NUMBA:
     def codegen(context, builder, sig, args):
       return _call(builder, "usleep", I32, [builder.trunc(args[0], I32)])
     return nbt.int32(nbt.int64), codegen
+
+
+SYS_FUTEX, FUTEX_WAIT_PRIVATE, FUTEX_WAKE_PRIVATE = 202, 128, 129  # x86-64 Linux
+
+
+if HAVE_NUMBA:
+  def _futex(builder, context, aryty, ary, idx, op, val):
+    p = _ptr(context, builder, aryty, ary, idx, I8)
+    fnty = ir.FunctionType(I64, [I64], var_arg=True)
+    fn = cgutils.get_or_insert_function(builder.module, fnty, "syscall")
+    null = ir.Constant(I8.as_pointer(), None)
+    return builder.call(fn, [ir.Constant(I64, SYS_FUTEX), p, ir.Constant(I32, op), builder.trunc(val, I32), null, null,
+                             ir.Constant(I32, 0)])
+
+  @intrinsic
+  def futex_wait(typingctx, arr, idx, expected):
+    """Sleep while the low 32 bits of int64 arr[idx] equal ``expected`` (Linux futex; returns at once if not)."""
+    def codegen(context, builder, sig, args):
+      return _futex(builder, context, sig.args[0], args[0], args[1], FUTEX_WAIT_PRIVATE, args[2])
+    return nbt.int64(arr, idx, nbt.int64), codegen
+
+  @intrinsic
+  def futex_wake(typingctx, arr, idx, n):
+    """Wake up to n threads sleeping in futex_wait on arr[idx]."""
+    def codegen(context, builder, sig, args):
+      return _futex(builder, context, sig.args[0], args[0], args[1], FUTEX_WAKE_PRIVATE, args[2])
+    return nbt.int64(arr, idx, nbt.int64), codegen
