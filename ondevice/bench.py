@@ -1,14 +1,18 @@
 """python -m ondevice.bench --model m.gguf --suite single [--tokens 32]
    python -m ondevice.bench --suite kernels
    python -m ondevice.bench --model m.gguf --suite ring --devices devices.yaml [--draft d.gguf]
+   python -m ondevice.bench --model m.gguf --suite halda-real --devices benchmarks/ondevice_devices_real.yaml
 
 Prints one JSON object and appends a row to benchmarks/RESULTS.md.
-single: TPOT / prefill of our packed-weight engine vs llama.cpp on the same file and thread count (if
-        installed; decoded token by token in turn with ours, so machine load drift hits both alike) vs a
-        jitted JAX f32 decode step (framework.model on the file's dequantised weights; --no-jax skips it).
+single: TPOT / prefill of our engine vs llama.cpp (exact and default configurations) on the same file, the
+        same token stream and 1 and 2 threads (bench_single.py), and a jitted JAX f32 decode step
+        (framework.model on the file's dequantised weights; --no-jax skips it).
+halda-real: Halda's predicted TPOT vs a ring that really reads its files through kernel-throttled disks
+        (realio.py; wall clock; needs root and cgroups).
 kernels: one 2816x1024 mat-vec per kernel (mmap layout, planes hot/streamed/4 tokens, F16, F32 BLAS).
-ring:   emulated devices (labelled "clock": "emulated"): single mmap device, exo-like memory split (k=1),
-        dllama-like equal split, Halda + pipelined ring + prefetch, Halda at k=1, and speculative decoding.
+ring:   emulated devices (labelled "clock": "emulated"): every device alone (the best one is the baseline),
+        exo-like, equal-layers and dllama-like tensor-parallel splits, Halda's ring, and speculative decoding on
+        stdlib text (bench_ring.py).
 """
 from __future__ import annotations
 
@@ -30,134 +34,6 @@ def _median_ms(ts):
 
 def _iqr_ms(ts):
   return [1e3 * float(np.percentile(ts, 25)), 1e3 * float(np.percentile(ts, 75))]
-
-
-class _Ours:
-  """Our engine behind the same step interface as _LlamaCpp: prefill(prompt) and step(token) -> logits."""
-  name = "ours"
-
-  def __init__(self, path: str, ctx: int, repack: bool = True):
-    from ondevice.forward import GGUFLlama
-    from ondevice.weights import MappedGGUF
-    self.m = GGUFLlama(MappedGGUF(path), max_len=ctx, repack=repack)
-    self.m.forward(list(b"warm"), 0, self.m.new_cache())  # compile / load kernels outside the timing
-    self.m.forward(list(b"w"), 4, self.m.new_cache())
-
-  def prefill(self, prompt):
-    self.c, self.pos = self.m.new_cache(), len(prompt)
-    return self.m.forward(prompt, 0, self.c)[-1]
-
-  def step(self, tok):
-    logits = self.m.forward([tok], self.pos, self.c)[-1]
-    self.pos += 1
-    return logits
-
-
-class _LlamaCpp:
-  """llama.cpp through llama-cpp-python with its default settings (f16 KV cache), n_threads as ours."""
-  name = "llama_cpp"
-
-  def __init__(self, path: str, ctx: int, threads: int):
-    import llama_cpp
-    self.llm = llama_cpp.Llama(path, n_ctx=ctx, n_threads=threads, n_threads_batch=threads, verbose=False)
-    self.n_vocab = self.llm.n_vocab()
-    self.llm.eval(list(b"warm"))
-
-  def _last_logits(self):
-    # Llama.scores is only filled with logits_all=True (which costs a full logits copy per token);
-    # read the last row straight from the context instead.
-    return np.ctypeslib.as_array(self.llm._ctx.get_logits_ith(-1), shape=(self.n_vocab,)).copy()
-
-  def prefill(self, prompt):
-    self.llm.reset()
-    self.llm.eval(prompt)
-    return self._last_logits()
-
-  def step(self, tok):
-    self.llm.eval([tok])
-    return self._last_logits()
-
-
-def bench_paired(engines: list, prompt: list, n: int) -> dict:
-  """Decode n greedy tokens with every engine, one token of each in turn, so that load drift on this
-  shared machine hits all of them alike. Per engine: median TPOT, IQR, prefill tokens/s, tokens."""
-  out = {}
-  state = {}
-  for e in engines:
-    t0 = time.perf_counter()
-    logits = e.prefill(prompt)
-    state[e.name] = {"prefill_s": time.perf_counter() - t0, "tok": int(np.argmax(logits)), "ts": [], "toks": []}
-  for _ in range(n):
-    for e in engines:
-      st = state[e.name]
-      st["toks"].append(st["tok"])
-      t0 = time.perf_counter()
-      logits = e.step(st["tok"])
-      st["ts"].append(time.perf_counter() - t0)
-      st["tok"] = int(np.argmax(logits))
-  for name, st in state.items():
-    out[name] = {"tpot_ms": _median_ms(st["ts"]), "tpot_iqr_ms": _iqr_ms(st["ts"]),
-                 "prefill_tok_s": len(prompt) / st["prefill_s"], "tokens": st["toks"]}
-  return out
-
-
-def bench_parity(path: str, prompt: list, n: int) -> dict:
-  """Greedy tokens of ours vs llama.cpp in its exact-arithmetic configuration (f32 KV cache, no flash
-  attention: its CPU flash-attention path rounds Q to f16). Reports the prefill logit difference and,
-  if the token streams diverge, where, with llama.cpp's top-2 logit margin there."""
-  import llama_cpp
-  from ondevice.forward import GGUFLlama
-  from ondevice.weights import MappedGGUF
-  ctx = len(prompt) + n + 8
-  m = GGUFLlama(MappedGGUF(path), max_len=ctx)
-  c = m.new_cache()
-  llm = llama_cpp.Llama(path, n_ctx=ctx, n_threads=1, logits_all=True, type_k=0, type_v=0, flash_attn=False,
-                        verbose=False)
-  ours = m.forward(prompt, 0, c)
-  llm.eval(prompt)
-  theirs = llm.scores[:len(prompt)]
-  out = {"config": "llama.cpp f32 KV, flash_attn off", "tokens_compared": n, "first_divergence": None,
-         "prefill_max_abs_logit_diff": float(np.abs(ours - theirs).max()),
-         "logit_scale": float(np.abs(theirs).max())}
-  a, b = ours[-1], theirs[-1]
-  for i in range(n):
-    ta, tb = int(np.argmax(a)), int(np.argmax(b))
-    if ta != tb:
-      top2 = np.sort(b)[-2:]
-      out.update(first_divergence=i, llama_cpp_top2_margin_there=float(top2[1] - top2[0]))
-      break
-    a = m.forward([ta], len(prompt) + i, c)[-1]
-    llm.eval([ta])
-    b = llm.scores[llm.n_tokens - 1]
-  return out
-
-
-def bench_single(path: str, prompt: list, n: int, threads: int) -> dict:
-  from ondevice.weights import io_counters
-  ctx = len(prompt) + n + 8
-  io0 = io_counters()
-  engines = [_Ours(path, ctx)]
-  try:
-    engines.append(_LlamaCpp(path, ctx, threads))
-    skipped = None
-  except ImportError:
-    skipped = "llama-cpp-python not installed (pip install llama-cpp-python builds it from source)"
-  res = bench_paired(engines, prompt, n)
-  io1 = io_counters()
-  res["ours"].update(major_faults=io1["major_faults"] - io0["major_faults"],
-                     disk_read_mb=(io1.get("read_bytes", 0) - io0.get("read_bytes", 0)) / 2**20)
-  if skipped:
-    res["llama_cpp"] = {"skipped": skipped}
-  else:
-    a, b = res["ours"], res["llama_cpp"]
-    res["tpot_ratio_ours_over_llama_cpp"] = a["tpot_ms"] / b["tpot_ms"]
-    res["same_greedy_tokens"] = a["tokens"] == b["tokens"]
-    res["llama_cpp"]["config"] = "default (f16 KV cache), n_threads = --threads, interleaved token by token"
-    res["greedy_parity_exact_config"] = bench_parity(path, prompt, n)
-  for r in res.values():
-    if isinstance(r, dict) and "tokens" in r:
-      r["tokens"] = bytes(t for t in r["tokens"] if t < 256).decode("utf-8", "replace")
-  return res
 
 
 def bench_jax(path: str, prompt: list, n: int) -> dict:
@@ -186,73 +62,6 @@ def bench_jax(path: str, prompt: list, n: int) -> dict:
   return {"tpot_ms": _median_ms(ts)}
 
 
-def bench_ring(path: str, devices: str, n: int, prompt: list, draft: str = None, gamma: int = 4,
-               only: tuple = ()) -> dict:
-  from ondevice import generate, planner, profiler
-  from ondevice.device import DeviceOptions
-  from ondevice.emulation import load_devices
-  from ondevice.forward import GGUFLlama
-  from ondevice.gguf_io import read_info
-  from ondevice.ring import RingEngine
-  from ondevice.weights import MappedGGUF
-  info = read_info(path)
-  d = load_devices(devices)
-  specs = d["devices"]
-  layer_s, head_s = profiler.layer_time(path), profiler.head_time(path)
-  ctx = len(prompt) + n + 8
-  chunk = 4096  # one page: the emulated page cache is exact at page granularity
-  # (plan method, k, residency policy, prefetch). "os" = LRU page cache decides (llama.cpp / exo mmap);
-  # "os" + prefetch = prima.cpp's runtime (read ahead the whole next window after sending, no release);
-  # "plan" = Halda's pin / prefetch-buffer / fault split (device.py).
-  scen = {
-      "single_mmap": ("single", 1, "os", False),
-      "exo_like_memory_split": ("memory", 1, "os", False),
-      "dllama_like_equal_split": ("equal", 1, "os", False),
-      "prima_runtime_k1": ("halda", 1, "os", True),
-      "prima_runtime_kauto": ("halda", "auto", "os", True),
-      "halda_k1": ("halda", 1, "plan", True),
-      "halda_prp_prefetch": ("halda", "auto", "plan", True),
-  }
-  if only:
-    scen = {k: v for k, v in scen.items() if k in only or k in ("single_mmap", "exo_like_memory_split",
-                                                                 "halda_prp_prefetch")}
-  out = {"clock": "emulated", "measured_layer_ms": 1e3 * layer_s, "chunk_bytes": chunk}
-  tokens_ref = None
-  for name, (method, k, policy, pf) in scen.items():
-    p, kept = planner.plan(info, specs, method, k, layer_s, head_s, ctx)
-    opts = DeviceOptions(prefetch=pf, policy=policy, chunk_bytes=chunk, max_len=ctx)
-    res = p.residency if policy == "plan" else None
-    with RingEngine(path, p.windows, kept, opts, n_gpu=p.n_gpu, residency=res) as eng:
-      st = generate.greedy(eng, prompt, n)
-      stats = eng.stats()
-      row = dict(p.as_dict(), policy=policy, prefetch=pf, **st.as_dict(),
-                 disk_read_mb_per_token=sum(s.get("emulated_disk_read_mb", 0) for s in stats) / max(1, n),
-                 compute_s_all_devices=sum(s.get("compute_s", 0) for s in stats),
-                 pressure=[round((s.get("emulated_resident_mb", 0) + s.get("kv_mb", 0)) / s["budget_mb"], 3)
-                           if s.get("budget_mb") else None for s in stats])
-      if draft and name == "halda_prp_prefetch":
-        dm = GGUFLlama(MappedGGUF(draft), max_len=ctx)
-        dm.forward(prompt[:gamma + 1], 0, dm.new_cache())  # compile the draft's kernels outside the clock
-        dm.forward(prompt[:1], 0, dm.new_cache())
-        sp = generate.speculative(eng, generate.Draft(dm, eng), prompt, n, gamma)
-        row["speculative"] = dict(sp.as_dict(), gamma=gamma, identical_to_greedy=sp.tokens == st.tokens)
-    tokens_ref = tokens_ref or st.tokens
-    row["same_tokens_as_single"] = st.tokens == tokens_ref
-    out[name] = row
-  a, b, dd = out["single_mmap"]["tpot_ms"], out["exo_like_memory_split"]["tpot_ms"], out["halda_prp_prefetch"]["tpot_ms"]
-  out["speedup_vs_single"] = a / dd
-  out["speedup_vs_exo_like"] = b / dd
-  if "prima_runtime_k1" in out:
-    out["disk_mb_per_token_prima_runtime_k1_vs_kauto"] = [out["prima_runtime_k1"]["disk_read_mb_per_token"],
-                                                          out["prima_runtime_kauto"]["disk_read_mb_per_token"]]
-  if draft:
-    spd = out["halda_prp_prefetch"]["speculative"]
-    out["speculative_speedup"] = spd["tokens_per_s"] / out["halda_prp_prefetch"]["tokens_per_s"]
-  return out
-
-
-SPEC_PROMPTS = ("def fibonacci(n):\n    ", "import os\nimport sys\n\n\nclass ", "    def __init__(self, ",
-                "        if not isinstance(")
 
 
 def bench_spec(path: str, draft: str, n: int, gammas=(2, 3, 4, 6)) -> dict:
@@ -262,24 +71,26 @@ def bench_spec(path: str, draft: str, n: int, gammas=(2, 3, 4, 6)) -> dict:
   from ondevice.forward import GGUFLlama
   from ondevice.ring import RingEngine
   from ondevice.weights import MappedGGUF
-  out = {"clock": "wall", "prompts": len(SPEC_PROMPTS), "tokens_per_prompt": n}
+  from ondevice.bench_ring import stdlib_prompts
+  prompts = stdlib_prompts()
+  out = {"clock": "wall", "prompts": "stdlib source (bench_ring.stdlib_prompts)", "tokens_per_prompt": n}
   with RingEngine(path, [[list(range(_n_layers(path)))]], [None]) as eng:
     generate.greedy(eng, list(b"warm up"), 4)  # compile kernels outside the timing
     dm = GGUFLlama(MappedGGUF(draft), max_len=eng.head.model.max_len)
     generate.Draft(dm, eng).propose(list(b"warm up"), 2)
     plain_s, plain_tok, ref = 0.0, 0, []
-    for pr in SPEC_PROMPTS:
+    for pr in prompts:
       eng.head.cache = eng.head.model.new_cache()
-      st = generate.greedy(eng, list(pr.encode()), n)
+      st = generate.greedy(eng, pr, n)
       plain_s += st.decode_s
       plain_tok += len(st.tokens) - 1
       ref.append(st.tokens)
     out["greedy_tokens_per_s"] = plain_tok / plain_s
     for g in gammas:
       sp_s, sp_tok, drafted, accepted, same = 0.0, 0, 0, 0, True
-      for pr, r in zip(SPEC_PROMPTS, ref):
+      for pr, r in zip(prompts, ref):
         eng.head.cache = eng.head.model.new_cache()
-        st = generate.speculative(eng, generate.Draft(dm, eng), list(pr.encode()), n, g)
+        st = generate.speculative(eng, generate.Draft(dm, eng), pr, n, g)
         sp_s += st.decode_s
         sp_tok += len(st.tokens) - 1
         drafted, accepted = drafted + st.drafted, accepted + st.accepted
@@ -318,7 +129,8 @@ def bench_kernels(n_out: int = 2816, n_in: int = 1024, copies: int = 40, reps: i
                "planes_streamed_ms": med(lambda: [p(x1) for p in ps], 5) / copies,
                "planes_T4_streamed_ms": med(lambda: [p(x4) for p in ps], 5) / copies}
     asm = planes.inspect_asm(qt)
-    out[qt]["vector_registers"] = "zmm" if "zmm" in asm else ("ymm" if "ymm" in asm else "none")
+    out[qt]["vector_code"] = ("vpdpbusd zmm" if "vpdpbusd" in asm and "zmm" in asm else
+                              "zmm" if "zmm" in asm else "ymm" if "ymm" in asm else "none")
   w16 = w.astype(np.float16)
   out["F16_ms"] = med(lambda: kernels.matmul("F16", w16, x1, n_out, n_in))
   out["F32_blas_ms"] = med(lambda: kernels.matmul("F32", w, x1, n_out, n_in))
@@ -346,21 +158,20 @@ def main(argv=None) -> int:
   ap = argparse.ArgumentParser(prog="python -m ondevice.bench", description=__doc__,
                                formatter_class=argparse.RawDescriptionHelpFormatter)
   ap.add_argument("--model", default=None, help="GGUF file (all suites but kernels)")
-  ap.add_argument("--suite", default="single", choices=["single", "ring", "spec", "kernels"])
+  ap.add_argument("--suite", default="single", choices=["single", "ring", "halda-real", "spec", "kernels"])
   ap.add_argument("--devices", default=None)
   ap.add_argument("--draft", default=None)
   ap.add_argument("--gamma", type=int, default=4, help="ring: draft length")
   ap.add_argument("--gammas", default="2,3,4,6", help="spec: draft lengths to sweep")
   ap.add_argument("--tokens", type=int, default=32)
   ap.add_argument("--prompt", default="def fibonacci(n):\n    ")
-  ap.add_argument("--threads", type=int, default=1)
+  ap.add_argument("--threads", default="1,2", help="single: thread counts to compare (ours and llama.cpp alike)")
+  ap.add_argument("--rounds", type=int, default=3, help="single: repetitions of the paired stream (noise floor)")
   ap.add_argument("--no-jax", action="store_true")
   ap.add_argument("--no-append", action="store_true")
-  ap.add_argument("--scenarios", default="", help="ring: extra scenarios to run besides single, exo-like and Halda (which always run); 'none' = only those")
+  ap.add_argument("--scenarios", default="", help="ring: 'all' adds prima.cpp's runtime on Halda's windows")
   args = ap.parse_args(argv)
-  from ondevice import kernels
   from ondevice.gguf_io import describe, read_info
-  kernels.set_threads(args.threads)
   prompt = list(args.prompt.encode())
   if args.suite != "kernels" and not args.model:
     ap.error(f"--suite {args.suite} needs --model")
@@ -371,18 +182,31 @@ def main(argv=None) -> int:
   if args.suite == "kernels":
     res["kernels"] = bench_kernels()
   elif args.suite == "single":
-    res.update(bench_single(args.model, prompt, args.tokens, args.threads))
+    from ondevice import bench_single
+    threads = tuple(int(t) for t in str(args.threads).split(","))
+    res.update(bench_single.run(args.model, prompt, args.tokens, threads, args.rounds))
     res["jax_f32"] = {"skipped": "--no-jax"} if args.no_jax else bench_jax(args.model, prompt, args.tokens)
   elif args.suite == "spec":
     if not args.draft:
       ap.error("--suite spec needs --draft")
     gammas = tuple(int(g) for g in args.gammas.split(","))
     res["spec"] = bench_spec(args.model, args.draft, args.tokens, gammas)
+  elif args.suite == "halda-real":
+    if not args.devices:
+      ap.error("--suite halda-real needs --devices (e.g. benchmarks/ondevice_devices_real.yaml)")
+    from ondevice import realio
+    from ondevice.errors import InputError
+    try:
+      res["halda_real"] = realio.run(args.model, args.devices, args.tokens, prompt)
+    except InputError as e:
+      print(f"error: {e}", file=sys.stderr)
+      return 2
   else:
     if not args.devices:
       ap.error("--suite ring needs --devices")
-    res["ring"] = bench_ring(args.model, args.devices, args.tokens, prompt, args.draft, args.gamma,
-                            tuple(x for x in args.scenarios.split(",") if x))
+    from ondevice import bench_ring
+    res["ring"] = bench_ring.run(args.model, args.devices, args.tokens, prompt, args.draft, args.gamma,
+                                 tuple(x for x in args.scenarios.split(",") if x))
   print(json.dumps(res))
   if not args.no_append:
     append_results("python -m ondevice.bench " + " ".join(argv if argv is not None else sys.argv[1:]), res)

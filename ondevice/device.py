@@ -17,6 +17,8 @@ from __future__ import annotations
 
 import dataclasses
 import math
+import mmap
+import os
 import time
 from typing import Optional
 
@@ -34,13 +36,20 @@ class DeviceOptions:
   real_io: bool = False  # also issue real madvise/fadvise (off under emulation: keeps the real cache warm)
   chunk_bytes: int = 64 << 10  # emulated page-cache granularity
   max_len: Optional[int] = None
+  rank_paths: tuple = ()  # real I/O: one copy of the file per rank (separate page caches, as separate devices)
+  blkio_cgroups: tuple = ()  # real I/O: per rank, a blkio cgroup directory to join (kernel disk throttle)
 
 
 class Device:
   def __init__(self, model_path: str, windows: list, spec: Optional[DeviceSpec], opts: DeviceOptions,
-               head: bool = False, n_gpu: int = 0, residency: Optional[tuple] = None):
+               head: bool = False, n_gpu: int = 0, residency: Optional[tuple] = None, rank: int = 0):
     if opts.policy not in ("plan", "os"):
       raise ValueError(f"residency policy {opts.policy!r} unknown; use 'plan' or 'os'")
+    if opts.blkio_cgroups:  # join this rank's throttled cgroup before touching the file
+      with open(os.path.join(opts.blkio_cgroups[rank], "cgroup.procs"), "w") as f:
+        f.write(str(os.getpid()))
+    if opts.rank_paths:
+      model_path = opts.rank_paths[rank]
     self.mapped = MappedGGUF(model_path)
     self.windows = [list(w) for w in windows]  # [cycle] -> layer ids
     layers = [i for w in self.windows for i in w]
@@ -52,7 +61,8 @@ class Device:
     self.spec, self.opts, self.head = spec, opts, head
     self.n_gpu = n_gpu  # layers per window on the emulated GPU (VRAM-resident)
     self.clock = Clock()
-    self.emulated = spec is not None and spec.emulated
+    # With real I/O the device's disk and memory are real (wall clock, madvise/fadvise on its own file copy).
+    self.emulated = spec is not None and spec.emulated and not opts.real_io
     cfg = self.mapped.info.cfg
     cpu_layers = [i for w in self.windows for i in w[:max(0, len(w) - n_gpu)]]
     self.kv_bytes = 2 * (opts.max_len or cfg.max_seq_len) * cfg.n_kv_heads * cfg.hd * 4 * len(cpu_layers)
@@ -63,6 +73,21 @@ class Device:
                        for w in self.windows]
     self.residency = residency if residency is not None else self._default_residency(budget)
     self.parts = [self._split(a, b) for a, b in self.cpu_ranges]
+    if opts.real_io:
+      self._start_real_io()
+
+  def _start_real_io(self) -> None:
+    """Cold start on the device's own file: nothing cached, no kernel read-around (the plan says what to read),
+    then the pinned parts read once and kept."""
+    m = self.mapped
+    m.mm.madvise(mmap.MADV_RANDOM)
+    m.release(0, len(m.mm))
+    if self.opts.policy == "plan":
+      for pin, _, _ in self.parts:
+        if pin[1] > pin[0]:
+          m.prefetch(*pin, touch=True)
+      for a, b in self.head_ranges:
+        m.prefetch(a, b, touch=True)
 
   # ------------------------------------------------------------------ residency
   def _default_residency(self, budget: float) -> tuple:
@@ -120,7 +145,8 @@ class Device:
   def logits(self, x_TxD) -> np.ndarray:
     return self._timed(self.model.head, x_TxD)
 
-  def run_window(self, cycle: int, x_TxD: np.ndarray, pos0: int, t_in: float) -> np.ndarray:
+  def run_window(self, cycle: int, x_TxD: np.ndarray, pos0: int, t_in: float,
+                 batch_invariant: bool = False) -> np.ndarray:
     """recv (t_in) -> wait for the window's weights -> compute. Caller sends, then calls after_send."""
     if t_in > self.clock.now:
       self.clock.idle_s += t_in - self.clock.now
@@ -133,10 +159,15 @@ class Device:
       self._access(*pin, mode="pin")
       self._access(*buf, mode="lru")
       self._access(*sync, mode="stream")
+      if self.opts.real_io and sync[1] > sync[0]:
+        self.mapped.prefetch(*sync)  # read the streamed part now; the kernels' page faults wait for it
     else:
       self._access(*self.cpu_ranges[cycle])
     g = min(self.n_gpu, len(layers)) / len(layers)
-    return self._timed(self.model.run_layers, x_TxD, pos0, layers, self.cache, gpu_fraction=g)
+    y = self._timed(self.model.run_layers, x_TxD, pos0, layers, self.cache, batch_invariant, gpu_fraction=g)
+    if self.opts.real_io and self.opts.policy == "plan" and self.parts[cycle][2][1] > self.parts[cycle][2][0]:
+      self.mapped.release(*self.parts[cycle][2])  # streamed through, not kept
+    return y
 
   def after_send(self, cycle: int) -> None:
     """Release the buffer just used and read ahead the next window (policy ``plan``); or, with policy ``os``,
@@ -172,6 +203,9 @@ class Device:
          "pin_prefetch_mb_per_window": [round(v / 2**20, 3) for v in self.residency],
          "share_mb": sum(b - a for a, b in self.cpu_ranges) / 2**20}
     d.update(self.clock.as_dict() if self.emulated else {"clock": "wall", "compute_s": self.clock.compute_s})
+    if self.opts.real_io:
+      from ondevice.weights import io_counters
+      d.update(real_read_bytes=io_counters().get("read_bytes", 0), resident_mb=self.mapped.resident_bytes() / 2**20)
     if self.ecache is not None:
       d.update(emulated_disk_read_mb=self.ecache.bytes_read / 2**20,
                emulated_resident_mb=self.ecache.resident_bytes() / 2**20,

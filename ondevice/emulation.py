@@ -43,9 +43,20 @@ class DeviceSpec:
 def spec_from_dict(d: dict) -> DeviceSpec:
   """Devices-file entry (MB/MBps/ms units, as humans write them) -> DeviceSpec."""
   known = {"name", "ram_mb", "disk_mbps", "cpu_slowdown", "vram_mb", "gpu_speedup", "link_mbps", "link_latency_ms"}
+  if not isinstance(d, dict):
+    raise ValueError(f"device entry {d!r} must be a mapping like {{name: d1, ram_mb: 512, disk_mbps: 200}}")
   unknown = set(d) - known
   if unknown:
     raise ValueError(f"unknown device keys {sorted(unknown)}; known: {sorted(known)}")
+  for k in known - {"name"}:
+    if k in d:
+      try:
+        v = float(d[k])
+      except (TypeError, ValueError):
+        raise ValueError(f"device {d.get('name', '?')}: {k}={d[k]!r} is not a number") from None
+      positive = k in ("ram_mb", "disk_mbps", "cpu_slowdown", "link_mbps")
+      if not math.isfinite(v) or v < 0 or (positive and v == 0):
+        raise ValueError(f"device {d.get('name', '?')}: {k}={d[k]!r} must be {'> 0' if positive else '>= 0'}")
   f = lambda k: float(d[k]) * MiB if k in d else math.inf  # noqa: E731
   return DeviceSpec(name=str(d.get("name", "dev")), ram_bytes=f("ram_mb"), disk_Bps=f("disk_mbps"),
                     cpu_slowdown=float(d.get("cpu_slowdown", 1.0)), vram_bytes=float(d.get("vram_mb", 0)) * MiB,
@@ -58,8 +69,11 @@ def load_devices(path: str) -> dict:
   import yaml
   with open(path) as f:
     doc = yaml.safe_load(f) or {}
-  if "devices" not in doc or not doc["devices"]:
+  if not isinstance(doc, dict) or not isinstance(doc.get("devices"), list) or not doc["devices"]:
     raise ValueError(f"{path}: needs a non-empty 'devices:' list (see ondevice/README.md)")
+  names = [str(d.get("name", "dev")) if isinstance(d, dict) else "?" for d in doc["devices"]]
+  if len(set(names)) != len(names):
+    raise ValueError(f"{path}: device names {names} must be unique")
   return {"devices": [spec_from_dict(d) for d in doc["devices"]], "k": doc.get("k", "auto"),
           "windows": doc.get("windows"), "prefetch": bool(doc.get("prefetch", True))}
 

@@ -39,6 +39,25 @@ def main(argv=None) -> int:
   bad = [o for o in overrides if not o.startswith("--config.")]
   if bad:
     ap.error(f"unrecognized arguments {bad}")
+  from ondevice.errors import cli
+  return cli(_export, ap, args, overrides)
+
+
+def _export(ap, args, overrides) -> int:
+  from ondevice import gguf_io
+  from ondevice.errors import InputError
+  try:
+    return _export_body(ap, args, overrides)
+  except (FileNotFoundError, ImportError) as e:
+    raise InputError(f"{e}; fix the path") from None
+  except gguf_io.GGUFError:
+    raise
+  except OSError as e:
+    raise InputError(f"writing {args.out} failed ({e.strerror or e}); any file that was there is unchanged: free "
+                     f"space or pick another --out") from None
+
+
+def _export_body(ap, args, overrides) -> int:
   from ondevice import gguf_io, sources
   t0 = time.time()
   if args.random:
@@ -51,7 +70,8 @@ def main(argv=None) -> int:
     params, model_cfg = gguf_io.load_params(args.from_gguf)
     n = args.keep_layers or model_cfg.n_layers
     if not 1 <= n <= model_cfg.n_layers:
-      ap.error(f"--keep-layers {n}: the file has {model_cfg.n_layers} blocks")
+      from ondevice.errors import InputError
+      raise InputError(f"--keep-layers {n}: the file has {model_cfg.n_layers} blocks; pass 1..{model_cfg.n_layers}")
     params = dict(params, layers=jax_tree_slice(params["layers"], n))
     model_cfg = dataclasses.replace(model_cfg, n_layers=n)
     name = f"{os.path.basename(args.from_gguf)}:layers={n}"

@@ -20,7 +20,7 @@ from typing import Iterable, Optional
 import numpy as np
 
 from framework.config import ModelConfig
-from ondevice import kernels, planes
+from ondevice import gguf_check, kernels, planes
 from ondevice.weights import MappedGGUF
 
 
@@ -49,11 +49,11 @@ class Linear:
   packed: Optional[planes.Planes] = None
 
   @staticmethod
-  def of(mats, repack: bool) -> "Linear":
+  def of(mats, repack: bool, interleave: bool = False) -> "Linear":
     qt = {m.qtype for m in mats}
     ok = (repack and planes.HAVE_NUMBA and len(qt) == 1 and next(iter(qt)) in planes.PLANE_BYTES
-          and all(m.n_in % planes.QK == 0 for m in mats))
-    p = planes.repack(mats[0].qtype, [m.data for m in mats], mats[0].n_in) if ok else None
+          and all(m.n_in % planes.QK == 0 for m in mats) and len({m.n_in for m in mats}) == 1)
+    p = planes.repack(mats[0].qtype, [m.data for m in mats], mats[0].n_in, interleave) if ok else None
     return Linear(tuple(mats), p)
 
   def __call__(self, x_TxI: np.ndarray) -> list:
@@ -96,9 +96,7 @@ rms_norm = planes.rms_norm  # ggml's roundings (they decide Q8_0 ties of the qua
 
 class RopeTable:
   def __init__(self, max_len: int, head_dim: int, theta: float):
-    inv = 1.0 / (theta ** (np.arange(0, head_dim, 2, dtype=np.float32) / head_dim))
-    ang = np.arange(max_len, dtype=np.float32)[:, None] * inv[None, :].astype(np.float32)
-    self.cos, self.sin = np.cos(ang).astype(np.float32), np.sin(ang).astype(np.float32)
+    self.cos, self.sin = planes.rope_tables(max_len, head_dim, theta)  # ggml's tables, bit for bit
 
   def apply(self, x_TxNxE: np.ndarray, pos0: int) -> np.ndarray:
     """Adjacent-pair rotation (llama.cpp NORM mode) at positions pos0 .. pos0+T-1."""
@@ -119,6 +117,7 @@ class GGUFLlama:
     """``repack``: copy Q8_0/Q4_0 matrices once into SIMD planes (kernels.repack; ~6x faster mat-vecs,
     +11%/+6% bytes of anonymous memory). False computes on the mmap views, so the file's pages are
     what the kernels touch (ring devices with real I/O)."""
+    gguf_check.check_runnable(mapped.info)
     self.mapped = mapped
     self.repack = repack
     self.cfg: ModelConfig = mapped.info.cfg
@@ -128,6 +127,7 @@ class GGUFLlama:
     self.rope = RopeTable(self.max_len, c.hd, c.rope_theta)
     self.layers = {i: self._layer(i) for i in self.layer_ids}
     self.stack = self._stack()
+    self._teams: dict = {}
     self.has_head = head
     if head:
       self.tok_embd = self._mat("token_embd.weight")
@@ -142,9 +142,9 @@ class GGUFLlama:
   def _layer(self, i: int) -> LayerW:
     m = lambda s: self._mat(f"blk.{i}.{s}.weight")  # noqa: E731
     v = lambda s: np.asarray(self.mapped.view(f"blk.{i}.{s}.weight"), np.float32)  # noqa: E731
-    lin = lambda *ss: Linear.of([m(s) for s in ss], self.repack)  # noqa: E731
+    lin = lambda *ss, il=False: Linear.of([m(s) for s in ss], self.repack, il)  # noqa: E731
     return LayerW(v("attn_norm"), lin("attn_q", "attn_k", "attn_v"), lin("attn_output"), v("ffn_norm"),
-                  lin("ffn_gate", "ffn_up"), lin("ffn_down"))
+                  lin("ffn_gate", "ffn_up", il=True), lin("ffn_down"))
 
   def _stack(self) -> Optional[planes.Stack]:
     """Stack all bound blocks' planes so run_layers over them is one numba call; the per-layer
@@ -163,6 +163,16 @@ class GGUFLlama:
           gate_up=dataclasses.replace(w.gate_up, packed=v[2]), down=dataclasses.replace(w.down, packed=v[3]))
     return st
 
+  def team(self) -> "planes.Team":
+    """The kernel threads for this model's stack at the current planes.set_threads (started on first use)."""
+    n = min(planes.get_threads(), max(1, self.stack.gate_up[0].shape[1] // 2))
+    t = self._teams.get(n)
+    if t is None:
+      c = self.cfg
+      t = self._teams[n] = planes.Team(self.stack, n, c.n_heads, c.n_kv_heads, c.hd, c.norm_eps, self.rope.cos,
+                                       self.rope.sin)
+    return t
+
   def new_cache(self, layers: Optional[Iterable[int]] = None) -> KVCache:
     return KVCache(self.cfg, self.layer_ids if layers is None else layers, self.max_len)
 
@@ -173,15 +183,15 @@ class GGUFLlama:
   def head(self, x_TxD: np.ndarray) -> np.ndarray:
     return self.output(rms_norm(x_TxD, self.out_norm, self.cfg.norm_eps))[0]
 
-  def layer(self, i: int, x_TxD: np.ndarray, pos0: int, cache: KVCache) -> np.ndarray:
+  def layer(self, i: int, x_TxD: np.ndarray, pos0: int, cache: KVCache, batch_invariant: bool = False) -> np.ndarray:
     c, w = self.cfg, self.layers[i]
     T, H, K, E = x_TxD.shape[0], c.n_heads, c.n_kv_heads, c.hd
     if pos0 + T > cache.max_len:
       raise ValueError(f"context overflow: position {pos0 + T} > max_len {cache.max_len}; raise --ctx")
-    if w.fused:
-      return planes.layer(x_TxD, w.attn_norm, w.ffn_norm, w.qkv.packed, w.wo.packed, w.gate_up.packed,
-                          w.down.packed, cache.k[i], cache.v[i], self.rope.cos, self.rope.sin, pos0, H, K, E,
-                          c.norm_eps)
+    if self.stack is not None:
+      j, cj = self.layer_ids.index(i), cache.layer_ids.index(i)
+      return planes.layers(self.team(), j, j + 1, x_TxD, cache.k_all[cj:cj + 1], cache.v_all[cj:cj + 1], pos0,
+                           batch_invariant)
     h_TxD = rms_norm(x_TxD, w.attn_norm, c.norm_eps)
     q_TxHE, k_TxKE, v_TxKE = w.qkv(h_TxD)
     q_TxHxE = self.rope.apply(q_TxHE.reshape(T, H, E), pos0)
@@ -204,23 +214,27 @@ class GGUFLlama:
     a_TxF = g_TxF / (np.float32(1.0) + np.exp(-g_TxF)) * u_TxF
     return x_TxD + w.down(a_TxF)[0]
 
-  def run_layers(self, x_TxD: np.ndarray, pos0: int, layers: Iterable[int], cache: KVCache) -> np.ndarray:
+  def run_layers(self, x_TxD: np.ndarray, pos0: int, layers: Iterable[int], cache: KVCache,
+                 batch_invariant: bool = False) -> np.ndarray:
+    """The given layers in order. A run of consecutive bound layers whose caches are consecutive too is one
+    fused call (planes.layers); ``batch_invariant``: see there (speculative verification)."""
     layers = list(layers)
-    if self.stack is not None and layers == self.layer_ids and cache.layer_ids == tuple(layers):
-      c = self.cfg
-      if pos0 + x_TxD.shape[0] > cache.max_len:
-        raise ValueError(f"context overflow: position {pos0 + x_TxD.shape[0]} > max_len {cache.max_len}; "
-                         f"raise --ctx")
-      return planes.layers(self.stack, x_TxD, cache.k_all, cache.v_all, self.rope.cos, self.rope.sin, pos0,
-                           c.n_heads, c.n_kv_heads, c.hd, c.norm_eps)
+    if pos0 + x_TxD.shape[0] > cache.max_len:
+      raise ValueError(f"context overflow: position {pos0 + x_TxD.shape[0]} > max_len {cache.max_len}; raise --ctx")
+    if self.stack is not None and layers and all(i in self.layer_ids and i in cache.layer_ids for i in layers):
+      j, cj = self.layer_ids.index(layers[0]), cache.layer_ids.index(layers[0])
+      n = len(layers)
+      if self.layer_ids[j:j + n] == layers and list(cache.layer_ids[cj:cj + n]) == layers:
+        return planes.layers(self.team(), j, j + n, x_TxD, cache.k_all[cj:cj + n], cache.v_all[cj:cj + n], pos0,
+                             batch_invariant)
     for i in layers:
-      x_TxD = self.layer(i, x_TxD, pos0, cache)
+      x_TxD = self.layer(i, x_TxD, pos0, cache, batch_invariant)
     return x_TxD
 
-  def forward(self, tokens_T, pos0: int, cache: KVCache) -> np.ndarray:
+  def forward(self, tokens_T, pos0: int, cache: KVCache, batch_invariant: bool = False) -> np.ndarray:
     """Logits T x V for tokens at positions pos0.. (all bound layers in order)."""
     x = self.embed(tokens_T)
-    return self.head(self.run_layers(x, pos0, self.layer_ids, cache))
+    return self.head(self.run_layers(x, pos0, self.layer_ids, cache, batch_invariant))
 
 
 def greedy_generate(model: GGUFLlama, prompt_ids, n_new: int, stop_id: Optional[int] = None,

@@ -80,7 +80,7 @@ class Draft:
   def propose(self, seq: list, gamma: int) -> list:
     t0 = time.perf_counter()
     self.n_valid = min(self.n_valid, len(seq) - 1)
-    logits = self.model.forward(seq[self.n_valid:], self.n_valid, self.cache)
+    logits = self.model.forward(seq[self.n_valid:], self.n_valid, self.cache, batch_invariant=True)
     pos = len(seq)
     out = [int(np.argmax(logits[-1]))]
     for _ in range(gamma - 1):
@@ -123,7 +123,7 @@ def speculative(engine, draft: Draft, prompt: list, n_new: int, gamma: int = 4, 
       break
     props = draft.propose(seq, g)
     # One pass verifies [last committed, d1..dg] at positions len(seq)-1 .. len(seq)-1+g.
-    logits = engine.forward([seq[-1]] + props, len(seq) - 1)
+    logits = engine.forward([seq[-1]] + props, len(seq) - 1, batch_invariant=True)
     steps += 1
     drafted += g
     target = [int(np.argmax(l)) for l in logits]

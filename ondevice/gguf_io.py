@@ -10,13 +10,17 @@ from __future__ import annotations
 import dataclasses
 import json
 import os
+import pathlib
 import re
+import zlib
 from typing import Any, Optional
 
 import numpy as np
 
 from framework import names
 from framework.config import ModelConfig
+from ondevice import gguf_check
+from ondevice.gguf_check import CRC_KEY, GGUFError  # noqa: F401  (GGUFError: re-exported)
 from ondevice.tokenizer import ByteTokenizer
 
 QUANTS = ("f32", "f16", "q8_0", "q4_0", "q4_k")
@@ -24,8 +28,6 @@ PAGE = 4096
 _BLOCKED = ("q8_0", "q4_0")
 
 
-class GGUFError(ValueError):
-  """A GGUF file that cannot be used; the message says how to get a good one."""
 
 
 @dataclasses.dataclass(frozen=True)
@@ -49,6 +51,9 @@ class GGUFInfo:
   token_types: tuple
   eos_id: int
   byte_tokenizer: bool
+  unsupported: tuple = ()  # llama features this runtime does not implement (gguf_check.check_runnable)
+  crc: dict = dataclasses.field(default_factory=dict)  # tensor name -> CRC32 of its bytes (our exports)
+  bos_id: Optional[int] = None  # prepended to text prompts when the file says add_bos_token (llama.cpp does)
 
   def layer_range(self, i: int) -> tuple:
     """[start, end) bytes of layer i's tensors (contiguous as written by export)."""
@@ -77,13 +82,18 @@ def export_gguf(params: Any, cfg: ModelConfig, path: str, quant: str = "f32", al
   ``quant`` applies to every matrix (token_embd included, as llama.cpp does); norms stay F32.
   ``q4_k`` quantises an F16 file with llama.cpp's own quantizer (needs llama-cpp-python).
   """
-  import gguf
   quant = quant.lower()
   if quant not in QUANTS:
     raise GGUFError(f"--quant {quant!r} unknown; choose one of {', '.join(QUANTS)}")
   if quant == "q4_k":
     return _export_q4_k(params, cfg, path, align, name)
-  arrays = names.framework_to_gguf(params, cfg)
+  return write_arrays(names.framework_to_gguf(params, cfg), cfg, path, quant, align, name, output_quant)
+
+
+def write_arrays(arrays: dict, cfg: ModelConfig, path: str, quant: str = "f32", align: int = PAGE,
+                 name: str = "prismllm", output_quant: Optional[str] = None) -> dict:
+  """GGUF tensor name -> f32 array (llama.cpp layout, q/k rows already RoPE-permuted) -> a GGUF file."""
+  import gguf
   tok = ByteTokenizer(cfg.vocab_size)
   w = gguf.GGUFWriter(path, "llama")
   w.data_alignment = align
@@ -118,6 +128,7 @@ def export_gguf(params: Any, cfg: ModelConfig, path: str, quant: str = "f32", al
   w.add_string("prismllm.tokenizer", "bytes")
   w.add_string("prismllm.model_config", json.dumps(dataclasses.asdict(cfg)))
   counts: dict = {}
+  data = {}
   for tname, arr in arrays.items():
     arr = np.asarray(arr, np.float32)
     if arr.ndim == 1:
@@ -128,15 +139,26 @@ def export_gguf(params: Any, cfg: ModelConfig, path: str, quant: str = "f32", al
     counts[qt] = counts.get(qt, 0) + 1
     gq = getattr(gguf.GGMLQuantizationType, qt)
     if qt == "F32":
-      w.add_tensor(tname, arr)
+      data[tname] = (arr, None)
     elif qt == "F16":
-      w.add_tensor(tname, arr.astype(np.float16))
+      data[tname] = (arr.astype(np.float16), None)
     else:
-      w.add_tensor(tname, gguf.quants.quantize(arr, gq), raw_dtype=gq)
-  w.write_header_to_file()
-  w.write_kv_data_to_file()
-  w.write_tensors_to_file()
-  w.close()
+      data[tname] = (gguf.quants.quantize(arr, gq), gq)
+  # CRC32 of every tensor's bytes: weights.MappedGGUF checks a tensor's when it is first used, so a file
+  # damaged after export fails with a clear error instead of computing on flipped bits.
+  w.add_string(CRC_KEY, json.dumps({n: zlib.crc32(np.ascontiguousarray(a).tobytes()) for n, (a, _) in data.items()}))
+  for tname, (a, gq) in data.items():
+    w.add_tensor(tname, a, raw_dtype=gq)
+  tmp = path + ".partial"  # written next to the target, renamed only when complete: a failed export loses nothing
+  try:
+    w.write_header_to_file(pathlib.Path(tmp))
+    w.write_kv_data_to_file()
+    w.write_tensors_to_file()
+    w.close()
+    os.replace(tmp, path)
+  finally:
+    if os.path.exists(tmp):
+      os.remove(tmp)
   return {"path": path, "quant": quant, "bytes": os.path.getsize(path), "tensor_types": counts}
 
 
@@ -178,55 +200,82 @@ def _field(reader, key, default=None):
   return v.tolist()[0] if hasattr(v, "tolist") and len(v) == 1 else v
 
 
-def _cfg_from_llama_keys(reader) -> ModelConfig:
+def _cfg_from_llama_keys(path, reader) -> ModelConfig:
   g = lambda k, d=None: _field(reader, "llama." + k, d)  # noqa: E731
-  if g("embedding_length") is None:
-    raise GGUFError("GGUF lacks llama.* hyperparameters; only llama-architecture files are supported")
+  if g("embedding_length") is None or g("attention.head_count") is None or g("block_count") is None:
+    raise GGUFError(f"{path} lacks llama.* hyperparameters (embedding_length, head_count, block_count); only "
+                    f"llama-architecture files are supported: export it with them (ondevice.export writes them)")
   d, h = int(g("embedding_length")), int(g("attention.head_count"))
   n_vocab = len(reader.fields["tokenizer.ggml.tokens"].data)
+  ff = g("feed_forward_length")
   return ModelConfig(vocab_size=int(g("vocab_size", n_vocab)), d_model=d, n_layers=int(g("block_count")),
                      n_heads=h, n_kv_heads=int(g("attention.head_count_kv", h)),
-                     head_dim=int(g("attention.key_length", d // h)), d_ff=int(g("feed_forward_length")),
+                     head_dim=int(g("attention.key_length", d // max(h, 1))), d_ff=int(ff) if ff else -1,
                      rope_theta=float(g("rope.freq_base", 10000.0)),
                      norm_eps=float(g("attention.layer_norm_rms_epsilon", 1e-5)),
                      tie_embeddings="output.weight" not in [t.name for t in reader.tensors],
                      max_seq_len=int(g("context_length", 2048)))
 
 
+def _read_cfg(path, reader) -> ModelConfig:
+  cfg_json = _field(reader, "prismllm.model_config")
+  if not cfg_json:
+    return _cfg_from_llama_keys(path, reader)
+  try:
+    return ModelConfig(**json.loads(cfg_json))
+  except (ValueError, TypeError) as e:
+    raise GGUFError(f"{path}: metadata prismllm.model_config is damaged ({type(e).__name__}); re-export it with "
+                    f"`python -m ondevice.export` or re-copy it") from None
+
+
 def read_info(path: str) -> GGUFInfo:
-  """Parses a GGUF header and checks that every tensor lies inside the file."""
+  """Parses a GGUF header: bounds-checked walk first (gguf_check.scan_header), then the gguf reader, then
+  the config, tensor shapes, alignment and overlaps (gguf_check.check_structure). Raises GGUFError."""
   from gguf import GGUFReader
   if not os.path.exists(path):
     raise GGUFError(f"{path}: no such file; create one with `python -m ondevice.export --random --out {path}`")
+  if os.path.isdir(path):
+    raise GGUFError(f"{path} is a directory; pass a .gguf file")
   size = os.path.getsize(path)
+  gguf_check.scan_header(path)
   try:
     reader = GGUFReader(path, "r")
   except Exception as e:  # the reader raises ValueError/IndexError/... on bad bytes
-    raise GGUFError(f"{path} is not a readable GGUF file ({type(e).__name__}: {e}); it is corrupt or "
-                    f"truncated ({size} bytes): re-export it with `python -m ondevice.export`") from e
+    raise GGUFError(f"{path} is not a readable GGUF file ({type(e).__name__}: {str(e)[:120]}); it is corrupt or "
+                    f"truncated ({size} bytes): re-export it with `python -m ondevice.export`") from None
   arch = _field(reader, "general.architecture")
   if arch != "llama":
-    raise GGUFError(f"{path}: architecture {arch!r} is not supported; only 'llama' files are")
+    raise GGUFError(f"{path}: architecture {arch!r} is not supported, only 'llama' is; run it with llama.cpp")
+  if "tokenizer.ggml.tokens" not in reader.fields:
+    raise GGUFError(f"{path} has no tokenizer.ggml.tokens vocabulary; export it with its tokenizer")
   tensors = {}
   for t in reader.tensors:
+    if t.name in tensors:
+      raise GGUFError(f"{path}: tensor {t.name} appears twice: the tensor index is corrupt; re-export or re-copy it")
     shape = tuple(int(s) for s in reversed([int(x) for x in t.shape]))
     tensors[t.name] = TensorInfo(t.name, t.tensor_type.name, shape, int(t.data_offset), int(t.n_bytes))
-    if t.data_offset + t.n_bytes > size:
-      raise GGUFError(f"{path} is truncated: tensor {t.name} ends at byte {t.data_offset + t.n_bytes} but the "
-                      f"file has {size}; re-export or re-copy it")
-  cfg_json = _field(reader, "prismllm.model_config")
-  cfg = ModelConfig(**json.loads(cfg_json)) if cfg_json else _cfg_from_llama_keys(reader)
+  cfg = _read_cfg(path, reader)
   tok_field = reader.fields["tokenizer.ggml.tokens"]
-  tokens = tuple(bytes(tok_field.parts[i]).decode("utf-8") for i in tok_field.data)
+  try:
+    tokens = tuple(bytes(tok_field.parts[i]).decode("utf-8") for i in tok_field.data)
+  except UnicodeDecodeError:
+    raise GGUFError(f"{path}: a vocabulary entry is not UTF-8: the metadata is corrupt; re-export or re-copy it") \
+        from None
+  gguf_check.check_config(path, cfg, len(tokens))
+  gguf_check.check_structure(path, tensors, cfg, int(reader.alignment), size)
   tt_field = reader.fields.get("tokenizer.ggml.token_type")
   types = tuple(int(tt_field.parts[i][0]) for i in tt_field.data) if tt_field else (1,) * len(tokens)
   eos = int(_field(reader, "tokenizer.ggml.eos_token_id", 2))
-  byte_tok = _field(reader, "prismllm.tokenizer") == "bytes"
-  missing = [p.gguf.format(i=i) for p in names.entries(cfg) for i in range(cfg.n_layers if p.per_layer else 1)
-             if p.gguf.format(i=i) not in tensors]
-  if missing:
-    raise GGUFError(f"{path} lacks tensors {missing[:4]}{'...' if len(missing) > 4 else ''}: incomplete export")
-  return GGUFInfo(path, cfg, tensors, int(reader.alignment), size, tokens, types, eos, byte_tok)
+  # Our byte vocabulary, whoever wrote the file: an SPM vocab whose first 256 entries are ByteTokenizer's.
+  byte_tok = (_field(reader, "prismllm.tokenizer") == "bytes" or
+              (_field(reader, "tokenizer.ggml.model") == "llama" and len(tokens) >= 256
+               and tokens[:256] == tuple(ByteTokenizer(256).gguf_vocab()[0])))
+  bos = _field(reader, "tokenizer.ggml.bos_token_id")
+  bos = int(bos) if bos is not None and _field(reader, "tokenizer.ggml.add_bos_token", False) else None
+  fields = {k: _field(reader, k) for k in reader.fields if k.startswith("llama.")}
+  unsupported = tuple(gguf_check.unsupported_features(path, fields, cfg))
+  crc = gguf_check.parse_crc(_field(reader, CRC_KEY))
+  return GGUFInfo(path, cfg, tensors, int(reader.alignment), size, tokens, types, eos, byte_tok, unsupported, crc, bos)
 
 
 def load_params(path: str, scan_layers: bool = True) -> tuple:

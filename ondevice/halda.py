@@ -28,7 +28,7 @@ add to the chain of stages, prefetched reads only have to fit in one cycle. The 
 executes p/x/y exactly as planned. ``prima_cost`` keeps prima.cpp's objective for comparison.
 
 xi_m = activation bytes / link bandwidth + link latency (prima.cpp sets it to 0; we keep it, and it is
-what lets device selection drop a badly linked device). kappa = head-only work (embedding, output).
+what lets device selection drop a badly linked device); a head left working alone sends nothing (binary z). kappa = head-only work (embedding, output).
 Solver: scipy.optimize.milp (HiGHS), in ms and MiB (with seconds and bytes HiGHS returned plans a few %
 off the optimum). ``evaluate`` computes the same objective for fixed (w, n) by bisection on T, an
 independent implementation that the tests compare against the MILP by brute force over (w, n).
@@ -120,7 +120,8 @@ def evaluate(devs: Sequence[DeviceCost], model: ModelCost, k: int, w: Sequence[i
   """Halda's objective for a fixed assignment (seconds per token; inf if infeasible), by bisection on T."""
   used = [m for m, wm in enumerate(w) if wm > 0 or m == 0]
   comp = {m: devs[m].t_cpu_layer_s * (w[m] - n[m]) + devs[m].t_gpu_layer_s * n[m] for m in used}
-  chain = sum(comp[m] + devs[m].link_s for m in used)
+  # every used device sends once per cycle; a head that works alone sends nothing
+  chain = sum(comp[m] + (devs[m].link_s if len(used) > 1 else 0.0) for m in used)
 
   def sync_time(T):
     tot = 0.0
@@ -171,9 +172,9 @@ def solve_k(devs: Sequence[DeviceCost], model: ModelCost, k: int) -> Optional[Pl
   W = L // k
   b, kv = model.layer_bytes / MiB, model.kv_bytes_per_layer / MiB
   big = 1e9  # "infinite" RAM / disk in MiB, MiB/ms
-  # variable order: w, n, u, p, x, y (M each), then T (ms)
-  iw, i_n, iu, ip, ix, iy, iT = 0, M, 2 * M, 3 * M, 4 * M, 5 * M, 6 * M
-  nv = 6 * M + 1
+  # variable order: w, n, u, p, x, y (M each), then T (ms), then z (binary: any device besides the head used)
+  iw, i_n, iu, ip, ix, iy, iT, iz = 0, M, 2 * M, 3 * M, 4 * M, 5 * M, 6 * M, 6 * M + 1
+  nv = 6 * M + 2
   cpu = [1e3 * d.t_cpu_layer_s for d in devs]
   gpu = [1e3 * d.t_gpu_layer_s for d in devs]
   inv_disk = [1e3 * MiB / d.disk_Bps if math.isfinite(d.disk_Bps) else 0.0 for d in devs]  # ms per MiB
@@ -204,7 +205,8 @@ def solve_k(devs: Sequence[DeviceCost], model: ModelCost, k: int) -> Optional[Pl
     own = {iw + m: cpu[m], i_n + m: gpu[m] - cpu[m]}
     for j, v in own.items():
       chain[j] = chain.get(j, 0.0) + v
-    chain[iu + m] = chain.get(iu + m, 0.0) + 1e3 * d.link_s
+    link_var = iz if m == 0 else iu + m  # the head's hop exists only in a ring of two or more
+    chain[link_var] = chain.get(link_var, 0.0) + 1e3 * d.link_s
     chain[iy + m] = chain.get(iy + m, 0.0) + inv_disk[m]
     add({**own, ix + m: inv_disk[m], iy + m: inv_disk[m], iT: -1.0}, -np.inf, 0.0)
   add(chain, -np.inf, 0.0)
@@ -215,8 +217,12 @@ def solve_k(devs: Sequence[DeviceCost], model: ModelCost, k: int) -> Optional[Pl
     ub[i_n + m] = min(W, _gpu_cap(d, model, k))
     ub[iu + m] = 1
   lb[iu + 0] = 1  # the head holds embedding/output and drives the ring
+  ub[iz] = 1
+  for m in range(1, M):  # z >= u_m: any used non-head device makes the head send
+    add({iz: 1.0, iu + m: -1.0}, 0.0, np.inf)
   integrality = np.zeros(nv)
   integrality[iw:ip] = 1
+  integrality[iz] = 1
   res = milp(c, constraints=LinearConstraint(np.array(rows), lo, hi), integrality=integrality,
              bounds=Bounds(lb, ub), options={"mip_rel_gap": 1e-9})
   if res.status != 0 or res.x is None:

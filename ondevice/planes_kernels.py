@@ -1,54 +1,54 @@
-"""The compiled numba code behind ``ondevice/planes.py``: the planes mat-mul kernels and a fused decoder layer.
+"""The compiled numba code behind ``ondevice/planes.py``: ggml's arithmetic, bit for bit, in a fused decoder step.
 
-Weights arrive in the planes layout that ``planes.repack`` builds: for each (row group g of R=64 rows,
-block b) one contiguous run holds the R rows' f32 scales, then, position by position, the R rows' nibble
-bytes (Q4_0: 16 bytes = 32 weights per row) or int8s (Q8_0). The innermost loops run over the R rows with
-contiguous loads and no horizontal sum, and LLVM emits zmm code for them (``planes.inspect_asm``).
+Weights arrive in the planes layout (planes.py): 64 output rows per group, per block the rows' f16 scales and
+their quants arranged so that one AVX-512 register holds 4 consecutive quants of 16 rows (``simd.q4_rows64``).
+Every floating-point operation follows what llama.cpp's CPU backend does on x86 (ggml-cpu, AVX-512 build),
+in the same order, so our logits equal llama.cpp's exactly (f32 KV cache, flash attention off; tests):
+* activations quantised to Q8_0 (d = amax/127 stored as f16, q = round-half-even(x*127/amax));
+* Q4_0 / Q8_0 mat-vecs: integer block dots, then fma(float(isum), d_w*d_x, acc) block by block (Q4_0: one
+  accumulator per row, as the repacked gemv/gemm; Q8_0: eight lane accumulators and hsum_float_8, as vec_dot);
+* RMSNorm: float squares summed in double, mean and 1/sqrt in float, (x*scale)*w;
+* RoPE (NORM): cos/sin tables of theta_i = pos*s^i built by repeated float multiplication, libm cosf/sinf
+  (planes.rope_tables), rotation by fma(x0, c, -(x1*s)) and fma(x0, s, x1*c);
+* KQ: ggml_vec_dot_f32's order (four 16-lane fma accumulators over 64-element steps, pairwise adds, the 16-lane
+  tree sum of _mm512_reduce_add_ps, fma leftovers); softmax: kq*scale, max, ggml_v_expf in 16-wide chunks
+  summed in double, times float(1/sum); KQV: tinyBLAS's 16-lane fma accumulation when the pass has >= 2
+  tokens (llama.cpp hands those to llamafile_sgemm), ggml_vec_dot_f32's order for one token;
+* SwiGLU: x / (1 + ggml_v_expf(-x)) * up.
+A decoder step over all bound layers is ONE call per thread (``step``): threads split each matrix's row
+groups and the attention's KV heads and meet at a spinning barrier (5 per layer); each keeps its own copy of
+the residual stream, so norms and activation quantisation need no barrier.
 
-Semantics are ggml's CPU backend on x86: activations are quantised to Q8_0 (``_act_q8_py``) for Q8_0
-and Q4_0 weights alike, the dot is exact per block up to float32 rounding (dequantised activations are
-multiplied instead of summing int32s), and RMSNorm reproduces ggml's roundings.
-
-``_layer_py`` runs a whole llama block (RMSNorm, QKV, RoPE, KV write, GQA attention, output projection,
-SwiGLU FFN) in one numba call instead of ~40 numpy/numba calls (that glue is ~3.5 ms of a 21 ms token
-on the 203M model), and ``_layers_py`` runs all blocks of a ``planes.Stack`` in one call (another 0.4 ms
-per token).
-
-Why a file of its own: numba caches compiled code per file (``cache=True``) and does not notice when a
-jitted function that another one calls changes in a different file. So every jitted function that calls
-another, and the intrinsics they inline, live here and only here: editing this file invalidates all of
-their cached code together, and editing the Python-side layout and API in ``planes.py`` invalidates none.
+Why one file: numba caches compiled code per file and does not notice when a jitted function that another
+one calls changes in a different file. So every jitted function that calls another lives here; the
+intrinsics live in ``simd.py``, and this module clears its own numba cache when simd.py's source changes.
 """
 from __future__ import annotations
 
+import glob
+import hashlib
 import os
 
 import numpy as np
 
-try:
-  import numba
-  from llvmlite import ir
-  from numba import types as nbt
-  from numba.core import cgutils
-  from numba.extending import intrinsic
-  HAVE_NUMBA = True
-except ImportError:  # pragma: no cover - exercised only where numba is absent
-  HAVE_NUMBA = False
+from ondevice import simd
+from ondevice.simd import HAVE_NUMBA
 
-  def intrinsic(f):  # noqa: D103 - placeholder so the module imports
-    return f
+if HAVE_NUMBA:
+  import numba
+  from ondevice.simd import (atomic_add, atomic_load, cpu_relax, f32_ptr, fma32, futex_wait, futex_wake, q4_rows64,
+                             q8_rows64, round_f16, vaxpy, vdot_f32, vexp_sum, vswiglu)
 
 QK = 32
-R = 64  # rows per plane group: one 64-byte cache line per (group, block, position)
-PREFETCH_BYTES = 4096  # prefetch distance ahead of the current (group, block); 2-16 KiB measured alike
+R = 64  # rows per plane group
+Q4_GROUP_BLOCK = 1024  # bytes of one (group, block) of Q4_0 quants; Q8_0: 2048
+SPIN_BEFORE_SLEEP = 4000  # ~0.1 ms of `pause` spinning, then the waiter sleeps in the kernel (futex) until woken
 
 
 def _prefer_512_bit_vectors() -> None:
-  """LLVM vectorises with 256-bit registers on AVX-512 Intel CPUs by default (feature prefer-256-bit,
-  against the clock drop of older parts). The planes kernels run 1.3-1.4x faster with zmm on an AVX-512
-  host (Q4_0 0.23 vs 0.32 ms streamed). numba reads its CPU features once, at its first compilation, for the whole
-  process, so this only takes effect if no numba code was compiled before this import; ONDEVICE_ZMM=0
-  or an explicit NUMBA_CPU_FEATURES leaves numba's default alone."""
+  """LLVM vectorises with 256-bit registers on AVX-512 Intel CPUs by default (prefer-256-bit). numba reads its
+  CPU features once, at its first compilation, for the whole process, so this only takes effect if no numba
+  code was compiled before this import; ONDEVICE_ZMM=0 or an explicit NUMBA_CPU_FEATURES leaves it alone."""
   if not HAVE_NUMBA or os.environ.get("ONDEVICE_ZMM", "1") == "0" or numba.config.CPU_FEATURES is not None:
     return
   from llvmlite import binding
@@ -57,50 +57,53 @@ def _prefer_512_bit_vectors() -> None:
     numba.config.CPU_FEATURES = feats + ",-prefer-256-bit"
 
 
+def _clear_cache_if_simd_changed() -> None:
+  """numba's cache of this file is keyed on this file only; drop it when simd.py (inlined intrinsics) changed."""
+  if not HAVE_NUMBA:
+    return
+  from numba.core import caching
+  stamp = hashlib.sha1(open(simd.__file__, "rb").read()).hexdigest()[:16] + ("v" if simd.has_vnni() else "g")
+  here = os.path.abspath(__file__)
+  for cls in (caching.UserProvidedCacheLocator, caching.InTreeCacheLocator, caching.UserWideCacheLocator):
+    try:
+      loc = cls.from_function(_clear_cache_if_simd_changed, here)
+      d = loc.get_cache_path() if loc is not None else None
+    except Exception:  # noqa: BLE001 - a locator that does not apply here
+      continue
+    if not d or not os.path.isdir(d):
+      continue
+    f = os.path.join(d, "planes_kernels.simd-stamp")
+    old = open(f).read() if os.path.exists(f) else None
+    if old != stamp:
+      for p in glob.glob(os.path.join(d, "planes_kernels.*.nb[ic]")):
+        try:
+          os.remove(p)
+        except OSError:
+          pass
+      try:
+        with open(f, "w") as fh:
+          fh.write(stamp)
+      except OSError:
+        pass
+
+
 _prefer_512_bit_vectors()
+_clear_cache_if_simd_changed()
 
 
-@intrinsic
-def _prefetch(typingctx, arr, idx):
-  """llvm.prefetch(&arr[idx]) for reading into all cache levels. Never faults, so it may point past the end."""
-  def codegen(context, builder, sig, args):
-    ary = context.make_array(sig.args[0])(context, builder, args[0])
-    i8p = ir.IntType(8).as_pointer()
-    ptr = builder.bitcast(builder.gep(ary.data, [args[1]]), i8p)
-    i32 = ir.IntType(32)
-    fn = cgutils.get_or_insert_function(builder.module, ir.FunctionType(ir.VoidType(), [i8p, i32, i32, i32]),
-                                        "llvm.prefetch.p0")
-    builder.call(fn, [ptr, ir.Constant(i32, 0), ir.Constant(i32, 3), ir.Constant(i32, 1)])
-    return context.get_dummy_value()
-  return nbt.void(arr, idx), codegen
-
-
-@intrinsic
-def _round_f16(typingctx, x):
-  """float32 -> nearest float16 -> float32 (ggml stores Q8_0 activation scales as f16); numba has no float16."""
-  def codegen(context, builder, sig, args):
-    return builder.fpext(builder.fptrunc(args[0], ir.HalfType()), ir.FloatType())
-  return nbt.float32(nbt.float32), codegen
-
-
-# fastmath without reassoc: the kernels' row loops are elementwise (no reductions to reorder), and a fixed
-# association keeps each token's result independent of how many tokens share the call.
-_NO_REASSOC = {"nnan", "ninf", "nsz", "arcp", "contract", "afn"}
-
-
-def _jit(f=None, fastmath=True):
-  # cache=True: these take seconds to compile, which every short CLI run would pay again.
+def _jit(f=None, nogil=False):
+  # Exact IEEE everywhere (no fastmath): reassociation or contraction would change the roundings above.
   if f is None:
-    return lambda g: _jit(g, fastmath)
-  return numba.njit(fastmath=fastmath, cache=True)(f) if HAVE_NUMBA else f
+    return lambda g: _jit(g, nogil)
+  return numba.njit(fastmath=False, cache=True, nogil=nogil)(f) if HAVE_NUMBA else f
 
 
-# ------------------------------------------------------------------------------------------ kernels
+# ------------------------------------------------------------------------------------------ pieces
 
-@_jit(fastmath=False)  # exact IEEE: 127/amax and rint must round as ggml's do, or a q can flip
-def _act_q8_py(x_TxI, xq_TxI, xs_TxB):  # pragma: no cover - compiled
-  """ggml's x86 quantize_row_q8_0 on activations, written back dequantised: d = amax/127 stored as f16,
-  q = round-half-even(x * 127/amax), x' = q * f16(d); plus the per-32 block sums of x' (Q4_0's -8 term)."""
+@_jit
+def act_q8(x_TxI, xq_TxI, xd_TxB, xs4_TxB, xs8_TxB8):  # pragma: no cover - compiled
+  """ggml's x86 quantize_row_q8_0: d = amax/127 -> f16, q = rint(x * 127/amax). Also the corrections the
+  kernels subtract: 8*sum(q) per block (Q4_0's -8 offset) and 128*sum per quad (Q8_0 stored +128)."""
   T, n_in = x_TxI.shape
   for t in range(T):
     for b in range(n_in // 32):
@@ -108,289 +111,267 @@ def _act_q8_py(x_TxI, xq_TxI, xs_TxB):  # pragma: no cover - compiled
       for j in range(32):
         amax = max(amax, abs(x_TxI[t, b * 32 + j]))
       inv = np.float32(127.0) / amax if amax > 0 else np.float32(0.0)
-      d16 = _round_f16(amax / np.float32(127.0))
-      s = np.float32(0.0)
-      for j in range(32):
-        q = np.rint(x_TxI[t, b * 32 + j] * inv)
-        xq_TxI[t, b * 32 + j] = q * d16
-        s += q
-      xs_TxB[t, b] = s * d16
-
-
-@_jit(fastmath=_NO_REASSOC)
-def _q4_0_planes_py(buf, xq_TxI, xs_TxB, out_TxO):  # pragma: no cover - compiled
-  # w = d*(q-8): sum_j w*x = d*(sum_j q*x - 8*sum_j x). The inner loops run over R rows, which is what
-  # vectorises; nibbles are split in float (hi = floor(q/16), lo = q - 16 hi): numba widens integer
-  # and/shift to int64, which is slower (0.25 vs 0.19 ms hot). Two bytes (4 weights) per pass over
-  # tmp. Tokens go four at a time (each unpacked weight serves four), then one by one; a token's
-  # expression is the same either way and reassociation is off, so its result does not depend on T.
-  G, B, _ = buf.shape
-  T = xq_TxI.shape[0]
-  flat = buf.reshape(-1)
-  scales = flat.view(np.float32)
-  ta, tb, tc, td = (np.empty(R, np.float32), np.empty(R, np.float32), np.empty(R, np.float32),
-                    np.empty(R, np.float32))
-  for g in range(G):
-    o0 = g * R
-    for t in range(T):
-      for r in range(R):
-        out_TxO[t, o0 + r] = 0.0
-    for b in range(B):
-      base = (g * B + b) * 20 * R
-      for line in range(20 * R // 64):
-        _prefetch(flat, base + PREFETCH_BYTES + 64 * line)
-      d0 = base // 4
-      t = 0
-      while t + 4 <= T:
-        for r in range(R):
-          ta[r] = -(np.float32(8.0) * xs_TxB[t, b])
-          tb[r] = -(np.float32(8.0) * xs_TxB[t + 1, b])
-          tc[r] = -(np.float32(8.0) * xs_TxB[t + 2, b])
-          td[r] = -(np.float32(8.0) * xs_TxB[t + 3, b])
-        xa, xb, xc, xd = xq_TxI[t], xq_TxI[t + 1], xq_TxI[t + 2], xq_TxI[t + 3]
-        for j in range(0, 16, 2):
-          col = b * 32 + j
-          al0, ah0, al1, ah1 = xa[col], xa[col + 16], xa[col + 1], xa[col + 17]
-          bl0, bh0, bl1, bh1 = xb[col], xb[col + 16], xb[col + 1], xb[col + 17]
-          cl0, ch0, cl1, ch1 = xc[col], xc[col + 16], xc[col + 1], xc[col + 17]
-          dl0, dh0, dl1, dh1 = xd[col], xd[col + 16], xd[col + 1], xd[col + 17]
-          n0 = base + 4 * R + j * R
-          for r in range(R):
-            q0 = np.float32(flat[n0 + r])
-            q1 = np.float32(flat[n0 + R + r])
-            h0 = np.floor(q0 * np.float32(0.0625))
-            h1 = np.floor(q1 * np.float32(0.0625))
-            l0 = q0 - np.float32(16.0) * h0
-            l1 = q1 - np.float32(16.0) * h1
-            ta[r] += ((al0 * l0 + ah0 * h0) + al1 * l1) + ah1 * h1
-            tb[r] += ((bl0 * l0 + bh0 * h0) + bl1 * l1) + bh1 * h1
-            tc[r] += ((cl0 * l0 + ch0 * h0) + cl1 * l1) + ch1 * h1
-            td[r] += ((dl0 * l0 + dh0 * h0) + dl1 * l1) + dh1 * h1
-        for r in range(R):
-          out_TxO[t, o0 + r] += scales[d0 + r] * ta[r]
-          out_TxO[t + 1, o0 + r] += scales[d0 + r] * tb[r]
-          out_TxO[t + 2, o0 + r] += scales[d0 + r] * tc[r]
-          out_TxO[t + 3, o0 + r] += scales[d0 + r] * td[r]
-        t += 4
-      while t < T:
-        for r in range(R):
-          ta[r] = -(np.float32(8.0) * xs_TxB[t, b])
-        xa = xq_TxI[t]
-        for j in range(0, 16, 2):
-          col = b * 32 + j
-          al0, ah0, al1, ah1 = xa[col], xa[col + 16], xa[col + 1], xa[col + 17]
-          n0 = base + 4 * R + j * R
-          for r in range(R):
-            q0 = np.float32(flat[n0 + r])
-            q1 = np.float32(flat[n0 + R + r])
-            h0 = np.floor(q0 * np.float32(0.0625))
-            h1 = np.floor(q1 * np.float32(0.0625))
-            l0 = q0 - np.float32(16.0) * h0
-            l1 = q1 - np.float32(16.0) * h1
-            ta[r] += ((al0 * l0 + ah0 * h0) + al1 * l1) + ah1 * h1
-        for r in range(R):
-          out_TxO[t, o0 + r] += scales[d0 + r] * ta[r]
-        t += 1
-
-
-@_jit(fastmath=_NO_REASSOC)
-def _q8_0_planes_py(buf, xq_TxI, xs_TxB, out_TxO):  # pragma: no cover - compiled
-  # As the Q4_0 kernel: 4 positions per pass over tmp, tokens four at a time then one by one.
-  G, B, _ = buf.shape
-  T = xq_TxI.shape[0]
-  flat = buf.reshape(-1)
-  qs = flat.view(np.int8)
-  scales = flat.view(np.float32)
-  ta, tb, tc, td = (np.empty(R, np.float32), np.empty(R, np.float32), np.empty(R, np.float32),
-                    np.empty(R, np.float32))
-  for g in range(G):
-    o0 = g * R
-    for t in range(T):
-      for r in range(R):
-        out_TxO[t, o0 + r] = 0.0
-    for b in range(B):
-      base = (g * B + b) * 36 * R
-      for line in range(36 * R // 64):
-        _prefetch(flat, base + PREFETCH_BYTES + 64 * line)
-      d0 = base // 4
-      t = 0
-      while t + 4 <= T:
-        for r in range(R):
-          ta[r] = 0.0
-          tb[r] = 0.0
-          tc[r] = 0.0
-          td[r] = 0.0
-        xa, xb, xc, xd = xq_TxI[t], xq_TxI[t + 1], xq_TxI[t + 2], xq_TxI[t + 3]
-        for j in range(0, 32, 4):
-          col = b * 32 + j
-          a0, a1, a2, a3 = xa[col], xa[col + 1], xa[col + 2], xa[col + 3]
-          b0, b1, b2, b3 = xb[col], xb[col + 1], xb[col + 2], xb[col + 3]
-          c0, c1, c2, c3 = xc[col], xc[col + 1], xc[col + 2], xc[col + 3]
-          e0, e1, e2, e3 = xd[col], xd[col + 1], xd[col + 2], xd[col + 3]
-          n0 = base + 4 * R + j * R
-          for r in range(R):
-            w0, w1 = np.float32(qs[n0 + r]), np.float32(qs[n0 + R + r])
-            w2, w3 = np.float32(qs[n0 + 2 * R + r]), np.float32(qs[n0 + 3 * R + r])
-            ta[r] += ((a0 * w0 + a1 * w1) + a2 * w2) + a3 * w3
-            tb[r] += ((b0 * w0 + b1 * w1) + b2 * w2) + b3 * w3
-            tc[r] += ((c0 * w0 + c1 * w1) + c2 * w2) + c3 * w3
-            td[r] += ((e0 * w0 + e1 * w1) + e2 * w2) + e3 * w3
-        for r in range(R):
-          out_TxO[t, o0 + r] += scales[d0 + r] * ta[r]
-          out_TxO[t + 1, o0 + r] += scales[d0 + r] * tb[r]
-          out_TxO[t + 2, o0 + r] += scales[d0 + r] * tc[r]
-          out_TxO[t + 3, o0 + r] += scales[d0 + r] * td[r]
-        t += 4
-      while t < T:
-        for r in range(R):
-          ta[r] = 0.0
-        xa = xq_TxI[t]
-        for j in range(0, 32, 4):
-          col = b * 32 + j
-          a0, a1, a2, a3 = xa[col], xa[col + 1], xa[col + 2], xa[col + 3]
-          n0 = base + 4 * R + j * R
-          for r in range(R):
-            w0, w1 = np.float32(qs[n0 + r]), np.float32(qs[n0 + R + r])
-            w2, w3 = np.float32(qs[n0 + 2 * R + r]), np.float32(qs[n0 + 3 * R + r])
-            ta[r] += ((a0 * w0 + a1 * w1) + a2 * w2) + a3 * w3
-        for r in range(R):
-          out_TxO[t, o0 + r] += scales[d0 + r] * ta[r]
-        t += 1
+      xd_TxB[t, b] = round_f16(amax / np.float32(127.0))
+      s = 0
+      for c in range(8):
+        sc = 0
+        for i in range(4):
+          q = np.int32(np.rint(x_TxI[t, b * 32 + 4 * c + i] * inv))
+          xq_TxI[t, b * 32 + 4 * c + i] = q
+          sc += q
+        xs8_TxB8[t, b * 8 + c] = 128 * sc
+        s += sc
+      xs4_TxB[t, b] = 8 * s
 
 
 @_jit
-def _planes_matmul(buf, is_q4, x_TxI):  # pragma: no cover - compiled
-  """act_q8(x) then the planes kernel: T x (G*R) (padded rows included)."""
-  T, n_in = x_TxI.shape
-  xq = np.empty((T, n_in), np.float32)
-  xs = np.empty((T, n_in // 32), np.float32)
-  _act_q8_py(x_TxI, xq, xs)
-  out = np.empty((T, buf.shape[0] * R), np.float32)
-  if is_q4:
-    _q4_0_planes_py(buf, xq, xs, out)
-  else:
-    _q8_0_planes_py(buf, xq, xs, out)
-  return out
-
-
-@_jit(fastmath=False)
-def _rms_norm(x_TxD, w_D, eps):  # pragma: no cover - compiled
-  """ggml's rms_norm bit for bit: float squares summed in double, mean and scale in float, then * w.
-  It matters: Q8_0 activation quantisation of a quantised embedding hits exact .5 ties, and which way
-  they round depends on the last bit of the normalised input."""
+def rms_norm(x_TxD, w_D, eps, out_TxD):  # pragma: no cover - compiled
+  """ggml's rms_norm (+ the weight multiply it fuses): double sum of float squares, float mean and scale."""
   T, D = x_TxD.shape
-  out = np.empty((T, D), np.float32)
   for t in range(T):
     ss = 0.0
     for i in range(D):
       ss += np.float64(x_TxD[t, i] * x_TxD[t, i])
     mean = np.float32(ss / D)
-    sc = np.float32(1.0) / np.sqrt(mean + np.float32(eps))
+    sc = np.float32(1.0) / np.sqrt(mean + eps)
     for i in range(D):
-      out[t, i] = (x_TxD[t, i] * sc) * w_D[i]
-  return out
+      out_TxD[t, i] = (x_TxD[t, i] * sc) * w_D[i]
+
+
+_H = {k: np.float32(float.fromhex(v)) for k, v in dict(
+    shift="0x1.8p23", log2e="0x1.715476p+0", ln2_hi="0x1.62e4p-1", ln2_lo="0x1.7f7d1cp-20", c5="0x1.0e4020p-7",
+    c4="0x1.573e2ep-5", c3="0x1.555e66p-3", c2="0x1.fffdb6p-2", c1="0x1.ffffecp-1").items()}
+_SHIFT, _LOG2E, _LN2_HI, _LN2_LO = _H["shift"], _H["log2e"], _H["ln2_hi"], _H["ln2_lo"]
+_C5, _C4, _C3, _C2, _C1 = _H["c5"], _H["c4"], _H["c3"], _H["c2"], _H["c1"]
 
 
 @_jit
-def _rope(x_TxC, off, n, E, cos_SxE2, sin_SxE2, pos0):  # pragma: no cover - compiled
-  """In place: adjacent-pair rotation (llama.cpp NORM mode) of n heads of E starting at column off."""
-  for t in range(x_TxC.shape[0]):
-    for h in range(n):
-      c0 = off + h * E
-      for i in range(E // 2):
-        c, s = cos_SxE2[pos0 + t, i], sin_SxE2[pos0 + t, i]
-        a, b = x_TxC[t, c0 + 2 * i], x_TxC[t, c0 + 2 * i + 1]
-        x_TxC[t, c0 + 2 * i] = a * c - b * s
-        x_TxC[t, c0 + 2 * i + 1] = a * s + b * c
+def expf_ggml(x):  # pragma: no cover - compiled
+  """ggml_v_expf (AVX-512), one lane: n = round(x/ln2) by the 1.5*2^23 shift, b = x - n*ln2 in two fmas,
+  a degree-5 polynomial in b, times 2^n (scalef: exact product, one rounding); |n| > 192 -> 0 or inf."""
+  z = fma32(x, _LOG2E, _SHIFT)
+  n = z - _SHIFT
+  b = fma32(-n, _LN2_LO, fma32(-n, _LN2_HI, x))
+  if abs(n) > np.float32(192.0):
+    return np.float32(0.0) if n <= np.float32(0.0) else np.float32(np.inf)
+  u = b * b
+  j = fma32(fma32(fma32(_C5, b, _C4), u, fma32(_C3, b, _C2)), u, fma32(_C1, b, np.float32(1.0)))
+  return np.float32(np.float64(j) * (2.0 ** np.float64(n)))
 
 
 @_jit
-def _attention(qkv_TxC, k_SxKxE, v_SxKxE, pos0, H, K, E):  # pragma: no cover - compiled
-  """Causal GQA over the cache rows < pos0 + t + 1 for each query t; q = qkv[:, :H*E]. -> T x H*E.
-  The G query heads of one KV head are done together, so each K/V row is read once for all of them;
-  query and accumulator live in small local arrays (the row loops over E then vectorise without
-  alias checks against the cache)."""
-  T = qkv_TxC.shape[0]
-  G = H // K
-  scale = np.float32(1.0) / np.sqrt(np.float32(E))
-  out = np.empty((T, H * E), np.float32)
-  p_GxS = np.empty((G, pos0 + T), np.float32)
-  q_GxE = np.empty((G, E), np.float32)
-  acc_GxE = np.empty((G, E), np.float32)
-  m_G = np.empty(G, np.float32)
-  for t in range(T):
-    S = pos0 + t + 1
-    for kv in range(K):
-      for g in range(G):
-        for e in range(E):
-          q_GxE[g, e] = qkv_TxC[t, (kv * G + g) * E + e] * scale
-          acc_GxE[g, e] = 0.0
-        m_G[g] = np.float32(-3.0e38)  # not -inf: fastmath assumes no infinities
-      for s in range(S):
-        for g in range(G):
-          a = np.float32(0.0)
-          for e in range(E):
-            a += q_GxE[g, e] * k_SxKxE[s, kv, e]
-          p_GxS[g, s] = a
-          m_G[g] = max(m_G[g], a)
-      for g in range(G):
-        z = np.float32(0.0)
-        for s in range(S):
-          w = np.exp(p_GxS[g, s] - m_G[g])
-          p_GxS[g, s] = w
-          z += w
-        m_G[g] = np.float32(1.0) / z
-      for s in range(S):
-        for g in range(G):
-          w = p_GxS[g, s] * m_G[g]
-          for e in range(E):
-            acc_GxE[g, e] += w * v_SxKxE[s, kv, e]
-      for g in range(G):
-        for e in range(E):
-          out[t, (kv * G + g) * E + e] = acc_GxE[g, e]
-  return out
+def rope(buf, col0, n_heads, E, cos_row, sin_row):  # pragma: no cover - compiled
+  """In place: llama.cpp NORM RoPE on n_heads heads of E starting at column col0 (adjacent pairs)."""
+  for h in range(n_heads):
+    c0 = col0 + h * E
+    for i in range(E // 2):
+      x0, x1 = buf[c0 + 2 * i], buf[c0 + 2 * i + 1]
+      c, s = cos_row[i], sin_row[i]
+      buf[c0 + 2 * i] = fma32(x0, c, -(x1 * s))
+      buf[c0 + 2 * i + 1] = fma32(x0, s, x1 * c)
 
 
 @_jit
-def _layer_py(x_TxD, attn_norm, ffn_norm, qkv, qkv_q4, wo, wo_q4, gu, gu_q4, down, down_q4, F, k_SxKxE,
-              v_SxKxE, cos_SxE2, sin_SxE2, pos0, H, K, E, eps):  # pragma: no cover - compiled
-  T = x_TxD.shape[0]
-  h = _rms_norm(x_TxD, attn_norm, eps)
-  qkv_TxC = _planes_matmul(qkv, qkv_q4, h)
-  _rope(qkv_TxC, 0, H, E, cos_SxE2, sin_SxE2, pos0)
-  _rope(qkv_TxC, H * E, K, E, cos_SxE2, sin_SxE2, pos0)
-  for t in range(T):
-    for kh in range(K):
+def attend(q, qo, kc_SxKxE, vc_SxKxE, kh, S, scale, tiny, out, oo, p, acc):  # pragma: no cover - compiled
+  """One query head (q[qo:qo+E]) over cache rows < S of KV head kh -> out[oo:oo+E]: KQ, softmax, KQV in
+  llama.cpp's order (module docstring). Scratch: p (>= S + 16), acc (>= 64 E)."""
+  K, E = kc_SxKxE.shape[1], kc_SxKxE.shape[2]
+  mx = np.float32(-np.inf)
+  for s in range(S):
+    w = vdot_f32(q, qo, kc_SxKxE, (s * K + kh) * E, E) * scale
+    p[s] = w
+    mx = max(mx, w)
+  n16 = (S + 15) // 16
+  for s in range(S, 16 * n16):
+    p[s] = np.float32(-np.inf)
+  inv = np.float32(1.0 / vexp_sum(p, mx, n16))
+  for s in range(S):
+    p[s] = p[s] * inv
+  acc[:64 * E] = 0.0
+  vec = E % 16 == 0
+  for s in range(S):
+    lane = s % 16 if tiny else ((s % 64) // 16) * 16 + s % 16  # tinyBLAS: s mod 16; vec_dot: 4 x 16 lanes
+    if vec:
+      vaxpy(acc, lane * E, p[s], vc_SxKxE, (s * K + kh) * E, E // 16)
+    else:
       for e in range(E):
-        k_SxKxE[pos0 + t, kh, e] = qkv_TxC[t, (H + kh) * E + e]
-        v_SxKxE[pos0 + t, kh, e] = qkv_TxC[t, (H + K + kh) * E + e]
-  o_TxHE = _attention(qkv_TxC, k_SxKxE, v_SxKxE, pos0, H, K, E)
-  y = _planes_matmul(wo, wo_q4, o_TxHE)
-  D = x_TxD.shape[1]
-  x = np.empty((T, D), np.float32)
-  for t in range(T):
-    for i in range(D):
-      x[t, i] = x_TxD[t, i] + y[t, i]
-  h = _rms_norm(x, ffn_norm, eps)
-  gu_TxC = _planes_matmul(gu, gu_q4, h)
-  a_TxF = np.empty((T, F), np.float32)
-  for t in range(T):
-    for i in range(F):
-      g = gu_TxC[t, i]
-      a_TxF[t, i] = g / (np.float32(1.0) + np.exp(-g)) * gu_TxC[t, F + i]
-  y = _planes_matmul(down, down_q4, a_TxF)
-  for t in range(T):
-    for i in range(D):
-      x[t, i] += y[t, i]
-  return x
+        acc[lane * E + e] = fma32(p[s], vc_SxKxE[s, kh, e], acc[lane * E + e])
+  if not tiny:
+    for l in range(16):
+      for e in range(E):
+        acc[l * E + e] = (acc[l * E + e] + acc[(32 + l) * E + e]) + (acc[(16 + l) * E + e] + acc[(48 + l) * E + e])
+  for e in range(E):  # the 16-lane tree sum, lanes = acc rows 0..15
+    a0 = (acc[8 * E + e] + acc[e]) + (acc[12 * E + e] + acc[4 * E + e])
+    a1 = (acc[9 * E + e] + acc[E + e]) + (acc[13 * E + e] + acc[5 * E + e])
+    a2 = (acc[10 * E + e] + acc[2 * E + e]) + (acc[14 * E + e] + acc[6 * E + e])
+    a3 = (acc[11 * E + e] + acc[3 * E + e]) + (acc[15 * E + e] + acc[7 * E + e])
+    out[oo + e] = (a0 + a2) + (a1 + a3)
 
 
 @_jit
-def _layers_py(x_TxD, attn_norm_LxD, ffn_norm_LxD, qkv_L, qkv_q4, wo_L, wo_q4, gu_L, gu_q4, down_L, down_q4, F,
-               k_LxSxKxE, v_LxSxKxE, cos_SxE2, sin_SxE2, pos0, H, K, E, eps):  # pragma: no cover - compiled
-  """All L blocks in one call (stacked weights and caches): no Python between layers."""
-  for i in range(qkv_L.shape[0]):
-    x_TxD = _layer_py(x_TxD, attn_norm_LxD[i], ffn_norm_LxD[i], qkv_L[i], qkv_q4, wo_L[i], wo_q4, gu_L[i],
-                      gu_q4, down_L[i], down_q4, F, k_LxSxKxE[i], v_LxSxKxE[i], cos_SxE2, sin_SxE2, pos0, H, K,
-                      E, eps)
-  return x_TxD
+def matmul_groups(wq, sc, is_q4, nb, g0, g1, xq32, xd, xs4, xs8, out, gbase=0):  # pragma: no cover - compiled
+  """Row groups [g0, g1) of a planes matrix for every token: out[t, 64(g - gbase) : +64]."""
+  for g in range(g0, g1):
+    for t in range(out.shape[0]):
+      if is_q4:
+        q4_rows64(wq, g * nb * 1024, sc, g * nb * 64, nb, xq32[t], 0, xd[t], xs4[t], 0, out[t], (g - gbase) * 64)
+      else:
+        q8_rows64(wq, g * nb * 2048, sc, g * nb * 64, nb, xq32[t], 0, xd[t], xs8[t], 0, out[t], (g - gbase) * 64)
+
+
+@_jit(nogil=True)
+def matmul(wq, sc, is_q4, n_groups, x_TxI):  # pragma: no cover - compiled
+  """One planes matrix times T activations (quantised here): T x (64 * n_groups), padded rows included."""
+  T, n_in = x_TxI.shape
+  nb = n_in // 32
+  xq = np.empty((T, n_in), np.int8)
+  xd = np.empty((T, nb), np.float32)
+  xs4 = np.empty((T, nb), np.int32)
+  xs8 = np.empty((T, nb * 8), np.int32)
+  act_q8(x_TxI, xq, xd, xs4, xs8)
+  out = np.empty((T, n_groups * 64), np.float32)
+  matmul_groups(wq, sc, is_q4, nb, 0, n_groups, xq.view(np.int32), xd, xs4, xs8, out)
+  return out
+
+
+@_jit
+def wait_change(word, idx, old, sleepers):  # pragma: no cover - compiled
+  """Until int64 word[idx] != old: spin with `pause` (partners that are merely late arrive within it), then sleep
+  in the kernel (futex), counted in word[sleepers] so that the waker knows to wake. On a shared machine a peer
+  may be descheduled for milliseconds: spinning (or yielding) through that costs far more than sleeping."""
+  spins = 0
+  while atomic_load(word, idx) == old:
+    cpu_relax()
+    spins += 1
+    if spins > SPIN_BEFORE_SLEEP:
+      atomic_add(word, sleepers, 1)
+      if atomic_load(word, idx) == old:  # seq_cst: a waker that bumped idx before our increment is seen here
+        futex_wait(word, idx, old & 0xFFFFFFFF)
+      atomic_add(word, sleepers, -1)
+
+
+@_jit
+def barrier(sync, nth):  # pragma: no cover - compiled
+  """All nth threads meet here. sync: int64[32]: count at 0, generation at 16, sleepers at 24 (own lines)."""
+  if nth == 1:
+    return
+  gen = atomic_load(sync, 16)
+  if atomic_add(sync, 0, 1) == nth - 1:
+    atomic_add(sync, 0, -nth)
+    atomic_add(sync, 16, 1)
+    if atomic_load(sync, 24) > 0:
+      futex_wake(sync, 16, nth)
+  else:
+    wait_change(sync, 16, gen, 24)
+
+
+@_jit
+def _share(n, tid, nth):  # pragma: no cover - compiled
+  return n * tid // nth, n * (tid + 1) // nth
+
+
+@_jit(nogil=True)
+def step(tid, nth, sync, x_TxD, out_TxD, an_LxD, fn_LxD, qkv_w, qkv_s, qkv_q4, wo_w, wo_s, wo_q4, gu_w, gu_s, gu_q4,
+         dn_w, dn_s, dn_q4, k_LxSxKxE, v_LxSxKxE, cos_SxE2, sin_SxE2, pos0, H, K, E, F, eps, tiny, qkv_buf, att_buf,
+         y_buf, a_buf):  # pragma: no cover - compiled
+  """All stacked layers for T tokens at positions pos0.., as thread tid of nth (every thread calls this with
+  the same arguments). Writes K/V rows pos0.. of every layer; thread 0 writes the result to out_TxD."""
+  T, D = x_TxD.shape
+  L = an_LxD.shape[0]
+  G = H // K
+  nbD, nbA, nbF = D // 32, (H * E) // 32, F // 32
+  gq, go, gf, gd = qkv_buf.shape[1] // 64, y_buf.shape[1] // 64, a_buf.shape[1] // 64, y_buf.shape[1] // 64
+  x = x_TxD.copy()
+  h = np.empty((T, D), np.float32)
+  nmax = max(D, H * E, F)
+  xq = np.empty((T, nmax), np.int8)
+  xd = np.empty((T, nmax // 32), np.float32)
+  xs4 = np.empty((T, nmax // 32), np.int32)
+  xs8 = np.empty((T, nmax // 4), np.int32)
+  gu_tmp = np.empty((T, 128), np.float32)
+  S_max = k_LxSxKxE.shape[1]
+  p = np.empty(S_max + 16, np.float32)
+  acc = np.empty(64 * E, np.float32)
+  scale = np.float32(1.0) / np.sqrt(np.float32(E))
+  for l in range(L):
+    # attention block
+    rms_norm(x, an_LxD[l], eps, h)
+    act_q8(h, xq[:, :D], xd[:, :nbD], xs4[:, :nbD], xs8[:, :nbD * 8])
+    g0, g1 = _share(gq, tid, nth)
+    matmul_groups(qkv_w[l], qkv_s[l], qkv_q4, nbD, g0, g1, xq[:, :D].view(np.int32), xd[:, :nbD], xs4[:, :nbD],
+                  xs8[:, :nbD * 8], qkv_buf)
+    barrier(sync, nth)
+    for kh in range(tid, K, nth):
+      for t in range(T):
+        pos = pos0 + t
+        rope(qkv_buf[t], kh * G * E, G, E, cos_SxE2[pos], sin_SxE2[pos])
+        rope(qkv_buf[t], (H + kh) * E, 1, E, cos_SxE2[pos], sin_SxE2[pos])
+        for e in range(E):
+          k_LxSxKxE[l, pos, kh, e] = qkv_buf[t, (H + kh) * E + e]
+          v_LxSxKxE[l, pos, kh, e] = qkv_buf[t, (H + K + kh) * E + e]
+      for t in range(T):
+        for g in range(G):
+          hh = kh * G + g
+          attend(qkv_buf[t], hh * E, k_LxSxKxE[l], v_LxSxKxE[l], kh, pos0 + t + 1, scale, tiny, att_buf[t], hh * E,
+                 p, acc)
+    barrier(sync, nth)
+    act_q8(att_buf, xq[:, :H * E], xd[:, :nbA], xs4[:, :nbA], xs8[:, :nbA * 8])
+    g0, g1 = _share(go, tid, nth)
+    matmul_groups(wo_w[l], wo_s[l], wo_q4, nbA, g0, g1, xq[:, :H * E].view(np.int32), xd[:, :nbA], xs4[:, :nbA],
+                  xs8[:, :nbA * 8], y_buf)
+    barrier(sync, nth)
+    for t in range(T):
+      for i in range(D):
+        x[t, i] = y_buf[t, i] + x[t, i]
+    # feed-forward block: gate/up groups interleaved (2j = gate rows 64j.., 2j+1 = up rows 64j..)
+    rms_norm(x, fn_LxD[l], eps, h)
+    act_q8(h, xq[:, :D], xd[:, :nbD], xs4[:, :nbD], xs8[:, :nbD * 8])
+    j0, j1 = _share(gf, tid, nth)
+    for j in range(j0, j1):
+      matmul_groups(gu_w[l], gu_s[l], gu_q4, nbD, 2 * j, 2 * j + 2, xq[:, :D].view(np.int32), xd[:, :nbD],
+                    xs4[:, :nbD], xs8[:, :nbD * 8], gu_tmp, 2 * j)
+      for t in range(T):
+        vswiglu(gu_tmp[t], 0, gu_tmp[t], 64, a_buf[t], 64 * j, 4)
+    barrier(sync, nth)
+    act_q8(a_buf[:, :F], xq[:, :F], xd[:, :nbF], xs4[:, :nbF], xs8[:, :nbF * 8])
+    g0, g1 = _share(gd, tid, nth)
+    matmul_groups(dn_w[l], dn_s[l], dn_q4, nbF, g0, g1, xq[:, :F].view(np.int32), xd[:, :nbF], xs4[:, :nbF],
+                  xs8[:, :nbF * 8], y_buf)
+    barrier(sync, nth)
+    for t in range(T):
+      for i in range(D):
+        x[t, i] = y_buf[t, i] + x[t, i]
+  if tid == 0:
+    out_TxD[:, :] = x
+
+
+# Control block shared by the caller and the kernel threads of a planes.Team (int64; gen alone on its line).
+C_GEN, C_STOP, C_T, C_POS, C_TINY, C_L0, C_L1, C_S, C_X, C_OUT, C_K, C_V, C_QKV, C_ATT, C_Y, C_A = (
+    0, 8, 9, 10, 11, 12, 13, 14, 15, 16, 17, 18, 19, 20, 21, 22)
+C_SLEEPERS = 24
+
+
+@_jit(nogil=True)
+def worker(tid, nth, sync, ctrl, seen, an_LxD, fn_LxD, qkv_w, qkv_s, qkv_q4, wo_w, wo_s, wo_q4, gu_w, gu_s, gu_q4, dn_w,
+           dn_s, dn_q4, cos_SxE2, sin_SxE2, H, K, E, F, eps):  # pragma: no cover - compiled
+  """A kernel thread's life: wait for the next job in ``ctrl`` (spin, then sleep), run ``step`` on it as thread
+  ``tid``, until ctrl[C_STOP]. The per-call arrays travel as addresses the caller keeps alive. ``seen``: the
+  job counter when the team was made (a job published while this thread was still starting is not missed)."""
+  D = an_LxD.shape[1]
+  cq, cy, ca = qkv_w.shape[1] * 64, wo_w.shape[1] * 64, gu_w.shape[1] * 32
+  while True:
+    wait_change(ctrl, C_GEN, seen, C_SLEEPERS)
+    seen = atomic_load(ctrl, C_GEN)
+    if ctrl[C_STOP]:
+      return
+    T, pos0, l0, l1, S = ctrl[C_T], ctrl[C_POS], ctrl[C_L0], ctrl[C_L1], ctrl[C_S]
+    L = l1 - l0
+    x = numba.carray(f32_ptr(ctrl[C_X]), (T, D))
+    out = numba.carray(f32_ptr(ctrl[C_OUT]), (T, D))
+    kc = numba.carray(f32_ptr(ctrl[C_K]), (L, S, K, E))
+    vc = numba.carray(f32_ptr(ctrl[C_V]), (L, S, K, E))
+    step(tid, nth, sync, x, out, an_LxD[l0:l1], fn_LxD[l0:l1], qkv_w[l0:l1], qkv_s[l0:l1], qkv_q4, wo_w[l0:l1],
+         wo_s[l0:l1], wo_q4, gu_w[l0:l1], gu_s[l0:l1], gu_q4, dn_w[l0:l1], dn_s[l0:l1], dn_q4, kc, vc, cos_SxE2,
+         sin_SxE2, pos0, H, K, E, F, eps, ctrl[C_TINY] != 0, numba.carray(f32_ptr(ctrl[C_QKV]), (T, cq)),
+         numba.carray(f32_ptr(ctrl[C_ATT]), (T, H * E)), numba.carray(f32_ptr(ctrl[C_Y]), (T, cy)),
+         numba.carray(f32_ptr(ctrl[C_A]), (T, ca)))

@@ -21,21 +21,23 @@ def _median_time(fn, reps: int = 5) -> float:
   return statistics.median(ts)
 
 
-def layer_time(model_path: str, reps: int = 5, T: int = 1) -> float:
-  """Seconds for one decode step of one layer of this file (its quant type), median over layers' reps."""
+def layer_time(model_path: str, reps: int = 5, T: int = 1, repack: bool = True) -> float:
+  """Seconds per layer of one decode step of this file (its quant type): a step over all its layers, as a device
+  runs them (one fused call on the planes path, so the per-call overhead is shared), divided by the layer
+  count; median of ``reps``. ``repack=False``: the kernels on the file's own pages (devices with real I/O)."""
   from ondevice.forward import GGUFLlama
   from ondevice.weights import MappedGGUF
-  m = GGUFLlama(MappedGGUF(model_path), layers=[0], head=True, max_len=64)
+  m = GGUFLlama(MappedGGUF(model_path), head=True, max_len=64, repack=repack)
   cache = m.new_cache()
   x = m.embed([1] * T)
-  m.layer(0, x, 0, cache)  # warm-up (numba compile, page-in)
-  return _median_time(lambda: m.layer(0, x, 8, cache), reps)
+  m.run_layers(x, 0, m.layer_ids, cache)  # warm-up (numba compile, page-in)
+  return _median_time(lambda: m.run_layers(x, 8, m.layer_ids, cache), reps) / len(m.layer_ids)
 
 
-def head_time(model_path: str, reps: int = 5) -> float:
+def head_time(model_path: str, reps: int = 5, repack: bool = True) -> float:
   from ondevice.forward import GGUFLlama
   from ondevice.weights import MappedGGUF
-  m = GGUFLlama(MappedGGUF(model_path), layers=[], head=True, max_len=64)
+  m = GGUFLlama(MappedGGUF(model_path), layers=[], head=True, max_len=64, repack=repack)
   m.head(m.embed([1]))
   return _median_time(lambda: m.head(m.embed([1])), reps)
 

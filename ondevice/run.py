@@ -3,37 +3,182 @@
 Streams the generated text to stdout; a JSON summary (plan, TPOT, per-device stats) goes to stderr.
 Without --devices: one local device, wall-clock timing. With --devices: a ring of emulated devices
 (one process each), planned by Halda unless --plan says otherwise; times are on the emulated clock.
+Everything knowable before the first token (context, plan, files, draft) is checked first; bad input
+ends in one `error: ...` line naming the fix and exit code 2. A ring device that dies mid-generation is
+dropped and the rest re-planned (--on-peer-failure replan, the default); greedy output is unchanged.
 """
 from __future__ import annotations
 
 import argparse
 import json
+import os
 import sys
 
+from ondevice.errors import InputError, PeerError, check_generation, cli
 
-def build_engine(model: str, devices: str = None, plan_method: str = "halda", k="auto", prefetch=None,
-                 policy: str = "plan", ctx: int = 256, real_io: bool = False):
-  """(engine, plan dict) for a model file and an optional devices file."""
-  from ondevice import planner, profiler
-  from ondevice.device import DeviceOptions
+
+def load_devices_checked(path: str) -> dict:
   from ondevice.emulation import load_devices
+  if not os.path.isfile(path):
+    raise InputError(f"--devices {path}: no such file; pass an existing devices file (format: ondevice/README.md)")
+  try:
+    d = load_devices(path)
+  except (ValueError, TypeError, KeyError) as e:
+    raise InputError(f"--devices: {e}; fix the devices file (format: ondevice/README.md)") from None
+  except Exception as e:  # yaml.YAMLError and friends: the file is not YAML
+    raise InputError(f"--devices {path} is not valid YAML ({type(e).__name__}); fix the file") from None
+  return d
+
+
+def plan_ring(model: str, specs: list, plan_method: str, k, ctx: int, windows=None):
+  """(RingPlan, kept specs) or InputError naming the fix (Halda infeasible, bad k or windows)."""
+  from ondevice import planner, profiler
+  from ondevice.gguf_io import read_info
+  info = read_info(model)
+  L = info.cfg.n_layers
+  if k != "auto" and (int(k) < 1 or L % int(k)):
+    raise InputError(f"--k {k} must divide the model's {L} layers; pass one of "
+                     f"{[d for d in range(1, L + 1) if L % d == 0]} or auto")
+  method = "manual" if (windows and plan_method == "halda") else plan_method
+  if method == "manual" and (len(windows) != len(specs) or any(int(w) < 0 for w in windows)
+                             or sum(int(w) for w in windows) * (1 if k == "auto" else int(k)) != L):
+    raise InputError(f"windows {windows} in the devices file must give one count per device, summing to "
+                     f"{L} / k; fix them or remove them to let Halda plan")
+  layer_s = profiler.layer_time(model) if method == "halda" else 0.0
+  head_s = profiler.head_time(model) if method == "halda" else 0.0
+  try:
+    p, kept = planner.plan(info, specs, method, k, layer_s, head_s, ctx, windows=windows)
+  except ValueError as e:
+    kv_mb = 2 * ctx * info.cfg.n_kv_heads * info.cfg.hd * 4 / 2**20
+    raise InputError(f"{e} (--ctx {ctx} costs {kv_mb:.2f} MB of KV cache per layer; lower --ctx, give the devices "
+                     f"more memory, or add devices)") from None
+  return p, kept, layer_s
+
+
+def build_engine(model: str, devices=None, plan_method: str = "halda", k="auto", prefetch=None,
+                 policy: str = "plan", ctx: int = 256, real_io: bool = False, peer_timeout_s: float = 60.0,
+                 specs=None):
+  """(engine, plan dict) for a model file and an optional devices file (or already-loaded ``specs``)."""
+  from ondevice.device import DeviceOptions
   from ondevice.gguf_io import read_info
   from ondevice.ring import RingEngine
   info = read_info(model)
-  if devices is None:
+  if devices is None and specs is None:
     opts = DeviceOptions(prefetch=bool(prefetch), policy=policy, real_io=real_io, max_len=ctx)
     return RingEngine(model, [[list(range(info.cfg.n_layers))]], [None], opts), {"method": "single", "k": 1}
-  d = load_devices(devices)
-  specs = d["devices"]
+  d = load_devices_checked(devices) if specs is None else {"devices": specs, "k": k, "prefetch": prefetch,
+                                                           "windows": None}
   k = d["k"] if k == "auto" else k
   pf = d["prefetch"] if prefetch is None else prefetch
-  method = "manual" if (d["windows"] and plan_method == "halda") else plan_method
-  layer_s = profiler.layer_time(model) if method == "halda" else 0.0
-  head_s = profiler.head_time(model) if method == "halda" else 0.0
-  p, specs = planner.plan(info, specs, method, k, layer_s, head_s, ctx, windows=d["windows"])
+  p, kept, layer_s = plan_ring(model, d["devices"], plan_method, k, ctx, d["windows"])
   opts = DeviceOptions(prefetch=pf, policy=policy, real_io=real_io, max_len=ctx)
-  eng = RingEngine(model, p.windows, specs, opts, n_gpu=p.n_gpu, residency=p.residency)
-  return eng, dict(p.as_dict(), devices=[s.name for s in specs], measured_layer_ms=1e3 * layer_s)
+  eng = RingEngine(model, p.windows, kept, opts, n_gpu=p.n_gpu, residency=p.residency, peer_timeout_s=peer_timeout_s)
+  eng.all_specs = d["devices"]
+  return eng, dict(p.as_dict(), devices=[s.name for s in kept], measured_layer_ms=1e3 * layer_s)
+
+
+def check_draft(model: str, draft: str, gamma: int):
+  from ondevice import gguf_check
+  from ondevice.gguf_io import read_info
+  if os.path.exists(draft) and os.path.samefile(draft, model):
+    raise InputError("--draft is the target file itself (acceptance 1 by construction); pass a smaller draft model")
+  if gamma < 1:
+    raise InputError(f"--gamma {gamma}: pass --gamma >= 1")
+  di, ti = read_info(draft), read_info(model)
+  gguf_check.check_runnable(di)
+  if di.tokens != ti.tokens:
+    raise InputError(f"--draft {draft} has a different vocabulary from the target; pass a draft trained with the "
+                     f"same tokenizer")
+
+
+def _main(args) -> int:
+  from ondevice import generate, gguf_check
+  from ondevice.forward import GGUFLlama
+  from ondevice.gguf_io import read_info
+  from ondevice.tokenizer import ByteTokenizer, piece_bytes
+  from ondevice.weights import MappedGGUF
+  info = read_info(args.model)
+  gguf_check.check_runnable(info)
+  if args.prompt_ids:
+    try:
+      prompt = [int(t) for t in args.prompt_ids.split(",") if t.strip()]
+    except ValueError:
+      raise InputError(f"--prompt-ids {args.prompt_ids!r}: pass comma-separated integers") from None
+  elif info.byte_tokenizer:
+    prompt = ([info.bos_id] if info.bos_id is not None else []) + ByteTokenizer(info.cfg.vocab_size).encode(args.prompt)
+  else:
+    raise InputError("this file's vocabulary is not PrismLLM's byte tokenizer; pass --prompt-ids")
+  check_generation(prompt, args.max_tokens, args.ctx, info.cfg.vocab_size, args.gamma)
+  if args.draft:
+    check_draft(args.model, args.draft, args.gamma)
+  if args.peer_timeout <= 0:
+    raise InputError(f"--peer-timeout {args.peer_timeout}: pass a positive number of seconds")
+  if args.threads < 1:
+    raise InputError(f"--threads {args.threads}: pass --threads >= 1")
+  from ondevice import planes
+  planes.set_threads(args.threads)
+  pending = bytearray()
+
+  def emit(tok: int):
+    pending.extend(piece_bytes(info.tokens[tok], info.token_types[tok]))
+    try:
+      s = pending.decode("utf-8")
+    except UnicodeDecodeError:
+      return  # wait for the rest of a multi-byte character
+    sys.stdout.write(s)
+    sys.stdout.flush()
+    pending.clear()
+
+  k = args.k if args.k == "auto" else int(args.k)
+  pf = None if args.devices else not args.no_prefetch
+  eng, plan = build_engine(args.model, args.devices, args.plan, k, pf, args.policy, args.ctx, args.real_io,
+                           args.peer_timeout)
+  if args.no_prefetch:
+    eng.head.opts = eng.head.opts.__class__(**{**eng.head.opts.__dict__, "prefetch": False})
+  stop = None if args.no_stop else info.eos_id
+  draft = GGUFLlama(MappedGGUF(args.draft), max_len=args.ctx) if args.draft else None
+  done: list = []
+  recoveries = []
+
+  def on_token(t):
+    done.append(t)
+    emit(t)
+
+  sys.stdout.write(args.prompt if not args.prompt_ids else "")
+  try:
+    while True:
+      try:
+        left = args.max_tokens - len(done)
+        if draft is not None:
+          st = generate.speculative(eng, generate.Draft(draft, eng), prompt + done, left, args.gamma, stop, on_token)
+        else:
+          st = generate.greedy(eng, prompt + done, left, stop, on_token)
+        break
+      except PeerError as e:
+        if args.on_peer_failure != "replan" or e.hung or e.rank < 1 or not args.devices:
+          raise
+        eng, plan = _replan(args, eng, e, k, pf)
+        recoveries.append({"dropped": plan["dropped"], "at_token": len(done)})
+        print(f"warning: {e}; re-planned without {plan['dropped']} and continuing from token {len(done)}",
+              file=sys.stderr)
+    sys.stdout.write(pending.decode("utf-8", errors="replace") + "\n")
+    summary = {"plan": plan, **st.as_dict(), "tokens": len(done), "token_ids": done,
+               "clock": "emulated" if eng.head.emulated else "wall",
+               "recoveries": recoveries, "devices": eng.stats()}
+    print(json.dumps(summary), file=sys.stderr)
+  finally:
+    eng.close()
+  return 0
+
+
+def _replan(args, eng, err: PeerError, k, pf):
+  """The ring without the device that died: Halda on the rest, a fresh ring; the caller re-prefills."""
+  dead = eng.specs[err.rank]
+  specs = [s for s in eng.all_specs if s is not dead]
+  eng.close()
+  new, plan = build_engine(args.model, None, args.plan, k, pf, args.policy, args.ctx, args.real_io, args.peer_timeout,
+                           specs=specs)
+  return new, dict(plan, dropped=dead.name)
 
 
 def main(argv=None) -> int:
@@ -54,59 +199,14 @@ def main(argv=None) -> int:
   ap.add_argument("--policy", default="plan", choices=["plan", "os"])
   ap.add_argument("--real-io", action="store_true", help="issue real madvise/fadvise prefetch/release")
   ap.add_argument("--no-stop", action="store_true", help="do not stop at the file's EOS token")
+  ap.add_argument("--threads", type=int, default=1, help="kernel threads per device process (planes.set_threads)")
+  ap.add_argument("--peer-timeout", type=float, default=60.0, help="seconds a ring pass may take (hang detection)")
+  ap.add_argument("--on-peer-failure", default="replan", choices=["replan", "fail"],
+                  help="a ring device that dies: re-plan without it and continue, or stop with an error")
   args = ap.parse_args(argv)
-  from ondevice import generate
-  from ondevice.forward import GGUFLlama
-  from ondevice.gguf_io import GGUFError, read_info
-  from ondevice.tokenizer import ByteTokenizer, piece_bytes
-  from ondevice.weights import MappedGGUF
-  try:
-    info = read_info(args.model)
-  except GGUFError as e:
-    print(f"error: {e}", file=sys.stderr)
-    return 2
-  if args.prompt_ids:
-    prompt = [int(t) for t in args.prompt_ids.split(",")]
-  elif info.byte_tokenizer:
-    prompt = ByteTokenizer(info.cfg.vocab_size).encode(args.prompt)
-  else:
-    print("error: this file's vocabulary is not PrismLLM's byte tokenizer; pass --prompt-ids", file=sys.stderr)
-    return 2
-  if not prompt:
-    print("error: empty prompt; pass --prompt TEXT or --prompt-ids", file=sys.stderr)
-    return 2
-  pending = bytearray()
-
-  def emit(tok: int):
-    pending.extend(piece_bytes(info.tokens[tok], info.token_types[tok]))
-    try:
-      s = pending.decode("utf-8")
-    except UnicodeDecodeError:
-      return  # wait for the rest of a multi-byte character
-    sys.stdout.write(s)
-    sys.stdout.flush()
-    pending.clear()
-
-  k = args.k if args.k == "auto" else int(args.k)
-  eng, plan = build_engine(args.model, args.devices, args.plan, k, None if args.devices else not args.no_prefetch,
-                           args.policy, args.ctx, args.real_io)
-  if args.no_prefetch:
-    eng.head.opts = eng.head.opts.__class__(**{**eng.head.opts.__dict__, "prefetch": False})
-  stop = None if args.no_stop else info.eos_id
-  try:
-    sys.stdout.write(args.prompt if not args.prompt_ids else "")
-    if args.draft:
-      draft = generate.Draft(GGUFLlama(MappedGGUF(args.draft), max_len=args.ctx), eng)
-      st = generate.speculative(eng, draft, prompt, args.max_tokens, args.gamma, stop, emit)
-    else:
-      st = generate.greedy(eng, prompt, args.max_tokens, stop, emit)
-    sys.stdout.write(pending.decode("utf-8", errors="replace") + "\n")
-    summary = {"plan": plan, **st.as_dict(), "clock": "emulated" if eng.head.emulated else "wall",
-               "devices": eng.stats()}
-    print(json.dumps(summary), file=sys.stderr)
-  finally:
-    eng.close()
-  return 0
+  if args.k != "auto" and not args.k.isdigit():
+    ap.error(f"--k {args.k}: pass a positive integer or auto")
+  return cli(_main, args)
 
 
 if __name__ == "__main__":

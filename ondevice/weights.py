@@ -12,11 +12,12 @@ import ctypes
 import mmap
 import os
 import resource
+import zlib
 from typing import Iterable, Optional
 
 import numpy as np
 
-from ondevice.gguf_io import GGUFInfo, read_info
+from ondevice.gguf_io import GGUFError, GGUFInfo, read_info
 
 PAGE = mmap.PAGESIZE
 _QBLOCK = {"Q8_0": (32, 34), "Q4_0": (32, 18)}
@@ -48,6 +49,7 @@ class MappedGGUF:
       return v
     t = self.info.tensors[name]
     raw = self._u8[t.offset:t.offset + t.nbytes]
+    _verify(self.info, name, raw)
     if t.qtype == "F32":
       v = raw.view(np.float32).reshape(t.shape)
     elif t.qtype == "F16":
@@ -110,6 +112,25 @@ class MappedGGUF:
     except BufferError:  # a caller still holds a view; the mapping goes with the last reference
       pass
     os.close(self.fd)
+
+
+def _verify(info: GGUFInfo, name: str, raw: np.ndarray) -> None:
+  """The tensor's CRC32 (files we exported) and finite scales / values (any file): a damaged file fails
+  here, naming the tensor, instead of producing NaN logits or silently wrong tokens."""
+  fix = "re-export it with `python -m ondevice.export` or re-copy it"
+  want = info.crc.get(name)
+  if want is not None and zlib.crc32(raw) != want:
+    raise GGUFError(f"{info.path}: tensor {name} fails its CRC32 check (the file changed after export); {fix}")
+  t = info.tensors[name]
+  if t.qtype in _QBLOCK:
+    vals = raw.reshape(-1, _QBLOCK[t.qtype][1])[:, :2].copy().view(np.float16)
+  elif t.qtype in ("F32", "F16"):
+    vals = raw.view(np.float32 if t.qtype == "F32" else np.float16)
+  else:
+    return
+  if not np.isfinite(vals).all():
+    raise GGUFError(f"{info.path}: tensor {name} holds non-finite {'block scales' if t.qtype in _QBLOCK else 'values'} "
+                    f"(a damaged file); {fix}")
 
 
 _LIBC = None

@@ -2,15 +2,18 @@
 
 role=target: 8 layers, d=128, 4/2 heads, FFN 384 (1.6M params).
 role=draft:  2 layers, d=64, 4/2 heads, FFN 192 (0.1M params), same byte vocabulary.
-One host device (no mesh), batch 8 x 64 bytes, 200 steps: sized for a shared 2-core CPU.
-Both models are weak (loss ~2 nats/byte).
+One host device (no mesh), batch 8 x 64 bytes; :steps=N (default 200, a smoke run; the benchmarks in
+ondevice/README.md use 8000, ~40 min each on a loaded 2-core CPU). Both models stay weak (a byte-level model
+this small on CPU-minutes of training): report acceptance, never assume it.
 
-Commands (train both, export, benchmark):
-  python -m experiments.run --config experiments/configs/ondevice_spec.py:role=target --host-devices 1 --workdir /tmp/od_target
-  python -m experiments.run --config experiments/configs/ondevice_spec.py:role=draft --host-devices 1 --workdir /tmp/od_draft
+Commands (train both, export, benchmark; prompts are cut from the stdlib source the pair is trained on):
+  python -m experiments.run --config experiments/configs/ondevice_spec.py:role=target,steps=8000 --host-devices 1 --workdir /tmp/od_target
+  python -m experiments.run --config experiments/configs/ondevice_spec.py:role=draft,steps=8000 --host-devices 1 --workdir /tmp/od_draft
   python -m ondevice.export --workdir /tmp/od_target --out /tmp/od_target_q8.gguf --quant q8_0
   python -m ondevice.export --workdir /tmp/od_draft --out /tmp/od_draft_q8.gguf --quant q8_0
   python -m ondevice.bench --model /tmp/od_target_q8.gguf --suite spec --draft /tmp/od_draft_q8.gguf
+  python -m ondevice.bench --model /tmp/od_target_q8.gguf --suite ring --devices benchmarks/ondevice_devices4.yaml \
+      --draft /tmp/od_draft_q8.gguf --tokens 24
 """
 import ml_collections
 

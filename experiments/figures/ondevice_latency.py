@@ -1,6 +1,7 @@
-"""Shape of prima.cpp's latency table at our scale: per-token latency of a single mmap device
-(llama.cpp-like), an exo-like RAM-proportional split and Halda + pipelined ring, across model sizes, on the
-EMULATED 4-device setup of benchmarks/ondevice_devices4.yaml. Every time is on the emulated clock.
+"""Shape of prima.cpp's latency table at our scale: per-token latency of the best single device (whole model
+mmap'd, LRU: llama.cpp-like), an exo-like RAM-proportional split, a dllama-like tensor-parallel split and
+Halda + pipelined ring, across model sizes, on the EMULATED 4-device setup of benchmarks/ondevice_devices4.yaml
+(ondevice/bench_ring.py). Every time is on the emulated clock.
 
   # run the sweep (random-weight "small"-shape Q8_0 models of 4, 8, 16 layers) and plot
   PYTHONPATH=. python experiments/figures/ondevice_latency.py --sweep 4,8,16 --out benchmarks/ondevice_latency.png
@@ -12,9 +13,14 @@ import json
 import os
 import tempfile
 
-SCEN = [("single_mmap", "single device, mmap (llama.cpp-like)"),
+SCEN = [("best_single", "best single device, mmap (llama.cpp-like)"),
         ("exo_like_memory_split", "exo-like RAM-proportional split"),
-        ("halda_prp_prefetch", "Halda + pipelined ring (ours)")]
+        ("dllama_like_tensor_parallel", "dllama-like tensor-parallel split"),
+        ("halda_ring", "Halda + pipelined ring (ours)")]
+
+
+def _tpot(ring, s):
+  return ring[f"alone_{ring['best_single_device']}"]["tpot_ms"] if s == "best_single" else ring[s]["tpot_ms"]
 ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
 
@@ -22,7 +28,7 @@ def sweep(layers, devices, tokens, workdir):
   import jax
   from framework import model as fm
   from framework.config import ModelConfig
-  from ondevice import bench, gguf_io
+  from ondevice import bench_ring, gguf_io
   runs = []
   for n_layers in layers:
     cfg = ModelConfig(vocab_size=256, d_model=256, n_layers=n_layers, n_heads=8, n_kv_heads=4, d_ff=768,
@@ -31,10 +37,10 @@ def sweep(layers, devices, tokens, workdir):
       params = fm.init_params(fm.build(cfg), jax.random.key(0))
     path = os.path.join(workdir, f"small_L{n_layers}_q8_0.gguf")
     gguf_io.export_gguf(params, cfg, path, "q8_0", name=f"small_L{n_layers}")
-    ring = bench.bench_ring(path, devices, tokens, list(b"def fibonacci(n):\n    "), only=("none",))
+    ring = bench_ring.run(path, devices, tokens, list(b"def fibonacci(n):\n    "))
     runs.append({"model": f"L={n_layers} ({os.path.getsize(path) / 2**20:.1f} MiB)", "ring": ring})
-    h = ring["halda_prp_prefetch"]
-    print(json.dumps({"layers": n_layers, **{s: round(ring[s]["tpot_ms"], 1) for s, _ in SCEN},
+    h = ring["halda_ring"]
+    print(json.dumps({"layers": n_layers, **{s: round(_tpot(ring, s), 1) for s, _ in SCEN},
                       "halda_k": h.get("k"), "halda_w": h.get("w"), "halda_model_ms": h.get("halda_model_latency_ms"),
                       "clock": ring.get("clock", "emulated")}), flush=True)
   return runs
@@ -47,7 +53,7 @@ def plot(runs, out):
   fig, ax = plt.subplots(figsize=(7.5, 4))
   width = 0.8 / len(SCEN)
   for j, (s, label) in enumerate(SCEN):
-    ys = [r["ring"][s]["tpot_ms"] for r in runs]
+    ys = [_tpot(r["ring"], s) for r in runs]
     xs = [i + j * width for i in range(len(runs))]
     ax.bar(xs, ys, width, label=label)
     for x, y in zip(xs, ys):
@@ -69,9 +75,11 @@ def _append_results(runs, a) -> None:
   cells = []
   for r in runs:
     ring = r["ring"]
-    h = ring["halda_prp_prefetch"]
-    cells.append(f"{r['model']}: single mmap {ring['single_mmap']['tpot_ms']:.1f} ms, exo-like "
-                 f"{ring['exo_like_memory_split']['tpot_ms']:.1f} ms, Halda+PRP {h['tpot_ms']:.1f} ms "
+    h = ring["halda_ring"]
+    best = ring["best_single_device"]
+    cells.append(f"{r['model']}: best single device ({best}) {_tpot(ring, 'best_single'):.1f} ms, "
+                 f"exo-like {ring['exo_like_memory_split']['tpot_ms']:.1f} ms, dllama-like "
+                 f"{ring['dllama_like_tensor_parallel']['tpot_ms']:.1f} ms, Halda ring {h['tpot_ms']:.1f} ms "
                  f"(k={h.get('k')}, w={h.get('w')}, model {h.get('halda_model_latency_ms') or float('nan'):.1f} ms)")
   row = (f"| {datetime.datetime.now().isoformat(timespec='minutes')} | `PYTHONPATH=. python experiments/figures/"
          f"ondevice_latency.py --sweep {a.sweep} --tokens {a.tokens} --out {a.out}` | {os.cpu_count()} cores, load "

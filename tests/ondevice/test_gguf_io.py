@@ -50,7 +50,7 @@ def test_truncated_and_corrupt_files_give_clear_errors(files, tmp_path):
   with pytest.raises(gguf_io.GGUFError, match="truncated|corrupt"):
     gguf_io.read_info(str(bad))
   bad.write_bytes(b"GGUX" + data[4:])
-  with pytest.raises(gguf_io.GGUFError, match="not a readable GGUF"):
+  with pytest.raises(gguf_io.GGUFError, match="not a GGUF file"):
     gguf_io.read_info(str(bad))
   bad.write_bytes(data[:100])
   with pytest.raises(gguf_io.GGUFError, match="re-export"):

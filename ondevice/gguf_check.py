@@ -1,0 +1,223 @@
+"""Checks that turn a bad GGUF file into one line naming the fix, before any tensor is used.
+
+``scan_header`` walks the header (magic, version, metadata, tensor index) with bounds checks BEFORE the
+``gguf`` package's reader sees the file: a flipped count or length in a damaged file would otherwise
+make that reader loop for minutes or allocate gigabytes. ``check_structure`` checks what the header
+promises (shapes against the config, alignment, overlaps, config sanity); ``check_runnable`` what this
+runtime can compute on (tensor types, llama features it does not implement). Tensor data is covered by
+per-tensor CRC32s that ``export`` writes (``prismllm.tensor_crc32``) and ``weights.MappedGGUF`` checks when
+a tensor is first used; files from other writers carry none, so their data is only checked for
+non-finite block scales and norms.
+"""
+from __future__ import annotations
+
+import json
+import math
+import os
+import struct
+
+MAGIC = b"GGUF"
+# GGUF value types: size in bytes for the fixed-size ones; 8 = string, 9 = array.
+_FIXED = {0: 1, 1: 1, 2: 2, 3: 2, 4: 4, 5: 4, 6: 4, 7: 1, 10: 8, 11: 8, 12: 8}
+_STRING, _ARRAY = 8, 9
+MAX_DIMS = 4
+RUNTIME_TYPES = ("F32", "F16", "Q8_0", "Q4_0")
+CRC_KEY = "prismllm.tensor_crc32"
+
+
+class GGUFError(ValueError):
+  """A GGUF file that cannot be used; the message says how to get a good one."""
+
+
+def _fix(path: str) -> str:
+  return f"re-export it with `python -m ondevice.export ... --out {path}` or re-copy it"
+
+
+def scan_header(path: str) -> dict:
+  """Walks the header with bounds checks; returns {'n_tensors', 'n_kv', 'header_end'}. Raises GGUFError
+  naming the part that is damaged (truncated, impossible count or length, unknown type)."""
+  size = os.path.getsize(path)
+  with open(path, "rb") as f:
+    buf = f.read(min(size, 64 << 20))  # headers of real files are a few MB at most (vocabularies)
+  end = len(buf)
+  pos = 0
+
+  def need(n, what):
+    if n < 0 or pos + n > end:
+      raise GGUFError(f"{path} is truncated or corrupt in its {what} (needs {n} bytes at offset {pos}, the "
+                      f"header region has {end}); {_fix(path)}")
+
+  def u(fmt, what):
+    nonlocal pos
+    n = struct.calcsize(fmt)
+    need(n, what)
+    v = struct.unpack_from("<" + fmt, buf, pos)[0]
+    pos += n
+    return v
+
+  def string(what, limit=1 << 20):
+    nonlocal pos
+    n = u("Q", what)
+    if n > limit:
+      raise GGUFError(f"{path}: {what} claims a {n}-byte string: the header is corrupt; {_fix(path)}")
+    need(n, what)
+    pos += n
+    return bytes(buf[pos - n:pos])
+
+  if size < 4 or buf[:4] != MAGIC:
+    if size == 0:
+      raise GGUFError(f"{path} is empty; {_fix(path)}")
+    raise GGUFError(f"{path} is not a GGUF file (magic {bytes(buf[:4])!r}, expected b'GGUF'); {_fix(path)}")
+  pos = 4
+  version = u("I", "version")
+  if version not in (2, 3):
+    raise GGUFError(f"{path}: GGUF version {version} is not supported (2 or 3; a big-endian file or a corrupt "
+                    f"header); {_fix(path)}")
+  n_tensors, n_kv = u("Q", "tensor count"), u("Q", "metadata count")
+  # Every KV entry takes >= 12 bytes and every tensor entry >= 28: counts above that are corruption.
+  if n_kv * 12 + n_tensors * 28 > size:
+    raise GGUFError(f"{path}: header claims {n_kv} metadata entries and {n_tensors} tensors, more than a "
+                    f"{size}-byte file can hold: the header is corrupt; {_fix(path)}")
+  for i in range(n_kv):
+    key = string(f"metadata key #{i}", 1 << 16)
+    try:
+      key.decode("utf-8")
+    except UnicodeDecodeError:
+      raise GGUFError(f"{path}: metadata key #{i} is not UTF-8: the header is corrupt; {_fix(path)}") from None
+    what = f"metadata value {key.decode('utf-8', 'replace')!r}"
+    t = u("I", what)
+    if t in _FIXED:
+      need(_FIXED[t], what)
+      pos += _FIXED[t]
+    elif t == _STRING:
+      string(what)
+    elif t == _ARRAY:
+      et, n = u("I", what), u("Q", what)
+      if et in _FIXED:
+        need(n * _FIXED[et], what)
+        pos += n * _FIXED[et]
+      elif et == _STRING:
+        if n * 8 > end - pos:
+          raise GGUFError(f"{path}: {what} claims {n} strings, more than the header holds: corrupt; {_fix(path)}")
+        for j in range(n):
+          string(f"{what}[{j}]")
+      else:
+        raise GGUFError(f"{path}: {what} is an array of unknown type {et}: the header is corrupt; {_fix(path)}")
+    else:
+      raise GGUFError(f"{path}: {what} has unknown type {t}: the header is corrupt; {_fix(path)}")
+  from gguf.constants import GGML_QUANT_SIZES, GGMLQuantizationType
+  for i in range(n_tensors):
+    name = string(f"tensor #{i} name", 1 << 12)
+    what = f"tensor #{i} ({name.decode('utf-8', 'replace')!r})"
+    nd = u("I", what)
+    if not 1 <= nd <= MAX_DIMS:
+      raise GGUFError(f"{path}: {what} has {nd} dimensions: the tensor index is corrupt; {_fix(path)}")
+    dims = [u("Q", what) for _ in range(nd)]
+    t = u("I", what)
+    try:
+      qt = GGMLQuantizationType(t)
+    except ValueError:
+      raise GGUFError(f"{path}: {what} has unknown tensor type {t}: the tensor index is corrupt, or the file "
+                      f"is newer than the gguf package; {_fix(path)}") from None
+    u("Q", what)  # offset, checked against the file in check_structure
+    blk = GGML_QUANT_SIZES[qt][0]
+    if any(d == 0 for d in dims) or dims[0] % blk or math.prod(dims) > size * 64:
+      raise GGUFError(f"{path}: {what} has impossible shape {dims} for {qt.name}: the tensor index is corrupt; "
+                      f"{_fix(path)}")
+  return {"n_tensors": n_tensors, "n_kv": n_kv, "header_end": pos, "version": version}
+
+
+def expected_shapes(cfg) -> dict:
+  """GGUF tensor name -> numpy-order shape for a llama model of ``cfg``."""
+  D, H, K, E, F, V = cfg.d_model, cfg.n_heads, cfg.n_kv_heads, cfg.hd, cfg.ff, cfg.vocab_size
+  out = {"token_embd.weight": (V, D), "output_norm.weight": (D,)}
+  if not cfg.tie_embeddings:
+    out["output.weight"] = (V, D)
+  for i in range(cfg.n_layers):
+    out.update({f"blk.{i}.attn_norm.weight": (D,), f"blk.{i}.attn_q.weight": (H * E, D),
+                f"blk.{i}.attn_k.weight": (K * E, D), f"blk.{i}.attn_v.weight": (K * E, D),
+                f"blk.{i}.attn_output.weight": (D, H * E), f"blk.{i}.ffn_norm.weight": (D,),
+                f"blk.{i}.ffn_gate.weight": (F, D), f"blk.{i}.ffn_up.weight": (F, D),
+                f"blk.{i}.ffn_down.weight": (D, F)})
+  return out
+
+
+def check_config(path: str, cfg, n_vocab_tokens: int) -> None:
+  c = cfg
+  bad = []
+  if min(c.d_model, c.n_layers, c.n_heads, c.n_kv_heads, c.ff, c.vocab_size, c.max_seq_len) <= 0:
+    bad.append("a non-positive size")
+  elif c.n_heads % c.n_kv_heads:
+    bad.append(f"head_count {c.n_heads} not a multiple of head_count_kv {c.n_kv_heads}")
+  elif c.hd % 2:
+    bad.append(f"odd head dimension {c.hd} (RoPE rotates pairs)")
+  if not (math.isfinite(c.norm_eps) and c.norm_eps > 0) or not (math.isfinite(c.rope_theta) and c.rope_theta > 1):
+    bad.append(f"norm eps {c.norm_eps} / rope theta {c.rope_theta} out of range")
+  if c.vocab_size != n_vocab_tokens:
+    bad.append(f"vocab_size {c.vocab_size} but {n_vocab_tokens} tokenizer tokens")
+  if bad:
+    raise GGUFError(f"{path}: inconsistent model metadata ({'; '.join(bad)}); {_fix(path)}")
+
+
+def check_structure(path: str, info_tensors: dict, cfg, alignment: int, size: int) -> None:
+  """Shapes vs the config, every tensor inside the file, aligned, and no two overlapping."""
+  want = expected_shapes(cfg)
+  missing = [n for n in want if n not in info_tensors]
+  if missing:
+    raise GGUFError(f"{path} lacks tensors {missing[:4]}{'...' if len(missing) > 4 else ''}: incomplete or "
+                    f"renamed by corruption; {_fix(path)}")
+  for n, t in info_tensors.items():
+    if n in want and tuple(t.shape) != tuple(want[n]):
+      raise GGUFError(f"{path}: tensor {n} has shape {tuple(t.shape)}, the metadata implies {tuple(want[n])}: "
+                      f"corrupt or not a llama file; {_fix(path)}")
+    if t.offset + t.nbytes > size:
+      raise GGUFError(f"{path} is truncated: tensor {n} ends at byte {t.offset + t.nbytes} but the file has "
+                      f"{size}; {_fix(path)}")
+    if alignment and t.offset % alignment:
+      raise GGUFError(f"{path}: tensor {n} starts at {t.offset}, not a multiple of the file's alignment "
+                      f"{alignment}: the tensor index is corrupt; {_fix(path)}")
+  spans = sorted((t.offset, t.offset + t.nbytes, n) for n, t in info_tensors.items())
+  for (a0, b0, n0), (a1, _, n1) in zip(spans, spans[1:]):
+    if a1 < b0:
+      raise GGUFError(f"{path}: tensors {n0} and {n1} overlap in the file: the tensor index is corrupt; "
+                      f"{_fix(path)}")
+
+
+# llama.* features this runtime does not implement: refuse rather than compute something else.
+_UNSUPPORTED = {
+    "llama.rope.scaling.type": lambda v: v not in (None, "none"),
+    "llama.rope.scale_linear": lambda v: v not in (None, 1.0),
+    "llama.expert_count": lambda v: v not in (None, 0),
+    "llama.attention.clamp_kqv": lambda v: v is not None,
+    "llama.logit_scale": lambda v: v not in (None, 1.0),
+}
+
+
+def unsupported_features(path: str, fields: dict, cfg) -> list:
+  out = [f"{k}={fields[k]!r}" for k, bad in _UNSUPPORTED.items() if k in fields and bad(fields[k])]
+  rd = fields.get("llama.rope.dimension_count")
+  if rd is not None and int(rd) != cfg.hd:
+    out.append(f"llama.rope.dimension_count={rd} (partial RoPE; head dim {cfg.hd})")
+  return out
+
+
+def check_runnable(info) -> None:
+  """What the numba runtime computes on: F32/F16/Q8_0/Q4_0 tensors and plain llama (no RoPE scaling, MoE...)."""
+  if info.unsupported:
+    raise GGUFError(f"{info.path} uses llama features this runtime does not implement ({', '.join(info.unsupported)}); "
+                    f"run it with llama.cpp, or export a plain llama model")
+  kinds = sorted({t.qtype for t in info.tensors.values() if t.qtype not in RUNTIME_TYPES})
+  if kinds:
+    raise GGUFError(f"{info.path} has {'/'.join(kinds)} tensors, which this runtime cannot compute on; re-export "
+                    f"with --quant q4_0, q8_0, f16 or f32 (llama.cpp runs K-quants)")
+
+
+def parse_crc(value) -> dict:
+  if value is None:
+    return {}
+  try:
+    d = json.loads(value)
+    return {str(k): int(v) for k, v in d.items()}
+  except (ValueError, TypeError, AttributeError):
+    raise GGUFError(f"metadata {CRC_KEY} is not valid JSON: the header is corrupt; re-export or re-copy the file") \
+        from None
