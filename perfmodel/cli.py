@@ -40,19 +40,18 @@ def _log(msg):
 
 def cmd_predict(a, overrides):
   cfg, n = _load_cfg(a.config, overrides, a.mesh, a.devices)
-  from perfmodel import predict, program  # noqa: PLC0415 (after the config: nothing has touched jax yet)
-  route = predict.resolve_method(n, a.mode, a.method)
+  from perfmodel import hardware, predict, program  # noqa: PLC0415 (after the config: nothing has touched jax yet)
+  hw = hardware.load(a.hardware)
+  route = predict.resolve_method(n, a.mode, a.method, hw)
   if route == "compile":
     program.ensure_devices(n if a.mode == "train" else 1)
-  from perfmodel import hardware  # noqa: PLC0415
-  hw = hardware.load(a.hardware)
   cap = None
   if route == "compile":
     cap = (program.sampler(cfg, a.batch, a.prompt_len, a.gen_len) if a.mode == "infer"
            else program.train_step(cfg))
     _profile(a, cap, hw)
   p = predict.predict(cfg, hw, mode=a.mode, method=a.method, backend=a.backend, batch=a.batch,
-                      prompt_len=a.prompt_len, gen_len=a.gen_len, captured=cap)
+                      prompt_len=a.prompt_len, gen_len=a.gen_len, captured=cap, topology=a.topology)
   _print(p.to_dict())
 
 
@@ -152,11 +151,15 @@ def _parser():
   pr.add_argument("--mesh", default="", help="e.g. data=2,tensor=4 (axes not named are 1)")
   pr.add_argument("--devices", type=int, default=0, help="device count when the mesh has a -1 axis")
   pr.add_argument("--mode", choices=("train", "infer"), default="train")
-  pr.add_argument("--method", choices=("auto", "compile", "rank_program", "analytic"), default="auto",
-                  help="auto: compile the real N-device program up to 512 devices, else the traced per-rank "
-                       "program (rank_program), else the analytic graph")
-  pr.add_argument("--backend", choices=("auto", "roofline", "calibrated", "profiled", "learned", "hybrid"),
-                  default="auto")
+  pr.add_argument("--method", choices=("auto", "target_compile", "compile", "rank_program", "analytic"),
+                  default="auto",
+                  help="auto: a TPU/GPU profile compiles the step for compile-only devices of that target "
+                       "(target_compile); the cpu profile compiles the real N-device program on host devices up to "
+                       "512 devices, else traces the per-rank program (rank_program), else the analytic graph")
+  pr.add_argument("--topology", default=None,
+                  help="target_compile: TPU slice shape (4x4x8; a multiple of it = slices) or GPU PxHxD")
+  pr.add_argument("--backend", choices=("auto", "roofline", "calibrated", "efficiency", "profiled", "learned",
+                                        "hybrid"), default="auto")
   pr.add_argument("--profile-nodes", action="store_true",
                   help="time every compute instruction of this program alone on this host first (into the user's "
                        "cache; automatic when the backend resolves to profiled or hybrid)")

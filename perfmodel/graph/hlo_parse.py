@@ -391,6 +391,7 @@ def parse_module(text: str) -> Module:
   mname = re.match(r"HloModule\s+([\w.\-]+)", header)
   nparts = re.search(r"num_partitions=(\d+)", header)
   nreps = re.search(r"replica_count=(\d+)", header)
+  pending = []  # one instruction's lines: TPU prints some attributes (kernel_metadata) over several lines
   for raw in text.splitlines():
     line = raw.rstrip()
     if cur is None:
@@ -400,6 +401,10 @@ def parse_module(text: str) -> Module:
         cur_entry = bool(m.group(1) or m.group(3))
         cur_name = m.group(2) or m.group(4)
       continue
+    if line.strip() == "}" or (line.strip() and _INSTR.match(line)):
+      if pending:
+        cur.append(parse_instruction(" ".join(pending), cur_name))
+        pending = []
     if line.strip() == "}":
       comps[cur_name] = Computation(cur_name, cur, is_entry=cur_entry, header=cur_header)
       if cur_entry:
@@ -407,7 +412,7 @@ def parse_module(text: str) -> Module:
       cur = None
       continue
     if line.strip():
-      cur.append(parse_instruction(line, cur_name))
+      pending.append(line)
   if entry is None:
     raise ValueError("no ENTRY computation found: pass the text of compiled.as_text() (a whole HLO module)")
   mod = Module(name=mname.group(1) if mname else "module", computations=comps, entry=entry,
@@ -482,10 +487,16 @@ def trip_count(module: Module, while_instr: Instruction) -> Optional[int]:
       else:
         vals.append(const_of(sub, op))
     direction = re.search(r"direction=(\w+)", "direction=" + cmp.attrs.get("direction", "")).group(1)
+    counter = sub.by_name.get(cmp.operands[0]) if cmp.operands else None
+    if counter is not None and counter.opcode == "parameter":
+      counter = comp.by_name.get(fus.operands[int(counter.attrs["parameter_number"])])
   else:
     vals = [const_of(comp, op) for op in what.operands]
     direction = what.attrs.get("direction", "")
+    counter = comp.by_name.get(what.operands[0]) if what.operands else None
   del consts
+  if "known_init_step" not in bc:
+    init, step = _induction(module, while_instr, comp, counter, init, step)
   limit = vals[1] if vals[1] is not None else None
   if limit is None:
     return None
@@ -494,3 +505,31 @@ def trip_count(module: Module, while_instr: Instruction) -> Optional[int]:
   if direction == "LE":
     return max(0, math.floor((limit - init) / step) + 1)
   return None
+
+
+def _induction(module: Module, while_instr: Instruction, cond: Computation, counter: Optional[Instruction],
+               init: int, step: int) -> tuple:
+  """(init, step) of a loop counter the condition reads as tuple element k: its value in the while's initial
+  tuple, and the constant the body adds to it (XLA:TPU's unrolled windowed-einsum loops step by 2)."""
+  while counter is not None and counter.opcode in ("copy", "bitcast", "convert"):
+    counter = cond.by_name.get(counter.operands[0])
+  if counter is None or counter.opcode != "get-tuple-element":
+    return init, step
+  k = int(counter.attrs.get("index", -1))
+  body = module.computations.get(while_instr.attrs.get("body", "").lstrip("%"))
+  if body is not None and body.root.opcode == "tuple" and k < len(body.root.operands):
+    upd = body.by_name.get(body.root.operands[k])
+    if upd is not None and upd.opcode == "add":
+      consts = [body.by_name.get(o) for o in upd.operands]
+      c = [int(float(x.attrs["literal"])) for x in consts if x is not None and x.opcode == "constant"]
+      step = c[0] if len(c) == 1 and c[0] > 0 else step
+  caller = module.computations.get(while_instr.computation)
+  tup = caller.by_name.get(while_instr.operands[0]) if caller is not None and while_instr.operands else None
+  if tup is not None and tup.opcode == "tuple" and k < len(tup.operands):
+    v = caller.by_name.get(tup.operands[k])
+    if v is not None and v.opcode == "constant":
+      try:
+        init = int(float(v.attrs["literal"]))
+      except ValueError:
+        pass
+  return init, step
