@@ -8,7 +8,9 @@ from __future__ import annotations
 import argparse
 import json
 import math
+import os
 import sys
+import tempfile
 
 from framework.config import MESH_AXES, validate
 from framework.config_file import load
@@ -108,11 +110,17 @@ def cmd_calibrate(a, overrides):
 
 
 def cmd_validate(a, overrides):
+  if a.published:
+    from perfmodel.calib import published_validate  # noqa: PLC0415
+    out = published_validate.run(csv=a.csv, limit=a.limit, ids=[x for x in (a.rows or "").split(",") if x] or None,
+                                 png=a.png or os.path.join(tempfile.gettempdir(), "perfmodel_published.png"),
+                                 results=not a.no_results, backend=a.backend, log=_log)
+    return _print(out)
   from perfmodel import program  # noqa: PLC0415
   _regime(a)
   program.ensure_devices(VALIDATE_DEVICES)
   from perfmodel.calib import validate  # noqa: PLC0415
-  _print(validate.run(a.suite, reps=a.reps, backend=a.backend, png=a.png, results=not a.no_results,
+  _print(validate.run(a.suite, reps=a.reps, backend=a.backend, png=a.png or "benchmarks/perfmodel_validate.png", results=not a.no_results,
                       limit=a.limit, measurements=a.measurements, hlo_cache=a.hlo_cache, isolate=not a.in_process,
                       rounds=a.rounds))
 
@@ -195,7 +203,14 @@ def _parser():
   va.add_argument("--suite", default=None, help="python file with SUITE = [...] (default: perfmodel/calib/suite.py)")
   va.add_argument("--reps", type=int, default=7)
   va.add_argument("--backend", default="auto")
-  va.add_argument("--png", default="benchmarks/perfmodel_validate.png")
+  va.add_argument("--png", default=None,
+                  help="default benchmarks/perfmodel_validate.png (--published: perfmodel_published.png in the "
+                       "temporary folder)")
+  va.add_argument("--published", action="store_true",
+                  help="predict every included bf16 / fp16 row of the published training runs (compiled for their "
+                       "chips) instead of measuring the suite on this host")
+  va.add_argument("--csv", default=None, help="--published: the rows (default: shared/data/published_training.csv)")
+  va.add_argument("--rows", default=None, help="--published: only these row ids (comma-separated)")
   va.add_argument("--no-results", action="store_true", help="do not append to benchmarks/RESULTS.md")
   va.add_argument("--limit", type=int, default=0, help="run only the first N configs (smoke)")
   va.add_argument("--measurements", default=None, nargs="+", metavar="FILE",
