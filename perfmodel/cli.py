@@ -53,7 +53,8 @@ def cmd_predict(a, overrides):
            else program.train_step(cfg))
     _profile(a, cap, hw)
   p = predict.predict(cfg, hw, mode=a.mode, method=a.method, backend=a.backend, batch=a.batch,
-                      prompt_len=a.prompt_len, gen_len=a.gen_len, captured=cap, topology=a.topology)
+                      prompt_len=a.prompt_len, gen_len=a.gen_len, captured=cap, topology=a.topology,
+                      compile_budget_s=None if a.compile_budget == "full" else float(a.compile_budget))
   _print(p.to_dict())
 
 
@@ -166,6 +167,10 @@ def _parser():
                        "512 devices, else traces the per-rank program (rank_program), else the analytic graph")
   pr.add_argument("--topology", default=None,
                   help="target_compile: TPU slice shape (4x4x8; a multiple of it = slices) or GPU PxHxD")
+  pr.add_argument("--compile-budget", default="75", metavar="SECONDS|full",
+                  help="target_compile: after this many seconds, once XLA has written the optimised program, stop "
+                       "the compile and price that program, memory from its buffer assignment (default 75; 'full': "
+                       "always the finished executable and its memory_analysis)")
   pr.add_argument("--backend", choices=("auto", "roofline", "calibrated", "efficiency", "profiled", "learned",
                                         "hybrid"), default="auto")
   pr.add_argument("--profile-nodes", action="store_true",

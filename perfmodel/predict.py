@@ -120,10 +120,12 @@ def resolve_method(n: int, mode: str = "train", method: str = "auto", hw: Option
 
 def predict(cfg: Config, hardware: Union[str, HardwareProfile], mode: str = "train", method: str = "auto",
             backend: str = "auto", batch: int = 1, prompt_len: int = 32, gen_len: int = 32,
-            captured: Optional[program.Captured] = None, topology: Optional[str] = None) -> Prediction:
+            captured: Optional[program.Captured] = None, topology: Optional[str] = None,
+            compile_budget_s: Optional[float] = None) -> Prediction:
   """The one entry point. ``captured``: the compiled program when the caller has it already (the CLI compiles
   first to profile its instructions; validate caches programs). ``topology``: the target's slice / node shape
-  (``parallelism.targets.plan``), for ``target_compile``."""
+  (``parallelism.targets.plan``), for ``target_compile``; ``compile_budget_s``: stop that compile after this many
+  seconds once the optimised program exists (perfmodel/target.py; None: compile to the end)."""
   hw = hardware if isinstance(hardware, HardwareProfile) else load_profile(hardware)
   route = resolve_method(n_devices(cfg), mode, method, hw)
   if mode == "infer":
@@ -132,7 +134,8 @@ def predict(cfg: Config, hardware: Union[str, HardwareProfile], mode: str = "tra
     if not is_target(hw):
       raise ValueError(f"--method target_compile needs a TPU or GPU profile ({', '.join(targets.HARDWARE)}), "
                        f"not {hw.name!r}")
-    return _train_compiled(cfg, hw, backend, captured or target.train_step(cfg, hw.name, topology), route)
+    cap = captured or target.train_step(cfg, hw.name, topology, budget_s=compile_budget_s)
+    return _train_compiled(cfg, hw, backend, cap, route)
   if route == "compile":
     return _train_compiled(cfg, hw, backend, captured)
   if route == "analytic":

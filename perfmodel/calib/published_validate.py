@@ -102,7 +102,7 @@ def predict_row(r: P.PublishedRun, backend: str = "auto", timeout_s: float = TIM
   """The row's Prediction (JSON) from a ``python -m perfmodel predict`` child, or {'error': ...}."""
   ov, topology, notes = row_config(r)
   argv = [sys.executable, "-m", "perfmodel", "predict", "--config", BASE_CONFIG, "--hardware", r.hardware,
-          "--backend", backend] + (["--topology", topology] if topology else []) + ov
+          "--backend", backend, "--compile-budget", "full"] + (["--topology", topology] if topology else []) + ov
   env = dict(os.environ)
   env["PYTHONPATH"] = ROOT + os.pathsep + env.get("PYTHONPATH", "")
   t0 = time.perf_counter()
