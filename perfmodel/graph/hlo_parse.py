@@ -438,66 +438,52 @@ def async_role(opcode: str) -> Optional[str]:
   return None
 
 
+def _const(comp: Computation, name: str) -> Optional[int]:
+  ins = comp.by_name.get(name)
+  try:
+    return int(float(ins.attrs["literal"])) if ins is not None and ins.opcode == "constant" else None
+  except ValueError:
+    return None
+
+
+def _compare(module: Module, comp: Computation):
+  """(the computation holding the loop condition's compare, compare, enclosing fusion or None, fusion body)."""
+  for ins in comp.instructions:
+    if ins.opcode == "compare":
+      return comp, ins, None, None
+    sub = module.computations.get(ins.called()[0]) if ins.opcode == "fusion" else None
+    found = _compare(module, sub) if sub is not None else None
+    if found:
+      return comp, found[1], ins, sub
+  return None
+
+
 def trip_count(module: Module, while_instr: Instruction) -> Optional[int]:
-  """Trip count of a while loop: XLA's known_trip_count, else the `i < N` condition pattern."""
+  """Trip count of a while loop: XLA's known_trip_count, else the `i < N` condition pattern (start and step from
+  known_init_step, else from the loop's initial tuple and the body's increment: :func:`_induction`)."""
   bc = while_instr.backend_config
   n = bc.get("known_trip_count", {}).get("n")
   if n is not None:
     return int(n)
   cond = module.computations.get(while_instr.attrs.get("condition", "").lstrip("%"))
-  if cond is None:
-    return None
-  init = int(bc.get("known_init_step", {}).get("init", 0))
-  step = int(bc.get("known_init_step", {}).get("step", 1))
-  consts = {}
-
-  def const_of(comp, name):
-    ins = comp.by_name.get(name)
-    if ins is not None and ins.opcode == "constant":
-      try:
-        return int(float(ins.attrs["literal"]))
-      except ValueError:
-        return None
-    return None
-
-  def find_compare(comp):
-    for ins in comp.instructions:
-      if ins.opcode == "compare":
-        return comp, ins
-      if ins.opcode == "fusion":
-        sub = module.computations.get(ins.called()[0])
-        if sub is not None:
-          r = find_compare(sub)
-          if r:
-            # map fusion params back to the caller's operands
-            return comp, (ins, r[1], sub)
-    return None
-
-  found = find_compare(cond)
+  found = _compare(module, cond) if cond is not None else None
   if not found:
     return None
-  comp, what = found
-  if isinstance(what, tuple):  # compare inside a fusion: operand k of the compare is param p of the fusion
-    fus, cmp, sub = what
-    vals = []
-    for op in cmp.operands:
-      pi = sub.by_name.get(op)
-      if pi is not None and pi.opcode == "parameter":
-        vals.append(const_of(comp, fus.operands[int(pi.attrs["parameter_number"])]))
-      else:
-        vals.append(const_of(sub, op))
-    direction = re.search(r"direction=(\w+)", "direction=" + cmp.attrs.get("direction", "")).group(1)
-    counter = sub.by_name.get(cmp.operands[0]) if cmp.operands else None
-    if counter is not None and counter.opcode == "parameter":
-      counter = comp.by_name.get(fus.operands[int(counter.attrs["parameter_number"])])
-  else:
-    vals = [const_of(comp, op) for op in what.operands]
-    direction = what.attrs.get("direction", "")
-    counter = comp.by_name.get(what.operands[0]) if what.operands else None
-  del consts
+  comp, cmp, fus, sub = found
+  init = int(bc.get("known_init_step", {}).get("init", 0))
+  step = int(bc.get("known_init_step", {}).get("step", 1))
+  direction = re.search(r"(\w+)$", cmp.attrs.get("direction", "")).group(1)
+  if fus is None:
+    vals = [_const(comp, op) for op in cmp.operands]
+    counter = comp.by_name.get(cmp.operands[0]) if cmp.operands else None
+  else:  # compare inside a fusion: a parameter of the fusion stands for the caller's operand
+    outer = lambda op: (fus.operands[int(sub.by_name[op].attrs["parameter_number"])]  # noqa: E731
+                        if op in sub.by_name and sub.by_name[op].opcode == "parameter" else None)
+    vals = [_const(comp, outer(op)) if outer(op) else _const(sub, op) for op in cmp.operands]
+    counter = comp.by_name.get(outer(cmp.operands[0]) or "") if cmp.operands else None
   if "known_init_step" not in bc:
     init, step = _induction(module, while_instr, comp, counter, init, step)
-  limit = vals[1] if vals[1] is not None else None
+  limit = vals[1] if len(vals) > 1 else None
   if limit is None:
     return None
   if direction == "LT":
@@ -525,11 +511,6 @@ def _induction(module: Module, while_instr: Instruction, cond: Computation, coun
       step = c[0] if len(c) == 1 and c[0] > 0 else step
   caller = module.computations.get(while_instr.computation)
   tup = caller.by_name.get(while_instr.operands[0]) if caller is not None and while_instr.operands else None
-  if tup is not None and tup.opcode == "tuple" and k < len(tup.operands):
-    v = caller.by_name.get(tup.operands[k])
-    if v is not None and v.opcode == "constant":
-      try:
-        init = int(float(v.attrs["literal"]))
-      except ValueError:
-        pass
+  if tup is not None and tup.opcode == "tuple" and k < len(tup.operands) and _const(caller, tup.operands[k]) is not None:
+    init = _const(caller, tup.operands[k])
   return init, step
