@@ -355,7 +355,10 @@ def _multislice_mesh(cfg_mesh: MeshConfig, devices, num_slices: int) -> Mesh:
     raise TargetError(f"{num_slices} slices cannot split the outer mesh axes {cfg_mesh.sizes()}: make "
                       f"pipeline x data (the outermost axes) a multiple of {num_slices}")
   ici = [s // d for s, d in zip(shape, dcn)]
-  arr = mesh_utils.create_hybrid_device_mesh(ici, dcn, list(devices))
+  try:
+    arr = mesh_utils.create_hybrid_device_mesh(ici, dcn, list(devices))
+  except (NotImplementedError, ValueError):  # e.g. an axis of 8 on a 16x16x16 slice: split a physical axis
+    arr = mesh_utils.create_hybrid_device_mesh(ici, dcn, list(devices), allow_split_physical_axes=True)
   # Auto axes, like parallelism/mesh.py: Explicit axes reject the sharded gathers the step uses.
   return Mesh(arr, MESH_AXES, axis_types=(AxisType.Auto,) * len(MESH_AXES))
 
