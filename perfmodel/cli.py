@@ -115,7 +115,8 @@ def cmd_validate(a, overrides):
     from perfmodel.calib import published_validate  # noqa: PLC0415
     out = published_validate.run(csv=a.csv, limit=a.limit, ids=[x for x in (a.rows or "").split(",") if x] or None,
                                  png=a.png or os.path.join(tempfile.gettempdir(), "perfmodel_published.png"),
-                                 results=not a.no_results, backend=a.backend, log=_log)
+                                 results=not a.no_results, backend=a.backend, log=_log, reprice=a.reprice,
+                                 save_programs=a.save_programs)
     return _print(out)
   from perfmodel import program  # noqa: PLC0415
   _regime(a)
@@ -216,6 +217,10 @@ def _parser():
                        "chips) instead of measuring the suite on this host")
   va.add_argument("--csv", default=None, help="--published: the rows (default: shared/data/published_training.csv)")
   va.add_argument("--rows", default=None, help="--published: only these row ids (comma-separated)")
+  va.add_argument("--reprice", action="store_true",
+                  help="--published: price the committed programs (benchmarks/data/published_programs), no compile")
+  va.add_argument("--save-programs", action="store_true",
+                  help="--published: commit each row's compiled program to benchmarks/data/published_programs")
   va.add_argument("--no-results", action="store_true", help="do not append to benchmarks/RESULTS.md")
   va.add_argument("--limit", type=int, default=0, help="run only the first N configs (smoke)")
   va.add_argument("--measurements", default=None, nargs="+", metavar="FILE",

@@ -3,7 +3,8 @@
 :func:`train_step` returns :func:`perfmodel.program.target_train_step`'s capture, read from
 ``$PRISMLLM_CACHE/programs/`` when the same program was compiled before: the key hashes the config (every field
 that reaches the program), the hardware and topology, the versions of jax, jaxlib, libtpu and the CUDA plugin, and
-this repository's model, parallelism and framework sources, so a change to any of them compiles afresh. An entry is
+the framework and parallelism modules the step is built from (``_SOURCES``), so a change to any of them compiles
+afresh. An entry is
 the optimised HLO text (gzip) and the compiler's memory and timings; re-pricing a cached program parses its text
 (seconds) instead of compiling it (minutes for a TPU target on a shared 2-core host).
 """
@@ -32,7 +33,10 @@ from perfmodel.cost import collectives
 from perfmodel.cost.database import CACHE_ENV
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
-_SOURCES = ("framework", "parallelism")  # the code a compiled step is made of
+# the code a compiled step is made of (parallelism.step.build_step and what it imports; the GPU descriptions)
+_SOURCES = tuple(f"framework/{m}.py" for m in ("config", "model", "attention", "remat", "train_step", "optim")) + \
+    tuple(f"parallelism/{m}.py" for m in ("step", "jit_step", "shard_map_step", "compiled", "pipeline", "manual",
+                                          "rules", "mesh", "targets")) + ("parallelism/gpu_specs",)
 _PACKAGES = ("jax", "jaxlib", "libtpu", "jax-cuda12-plugin", "jax-cuda12-pjrt", "flax", "optax")
 
 
@@ -53,12 +57,12 @@ def _versions() -> dict:
 
 def _source_digest() -> str:
   h = hashlib.sha256()
-  for pkg in _SOURCES:
-    for dirpath, _, files in sorted(os.walk(os.path.join(ROOT, pkg))):
-      for f in sorted(files):
-        if f.endswith((".py", ".txtpb")):
-          with open(os.path.join(dirpath, f), "rb") as fh:
-            h.update(f.encode() + fh.read())
+  for rel in _SOURCES:
+    path = os.path.join(ROOT, rel)
+    files = sorted(os.path.join(path, f) for f in os.listdir(path)) if os.path.isdir(path) else [path]
+    for f in files:
+      with open(f, "rb") as fh:
+        h.update(os.path.basename(f).encode() + fh.read())
   return h.hexdigest()[:16]
 
 

@@ -131,7 +131,11 @@ def _terms(pred: dict) -> dict:
 
 
 def run(csv: Optional[str] = None, limit: int = 0, ids: Optional[list] = None, png: Optional[str] = None,
-        results: bool = True, backend: str = "auto", log=print) -> dict:
+        results: bool = True, backend: str = "auto", log=print, reprice: bool = False,
+        save_programs: bool = False) -> dict:
+  """``reprice``: price the committed programs (perfmodel/calib/published_programs.py) in this process, nothing
+  compiled; ``save_programs``: after each row, commit its compiled program there."""
+  from perfmodel.calib import published_programs as PP  # noqa: PLC0415 (loads jax: only a run needs it)
   rows = P.included(P.load(csv))
   if ids:
     unknown = sorted(set(ids) - {r.id for r in rows})
@@ -142,7 +146,10 @@ def run(csv: Optional[str] = None, limit: int = 0, ids: Optional[list] = None, p
     rows = rows[:limit]
   per, preds, t0 = [], {}, time.perf_counter()
   for i, r in enumerate(rows):
-    out = predict_row(r, backend)
+    ov, topology, notes = row_config(r)
+    out = dict(PP.reprice(r, ov, backend), mapping=notes) if reprice else predict_row(r, backend)
+    if save_programs and "error" not in out:
+      PP.export(r, ov, topology)
     rec = {"id": r.id, "chip": r.hardware, "precision": r.precision, "source": r.source_key,
            "measured_s": r.measured_step_s, "n_chips": r.n_chips, "mapping": out.get("mapping", [])}
     if "error" in out:
@@ -154,13 +161,14 @@ def run(csv: Optional[str] = None, limit: int = 0, ids: Optional[list] = None, p
                  mfu=out.get("mfu"), peak_memory_bytes=out.get("peak_memory_bytes"),
                  fits_in_memory=out.get("fits_in_memory"), capacity_bytes=None, route=out.get("route"),
                  route_detail=out.get("route_detail"), compile_s=out.get("compile_s"),
-                 child_wall_s=out.get("child_wall_s"), terms=_terms(out), assumptions=out.get("assumptions"))
+                 child_wall_s=out.get("child_wall_s"), terms=_terms(out), assumptions=out.get("assumptions"),
+                 stale_program=out.get("stale"))
       log(f"[{i + 1}/{len(rows)}] {r.id}: predicted {out['step_time_s']:.3f} s, published {r.measured_step_s:.3f} s "
           f"({rec['err_pct']:+.1f}%), peak {out.get('peak_memory_bytes', 0) / 2**30:.1f} GiB, "
           f"{rec['child_wall_s']:.0f} s")
     per.append(rec)
   return summarize(rows, per, preds, png=png, results=results, wall_s=time.perf_counter() - t0,
-                   command=_command_tail(csv, limit, ids, backend))
+                   command=_command_tail(csv, limit, ids, backend) + (" --reprice" if reprice else ""))
 
 
 def summarize(rows: list, per: list, preds: dict, png: Optional[str] = None, results: bool = False,
