@@ -16,6 +16,7 @@ REMAT_POLICIES = ("none", "full", "dots", "dots_no_batch", "minimal", "save_qkv_
                   "save_out_proj", "qkv_proj_offloaded", "minimal_offloaded")
 ATTENTION_KINDS = ("dense", "blockwise", "dot_product", "cudnn", "splash")
 MLP_KINDS = ("swiglu", "gelu", "relu")
+BLOCK_KINDS = ("sequential", "parallel")
 
 
 class ConfigError(ValueError):
@@ -33,6 +34,10 @@ class ModelConfig:
   ``mlp``: ``swiglu`` (Llama: ``w_down(silu(x w_gate) * x w_up)``, 3 matrices), ``gelu`` or ``relu``
   (GPT: ``w_down(act(x w_up))``, 2 matrices, no w_gate; gelu is the tanh approximation). ``d_ff=0`` picks
   the family's width: 8/3 * d_model rounded up to a multiple of 64 for swiglu, 4 * d_model otherwise.
+
+  ``block``: ``sequential`` (Llama: ``x + attn(norm(x))``, then ``+ mlp(norm(.))``, two norms per layer) or
+  ``parallel`` (PaLM / GPT-J, and MaxText's 2023 decoder layer: ``x + attn(norm(x)) + mlp(norm(x))``, one norm
+  whose output both branches read).
 
   ``attention``: the kernel of causal self-attention in training and prefill (framework/attention.py);
   every kind computes the same function, they differ in memory, speed and where they run.
@@ -69,6 +74,7 @@ class ModelConfig:
   head_dim: int = 0  # 0 -> d_model // n_heads; otherwise any positive even width
   d_ff: int = 0  # 0 -> swiglu: 8/3 * d_model rounded up to a multiple of 64; gelu/relu: 4 * d_model
   mlp: str = "swiglu"  # one of MLP_KINDS
+  block: str = "sequential"  # one of BLOCK_KINDS
   attention: str = "dense"  # one of ATTENTION_KINDS
   attention_block: int = 512  # keys per block (blockwise) / splash block size
   rope_theta: float = 10000.0
@@ -105,7 +111,7 @@ class ModelConfig:
   def n_params(self, embeddings: bool = True) -> int:
     """Exact parameter count of the model built from this config."""
     d, h, kv, hd, f = self.d_model, self.n_heads, self.n_kv_heads, self.hd, self.ff
-    per_layer = 2 * d + d * h * hd + 2 * d * kv * hd + h * hd * d + self.mlp_matrices * d * f
+    per_layer = (1 if self.block == "parallel" else 2) * d + d * h * hd + 2 * d * kv * hd + h * hd * d + self.mlp_matrices * d * f
     n = self.n_layers * per_layer + d
     if embeddings:
       n += self.vocab_size * d * (1 if self.tie_embeddings else 2)
@@ -331,7 +337,7 @@ def validate(cfg: Config, n_devices: int, n_processes: int = 1) -> Config:
 def validate_model(m: ModelConfig) -> None:
   """Checks of the model section alone (names, widths); :func:`validate` calls it."""
   for key, value, choices in (("remat", m.remat, REMAT_POLICIES), ("attention", m.attention, ATTENTION_KINDS),
-                              ("mlp", m.mlp, MLP_KINDS)):
+                              ("mlp", m.mlp, MLP_KINDS), ("block", m.block, BLOCK_KINDS)):
     if value not in choices:
       raise ConfigError(f"model.{key}={value!r}; choose one of {choices}")
   if m.head_dim < 0:

@@ -226,12 +226,16 @@ class MLP(_Base):
 
 
 class Block(_Base):
-  """One pre-norm decoder layer; signature fits ``nn.scan``: (carry, *scanned) -> (carry, out)."""
+  """One pre-norm decoder layer (``cfg.block``: sequential or parallel); signature fits ``nn.scan``:
+  (carry, *scanned) -> (carry, out)."""
 
   @nn.compact
   def __call__(self, x_BxTxD, pos_BxT, kv_cache, cache_index):
-    h, new_cache = Attention(self.cfg, self.ctx, name="attn")(
-        RMSNorm(self.cfg, self.ctx, name="attn_norm")(x_BxTxD), pos_BxT, kv_cache, cache_index)
+    normed_BxTxD = RMSNorm(self.cfg, self.ctx, name="attn_norm")(x_BxTxD)
+    h, new_cache = Attention(self.cfg, self.ctx, name="attn")(normed_BxTxD, pos_BxT, kv_cache, cache_index)
+    if self.cfg.block == "parallel":  # both branches read the one normed input; their outputs add
+      x_BxTxD = x_BxTxD + h + MLP(self.cfg, self.ctx, name="mlp")(normed_BxTxD)
+      return self.constrain(x_BxTxD, ("batch", "seq", "act_embed")), new_cache
     x_BxTxD = self.constrain(x_BxTxD + h, ("batch", "seq", "act_embed"))
     x_BxTxD = x_BxTxD + MLP(self.cfg, self.ctx, name="mlp")(RMSNorm(self.cfg, self.ctx, name="mlp_norm")(x_BxTxD))
     x_BxTxD = self.constrain(x_BxTxD, ("batch", "seq", "act_embed"))

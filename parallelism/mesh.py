@@ -17,8 +17,13 @@ def make_mesh(cfg: MeshConfig, devices: Optional[Sequence] = None) -> Mesh:
   devices = list(devices if devices is not None else jax.devices())
   cfg = resolve_mesh(cfg, len(devices))
   shape = tuple(getattr(cfg, a) for a in MESH_AXES)
-  try:
-    arr = jax.experimental.mesh_utils.create_device_mesh(shape, devices)
-  except Exception:  # noqa: BLE001 - virtual/odd topologies: plain order is fine
+  arr = None
+  for split in (False, True):  # TPU: an axis of 8 on a 16x16x16 slice splits a physical axis
+    try:
+      arr = jax.experimental.mesh_utils.create_device_mesh(shape, devices, allow_split_physical_axes=split)
+      break
+    except Exception:  # noqa: BLE001 - virtual/odd topologies: plain order is fine
+      continue
+  if arr is None:
     arr = np.asarray(devices).reshape(shape)
   return Mesh(arr, MESH_AXES, axis_types=(AxisType.Auto,) * len(MESH_AXES))

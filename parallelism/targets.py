@@ -34,6 +34,7 @@ fails with "Internal error when accessing libtpu multi-process lockfile".
 """
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 import functools
 import importlib
@@ -227,6 +228,40 @@ def gpu_target_config(hardware: str) -> str:
   return text
 
 
+def _compute_capability(hardware: str) -> tuple:
+  m = re.search(r"cuda_compute_capability\s*\{\s*major:\s*(\d+)\s*minor:\s*(\d+)", (SPECS / _GPUS[hardware]).read_text())
+  return (int(m.group(1)), int(m.group(2))) if m else (0, 0)
+
+
+@contextlib.contextmanager
+def trace_context(hardware: str):
+  """Tracing for a compile-only GPU: jax's cuDNN attention asks the *runtime* cuDNN library for its version and
+  the local GPU for its compute capability, neither of which exists here; inside this context they are answered
+  from the CUDA plugin's cuDNN build version and the target's description (the values the compiler is given,
+  :func:`gpu_target_config`). TPU targets and a host with a GPU need nothing."""
+  hardware = _check_hardware(hardware)
+  if hardware not in _GPUS or not _importable("jax_plugins.xla_cuda12"):
+    yield
+    return
+  from jax._src.cudnn import fused_attention_stablehlo as fa  # noqa: PLC0415 - jax's cuDNN attention
+  try:
+    from jax_cuda12_plugin import _versions  # noqa: PLC0415
+    version = int(_versions.cudnn_build_version())
+  except (ImportError, AttributeError, RuntimeError):
+    yield
+    return
+  cc = _compute_capability(hardware)
+  parse = lambda c: tuple(int(x) for x in c.split("."))  # noqa: E731
+  saved = (fa.check_cudnn_version, fa.check_compute_capability, fa.is_cuda_compute_capability_equal)
+  fa.check_cudnn_version = lambda: version
+  fa.check_compute_capability = lambda c: cc >= parse(c)
+  fa.is_cuda_compute_capability_equal = lambda c: cc == parse(c)
+  try:
+    yield
+  finally:
+    fa.check_cudnn_version, fa.check_compute_capability, fa.is_cuda_compute_capability_equal = saved
+
+
 @functools.lru_cache(maxsize=None)
 def _devices(target: Target) -> tuple:
   # Cached: jax keys compiled programs and shardings on device identity, and a second topology object
@@ -320,9 +355,20 @@ def _multislice_mesh(cfg_mesh: MeshConfig, devices, num_slices: int) -> Mesh:
     raise TargetError(f"{num_slices} slices cannot split the outer mesh axes {cfg_mesh.sizes()}: make "
                       f"pipeline x data (the outermost axes) a multiple of {num_slices}")
   ici = [s // d for s, d in zip(shape, dcn)]
-  arr = mesh_utils.create_hybrid_device_mesh(ici, dcn, list(devices))
+  try:
+    arr = mesh_utils.create_hybrid_device_mesh(ici, dcn, list(devices))
+  except (NotImplementedError, ValueError):  # e.g. an axis of 8 on a 16x16x16 slice: split a physical axis
+    arr = mesh_utils.create_hybrid_device_mesh(ici, dcn, list(devices), allow_split_physical_axes=True)
   # Auto axes, like parallelism/mesh.py: Explicit axes reject the sharded gathers the step uses.
   return Mesh(arr, MESH_AXES, axis_types=(AxisType.Auto,) * len(MESH_AXES))
+
+
+def wraparound(hardware: str, shape: tuple) -> tuple:
+  """Which axes of a TPU slice close into rings. v4 / v5p: axes of whole 4x4x4 cubes (a multiple of 4) wrap;
+  v5e / v6e: only the full 16 of a 16x16 slice (Cloud TPU system-architecture pages; jax-ml/scaling-book
+  @0819a7d tpus.md: 'wraparounds only for the full pod/cube')."""
+  gen = _TPUS[_check_hardware(hardware)]
+  return tuple((s % 4 == 0) if gen.rank == 3 else (s == 16) for s in shape)
 
 
 def compiled_memory(compiled) -> dict:

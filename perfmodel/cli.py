@@ -8,7 +8,9 @@ from __future__ import annotations
 import argparse
 import json
 import math
+import os
 import sys
+import tempfile
 
 from framework.config import MESH_AXES, validate
 from framework.config_file import load
@@ -40,19 +42,19 @@ def _log(msg):
 
 def cmd_predict(a, overrides):
   cfg, n = _load_cfg(a.config, overrides, a.mesh, a.devices)
-  from perfmodel import predict, program  # noqa: PLC0415 (after the config: nothing has touched jax yet)
-  route = predict.resolve_method(n, a.mode, a.method)
+  from perfmodel import hardware, predict, program  # noqa: PLC0415 (after the config: nothing has touched jax yet)
+  hw = hardware.load(a.hardware)
+  route = predict.resolve_method(n, a.mode, a.method, hw)
   if route == "compile":
     program.ensure_devices(n if a.mode == "train" else 1)
-  from perfmodel import hardware  # noqa: PLC0415
-  hw = hardware.load(a.hardware)
   cap = None
   if route == "compile":
     cap = (program.sampler(cfg, a.batch, a.prompt_len, a.gen_len) if a.mode == "infer"
            else program.train_step(cfg))
     _profile(a, cap, hw)
   p = predict.predict(cfg, hw, mode=a.mode, method=a.method, backend=a.backend, batch=a.batch,
-                      prompt_len=a.prompt_len, gen_len=a.gen_len, captured=cap)
+                      prompt_len=a.prompt_len, gen_len=a.gen_len, captured=cap, topology=a.topology,
+                      compile_budget_s=None if a.compile_budget == "full" else float(a.compile_budget))
   _print(p.to_dict())
 
 
@@ -109,11 +111,18 @@ def cmd_calibrate(a, overrides):
 
 
 def cmd_validate(a, overrides):
+  if a.published:
+    from perfmodel.calib import published_validate  # noqa: PLC0415
+    out = published_validate.run(csv=a.csv, limit=a.limit, ids=[x for x in (a.rows or "").split(",") if x] or None,
+                                 png=a.png or os.path.join(tempfile.gettempdir(), "perfmodel_published.png"),
+                                 results=not a.no_results, backend=a.backend, log=_log, reprice=a.reprice,
+                                 save_programs=a.save_programs)
+    return _print(out)
   from perfmodel import program  # noqa: PLC0415
   _regime(a)
   program.ensure_devices(VALIDATE_DEVICES)
   from perfmodel.calib import validate  # noqa: PLC0415
-  _print(validate.run(a.suite, reps=a.reps, backend=a.backend, png=a.png, results=not a.no_results,
+  _print(validate.run(a.suite, reps=a.reps, backend=a.backend, png=a.png or "benchmarks/perfmodel_validate.png", results=not a.no_results,
                       limit=a.limit, measurements=a.measurements, hlo_cache=a.hlo_cache, isolate=not a.in_process,
                       rounds=a.rounds))
 
@@ -152,11 +161,19 @@ def _parser():
   pr.add_argument("--mesh", default="", help="e.g. data=2,tensor=4 (axes not named are 1)")
   pr.add_argument("--devices", type=int, default=0, help="device count when the mesh has a -1 axis")
   pr.add_argument("--mode", choices=("train", "infer"), default="train")
-  pr.add_argument("--method", choices=("auto", "compile", "rank_program", "analytic"), default="auto",
-                  help="auto: compile the real N-device program up to 512 devices, else the traced per-rank "
-                       "program (rank_program), else the analytic graph")
-  pr.add_argument("--backend", choices=("auto", "roofline", "calibrated", "profiled", "learned", "hybrid"),
-                  default="auto")
+  pr.add_argument("--method", choices=("auto", "target_compile", "compile", "rank_program", "analytic"),
+                  default="auto",
+                  help="auto: a TPU/GPU profile compiles the step for compile-only devices of that target "
+                       "(target_compile); the cpu profile compiles the real N-device program on host devices up to "
+                       "512 devices, else traces the per-rank program (rank_program), else the analytic graph")
+  pr.add_argument("--topology", default=None,
+                  help="target_compile: TPU slice shape (4x4x8; a multiple of it = slices) or GPU PxHxD")
+  pr.add_argument("--compile-budget", default="75", metavar="SECONDS|full",
+                  help="target_compile: after this many seconds, once XLA has written the optimised program, stop "
+                       "the compile and price that program, memory from its buffer assignment (default 75; 'full': "
+                       "always the finished executable and its memory_analysis)")
+  pr.add_argument("--backend", choices=("auto", "roofline", "calibrated", "efficiency", "profiled", "learned",
+                                        "hybrid"), default="auto")
   pr.add_argument("--profile-nodes", action="store_true",
                   help="time every compute instruction of this program alone on this host first (into the user's "
                        "cache; automatic when the backend resolves to profiled or hybrid)")
@@ -192,7 +209,18 @@ def _parser():
   va.add_argument("--suite", default=None, help="python file with SUITE = [...] (default: perfmodel/calib/suite.py)")
   va.add_argument("--reps", type=int, default=7)
   va.add_argument("--backend", default="auto")
-  va.add_argument("--png", default="benchmarks/perfmodel_validate.png")
+  va.add_argument("--png", default=None,
+                  help="default benchmarks/perfmodel_validate.png (--published: perfmodel_published.png in the "
+                       "temporary folder)")
+  va.add_argument("--published", action="store_true",
+                  help="predict every included bf16 / fp16 row of the published training runs (compiled for their "
+                       "chips) instead of measuring the suite on this host")
+  va.add_argument("--csv", default=None, help="--published: the rows (default: shared/data/published_training.csv)")
+  va.add_argument("--rows", default=None, help="--published: only these row ids (comma-separated)")
+  va.add_argument("--reprice", action="store_true",
+                  help="--published: price the committed programs (benchmarks/data/published_programs), no compile")
+  va.add_argument("--save-programs", action="store_true",
+                  help="--published: commit each row's compiled program to benchmarks/data/published_programs")
   va.add_argument("--no-results", action="store_true", help="do not append to benchmarks/RESULTS.md")
   va.add_argument("--limit", type=int, default=0, help="run only the first N configs (smoke)")
   va.add_argument("--measurements", default=None, nargs="+", metavar="FILE",

@@ -51,7 +51,10 @@ def analytic(cfg: Config) -> MemoryBreakdown:
   # Values saved for the backward pass per token per layer (elements), by remat policy.
   full = 6 * D + ((H + 2 * K) * E + H * E) / tp + 4 * F / tp + 2 * H * T / tp
   dots = ((H + 2 * K) * E + H * E) / tp + 2 * H * T / tp + 2 * F / tp + D
-  saved = {"none": full, "dots": dots, "dots_no_batch": dots, "full": D}[m.remat]
+  # MaxText's named policies keep the layer input plus their named outputs (offloaded ones: the input only)
+  qkv, mlp_in = (H + 2 * K) * E / tp, (m.mlp_matrices - 1) * F / tp
+  saved = {"none": full, "dots": dots, "dots_no_batch": dots, "full": D, "minimal": 3 * D + qkv + mlp_in,
+           "save_qkv_proj": D + qkv, "save_dot_except_mlp": 2 * D + qkv, "save_out_proj": 2 * D}.get(m.remat, D)
   layers_here = m.n_layers / mesh.pipeline
   act = tokens * ab * (saved * layers_here + (full if m.remat != "none" else 0))
   logits = tokens * m.vocab_size / tp * 4 * 3  # f32 logits, softmax and its gradient

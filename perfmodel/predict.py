@@ -30,7 +30,8 @@ import numpy as np
 
 from framework import flops as flops_lib
 from framework.config import Config
-from perfmodel import compose, memory, pipeline, program, timeline
+from parallelism import targets
+from perfmodel import compose, memory, pipeline, program, target, timeline
 from perfmodel.cost import chain as chain_lib
 from perfmodel.cost import collectives
 from perfmodel.graph import analytic, from_hlo, from_jaxpr
@@ -79,6 +80,7 @@ class Prediction:
   conditionals: Optional[dict] = None
   pipeline_bubble_fraction: Optional[float] = None
   notes: Optional[list] = None
+  assumptions: Optional[list] = None  # where the profile had no published number and the cost model assumed one
   compile_s: Optional[float] = None  # wall clock of the prediction itself, from here on
   trace_s: Optional[float] = None
   predict_s: Optional[float] = None
@@ -98,11 +100,19 @@ def n_devices(cfg: Config) -> int:
   return math.prod(cfg.mesh.sizes().values())
 
 
-def resolve_method(n: int, mode: str = "train", method: str = "auto") -> str:
-  """The route a prediction takes: inference always compiles its one-device sampler; training ``auto`` compiles up
-  to COMPILE_MAX_DEVICES and traces the rank's program (falling back to the analytic graph) above."""
+def is_target(hw: HardwareProfile) -> bool:
+  """Whether the compiler of ``hw`` is available here as compile-only devices (parallelism/targets.py)."""
+  return hw.name in targets.HARDWARE and hw.device_kind != "cpu"
+
+
+def resolve_method(n: int, mode: str = "train", method: str = "auto", hw: Optional[HardwareProfile] = None) -> str:
+  """The route a prediction takes: inference always compiles its one-device sampler; training ``auto`` compiles
+  for the target when ``hw`` is a TPU or GPU (``target_compile``), else on host devices up to COMPILE_MAX_DEVICES
+  and traces the rank's program (falling back to the analytic graph) above."""
   if mode == "infer":
     return "compile"
+  if method == "auto" and hw is not None and is_target(hw):
+    return "target_compile"
   if method == "auto":
     return "compile" if n <= COMPILE_MAX_DEVICES else "auto_large"
   return method
@@ -110,13 +120,22 @@ def resolve_method(n: int, mode: str = "train", method: str = "auto") -> str:
 
 def predict(cfg: Config, hardware: Union[str, HardwareProfile], mode: str = "train", method: str = "auto",
             backend: str = "auto", batch: int = 1, prompt_len: int = 32, gen_len: int = 32,
-            captured: Optional[program.Captured] = None) -> Prediction:
+            captured: Optional[program.Captured] = None, topology: Optional[str] = None,
+            compile_budget_s: Optional[float] = None) -> Prediction:
   """The one entry point. ``captured``: the compiled program when the caller has it already (the CLI compiles
-  first to profile its instructions; validate caches programs)."""
+  first to profile its instructions; validate caches programs). ``topology``: the target's slice / node shape
+  (``parallelism.targets.plan``), for ``target_compile``; ``compile_budget_s``: stop that compile after this many
+  seconds once the optimised program exists (perfmodel/target.py; None: compile to the end)."""
   hw = hardware if isinstance(hardware, HardwareProfile) else load_profile(hardware)
-  route = resolve_method(n_devices(cfg), mode, method)
+  route = resolve_method(n_devices(cfg), mode, method, hw)
   if mode == "infer":
     return _infer(cfg, hw, batch, prompt_len, gen_len, backend, captured)
+  if route == "target_compile":
+    if not is_target(hw):
+      raise ValueError(f"--method target_compile needs a TPU or GPU profile ({', '.join(targets.HARDWARE)}), "
+                       f"not {hw.name!r}")
+    cap = captured or target.train_step(cfg, hw.name, topology, budget_s=compile_budget_s)
+    return _train_compiled(cfg, hw, backend, cap, route)
   if route == "compile":
     return _train_compiled(cfg, hw, backend, captured)
   if route == "analytic":
@@ -204,12 +223,13 @@ def _schedule_train(g: ExecGraph, chain, hw: HardwareProfile, cfg: Config):
   return per_stage[worst], totals[worst] - per_stage[worst].makespan, info
 
 
-def _train_compiled(cfg: Config, hw: HardwareProfile, backend: str, captured) -> Prediction:
+def _train_compiled(cfg: Config, hw: HardwareProfile, backend: str, captured, route: str = "compile") -> Prediction:
   t0 = time.perf_counter()
   cap = captured or program.train_step(cfg)
   t1 = time.perf_counter()
   g = from_hlo.from_hlo_text(cap.hlo_text, cap.n_devices)
   chain = chain_lib.make_chain(hw, backend)
+  chain.placement = cap.placement
   tl, lockstep, cond_info = _schedule_train(g, chain, hw, cfg)
   scale = _host_factor(hw, cap.n_devices)
   comp = chain.composition()
@@ -223,10 +243,14 @@ def _train_compiled(cfg: Config, hw: HardwareProfile, backend: str, captured) ->
     scale = step / tl.makespan if tl.makespan else 1.0  # breakdown shares scaled to the composed step
   t2 = time.perf_counter()
   p = _base(cfg, hw, chain)
-  p.route = p.method = "compile"
+  p.route = p.method = route
+  p.route_detail = cap.route_detail or None
   p.n_devices, p.mesh, p.step_time_s = cap.n_devices, _mesh(cfg), step
   _train_rates(p, cfg, hw, 1 if hw.name == "cpu" else cap.n_devices)
   p.peak_memory_bytes, p.memory_analysis = cap.memory["peak_bytes"], cap.memory
+  if route == "target_compile":
+    p.fits_in_memory = cap.memory.get("needed", cap.memory["peak_bytes"]) <= hw.mem_bytes
+    p.assumptions = chain.assumptions or None
   p.memory_analytic = memory.analytic(cfg).to_dict()
   _graph_totals(p, g)
   p.xla_cost_analysis_flops = cap.cost_analysis.get("flops")

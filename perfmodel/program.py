@@ -34,6 +34,8 @@ from parallelism import pipeline as pp_lib
 from parallelism import rules as rules_lib
 from parallelism import shard_map_step as sms
 from parallelism import step as step_lib
+from parallelism import targets
+from perfmodel.cost import collectives
 
 
 def ensure_devices(n: int) -> None:
@@ -62,6 +64,8 @@ class Captured:
   compile_s: float
   jaxpr_eqns: int = 0
   compiled: object = None  # the jax Compiled object (runnable on the host when small)
+  placement: Any = None  # collectives.Placement of a target compile (None: host devices)
+  route_detail: str = ""  # how the program was obtained when it is not the config's own (perfmodel/target.py)
 
 
 def memory_of(compiled) -> dict:
@@ -100,6 +104,39 @@ def train_step(cfg: Config, keep_compiled: bool = False) -> Captured:
   return Captured(hlo_text=compiled.as_text(), memory=memory_of(compiled), cost_analysis=_cost(compiled),
                   n_devices=mesh.size, lower_s=t1 - t0, compile_s=t2 - t1,
                   compiled=(compiled, step) if keep_compiled else None)
+
+
+def target_train_step(cfg: Config, hardware: str, topology=None, keep_compiled: bool = False) -> Captured:
+  """Compiles the training step for the *target*: ``parallelism.step.build_step`` on a mesh of compile-only TPU or
+  GPU devices (``parallelism.targets.target_mesh``), traced under that mesh so platform-dependent choices (the
+  attention kernel, cuDNN) see the target's platform. Memory is the target compiler's
+  (``targets.compiled_memory``: ``peak_bytes`` = its ``peak``); ``placement`` locates every partition for the
+  collective model."""
+  mesh = targets.target_mesh(cfg.mesh, hardware, topology)
+  with targets.trace_context(hardware):
+    step = step_lib.build_step(cfg, mesh)
+    t0 = time.perf_counter()
+    lowered = step.lower()
+  t1 = time.perf_counter()
+  compiled = lowered.compile()
+  t2 = time.perf_counter()
+  mem = targets.compiled_memory(compiled)
+  memory = dict(mem, peak_bytes=mem["peak"], temp_size_in_bytes=mem["temp"])
+  return Captured(hlo_text=compiled.as_text(), memory=memory, cost_analysis=_cost(compiled), n_devices=mesh.size,
+                  lower_s=t1 - t0, compile_s=t2 - t1, compiled=(compiled, step) if keep_compiled else None,
+                  placement=placement(mesh, hardware, topology))
+
+
+def placement(mesh, hardware: str, topology=None) -> collectives.Placement:
+  """Partition id -> (slice or node, torus coordinates or index in the node) of a target mesh's devices (the
+  partition ids of a compiled SPMD program follow ``mesh.devices.flat``)."""
+  devs = list(mesh.devices.flat)
+  plan = targets.plan(hardware, len(devs), topology)
+  if not plan.is_tpu:
+    return collectives.Placement(tuple((d.process_index, d.id % targets.GPUS_PER_NODE) for d in devs))
+  shape = tuple(int(x) for x in plan.topology.split("x"))
+  coords = tuple((getattr(d, "slice_index", 0) or 0, *tuple(d.coords)[:len(shape)]) for d in devs)
+  return collectives.Placement(coords, shape, targets.wraparound(hardware, shape))
 
 
 def sampler(cfg: Config, batch: int, prompt_len: int, gen_len: int, keep_compiled: bool = False) -> Captured:

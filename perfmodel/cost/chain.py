@@ -13,7 +13,7 @@ from __future__ import annotations
 
 from perfmodel.cost import collectives, hybrid, learned
 from perfmodel.cost.database import Profiled
-from perfmodel.cost.physical import Calibrated, Priced, Roofline
+from perfmodel.cost.physical import Calibrated, Efficiency, Priced, Roofline
 from perfmodel.graph.nodes import Node
 from perfmodel.hardware import HardwareProfile
 
@@ -24,8 +24,10 @@ FITTED = ("learned", "profiled", "hybrid")  # the backends a calibration fits a 
 
 
 class Chain:
-  def __init__(self, backends: list, hw: HardwareProfile, algorithm: str = "auto"):
+  def __init__(self, backends: list, hw: HardwareProfile, algorithm: str = "auto", placement=None):
     self.backends, self.hw, self.algorithm = backends, hw, algorithm
+    self.placement = placement  # collectives.Placement of a program compiled for the target (None: by ids)
+    self.notes = set()  # assumptions the collective model made (where a profile has no curve)
 
   @property
   def names(self) -> list:
@@ -33,7 +35,7 @@ class Chain:
 
   def price(self, node: Node) -> Priced:
     if node.collective is not None:
-      c = collectives.node_cost(node.collective, self.hw, self.algorithm)
+      c = collectives.node_cost(node.collective, self.hw, self.algorithm, placement=self.placement, notes=self.notes)
       return Priced(c.seconds + self.hw.launch_overhead, f"collective:{c.algorithm}")
     if node.kind in ("wait", "loop"):
       return Priced(0.0, "none")
@@ -42,6 +44,14 @@ class Chain:
       if p is not None:
         return p
     return Priced(self.hw.launch_overhead, "launch-only")
+
+  @property
+  def assumptions(self) -> list:
+    """What the prices assumed where the profile has no published number (Efficiency and the collectives)."""
+    out = set(self.notes)
+    for b in self.backends:
+      out |= getattr(b, "assumptions", set())
+    return sorted(out)
 
   def composition(self):
     """The profile's fitted composition for this chain's first backend (None: the timeline's makespan is the
@@ -66,8 +76,9 @@ def resolve_backend(hw: HardwareProfile, backend: str = "auto") -> str:
 
 
 def make_chain(hw: HardwareProfile, backend: str = "auto", algorithm: str = "auto") -> Chain:
-  """backend: 'roofline' | 'calibrated' | 'profiled' | 'learned' | 'hybrid' | 'auto' (:func:`resolve_backend`;
-  where that keeps learned: learned -> profiled -> calibrated -> roofline, each where available)."""
+  """backend: 'roofline' | 'calibrated' | 'efficiency' | 'profiled' | 'learned' | 'hybrid' | 'auto'
+  (:func:`resolve_backend`; an accelerator profile: efficiency; where that keeps learned: learned -> profiled ->
+  calibrated -> roofline, each where available)."""
   backend = resolve_backend(hw, backend)
   has_samples = learned.Learned.available(hw)
   if backend in ("learned", "hybrid") and not has_samples:
@@ -78,6 +89,9 @@ def make_chain(hw: HardwareProfile, backend: str = "auto", algorithm: str = "aut
     return Chain([Roofline(hw)], hw, algorithm)
   if backend == "calibrated":
     return Chain([Calibrated(hw)], hw, algorithm)
+  if backend == "efficiency" or (backend == "auto" and not hw.calibrated and hw.device_kind != "cpu"
+                                 and not has_samples):
+    return Chain([Efficiency(hw)], hw, algorithm)
   if backend == "profiled":
     # what the profiler leaves out (in-place updates, ...) goes to the learned backend
     rest = [learned.Learned(hw)] if has_samples else []
@@ -86,8 +100,8 @@ def make_chain(hw: HardwareProfile, backend: str = "auto", algorithm: str = "aut
     # a node the database lacks, or of a class no sample has, is priced by the learned backend
     return Chain([hybrid.Hybrid(hw), learned.Learned(hw), Calibrated(hw)], hw, algorithm)
   if backend != "auto":
-    raise ValueError(f"unknown cost backend {backend!r}: choose roofline, calibrated, profiled, learned, hybrid "
-                     f"or auto")
+    raise ValueError(f"unknown cost backend {backend!r}: choose roofline, calibrated, efficiency, profiled, learned, "
+                     f"hybrid or auto")
   chain = [learned.Learned(hw)] if has_samples else []
   chain.append(Profiled(hw))
   if hw.calibrated:

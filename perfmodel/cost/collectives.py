@@ -119,6 +119,91 @@ def cost(kind: str, S: float, group: tuple, hw: HardwareProfile, algorithm: str 
   return CollectiveCost(t, "hierarchical", f"{inner.name}+{outer.name}")
 
 
+@dataclasses.dataclass(frozen=True)
+class Placement:
+  """Where a compiled program's partitions sit (perfmodel/program.py builds it from the compile-only devices):
+  per partition id, (domain, *position): the domain is the outer level's unit (TPU slice, GPU node), the position
+  the chip's torus coordinates (TPU; ``shape`` the slice's torus and ``wrap`` which of its axes close into rings)
+  or its index in the node (GPU; ``shape`` empty: a switch)."""
+  coords: tuple
+  shape: tuple = ()
+  wrap: tuple = ()
+
+
+# Link efficiency where a profile publishes no curve for a level: the datasheet rate (named in `assumptions`).
+ASSUMED_LINK_EFFICIENCY = 1.0
+FACTOR = {"all-reduce": lambda n: 2 * (n - 1) / n, "all-gather": lambda n: (n - 1) / n,
+          "reduce-scatter": lambda n: (n - 1) / n, "collective-broadcast": lambda n: (n - 1) / n}
+
+
+def _curve(hw: HardwareProfile, group: str, kind: str, level: LinkLevel):
+  c = (hw.efficiency or {}).get(group, {}).get(kind)
+  if not c or c.get("level", level.name) != level.name:
+    return None
+  scale = level.bandwidth if c.get("unit") == "busbw_fraction" else 1.0
+  return lambda S: interp_log(c["value"], S) * scale  # busbw, bytes/s
+
+
+def _inner_time(kind: str, S: float, members: list, hw: HardwareProfile, pl: Placement, notes: set) -> float:
+  """One domain's part of a collective: NVLink/switch from the published busbw curve of the kind (the sizes it
+  was measured at; alpha-beta elsewhere), a TPU torus as bidirectional rings on every axis the group spans
+  (one direction where the axis does not wrap), links at the published permute efficiency."""
+  n, lv = len(members), hw.links[0]
+  if n <= 1 or S <= 0:
+    return 0.0
+  if not pl.shape:  # switch
+    busbw = _curve(hw, "collectives", kind, lv)
+    if busbw is not None and kind in FACTOR:
+      return FACTOR[kind](n) * S / busbw(S)
+    notes.add(f"{kind} on {lv.name}: alpha-beta from the datasheet link rate (no published curve)")
+    return _flat(kind, S, n, lv, "auto")[0]
+  extents = [len({c[1 + a] for c in members}) for a in range(len(pl.shape))]
+  rings = [(e, 2 if pl.wrap[a] and e == pl.shape[a] else 1) for a, e in enumerate(extents) if e > 1]
+  permute = _curve(hw, "collectives", "collective-permute", lv)
+  if permute is not None:
+    eff = min(1.0, permute(S / n) / lv.bandwidth)
+  else:
+    eff = ASSUMED_LINK_EFFICIENCY
+    notes.add(f"{lv.name}: datasheet link rate x {ASSUMED_LINK_EFFICIENCY} (no published collective curve)")
+  bw = lv.bandwidth * eff * max(1, sum(d for _, d in rings))
+  hops = sum(e - 1 for e, _ in rings) * lv.latency
+  if kind in FACTOR:
+    return FACTOR[kind](n) * S / bw + hops * (2 if kind == "all-reduce" else 1)
+  if kind == "collective-permute":
+    return S / (lv.bandwidth * eff) + lv.latency
+  return all_to_all(S, n, bw * 4 / max(4, n), lv.latency)  # torus bisection ~ n/4 links of a ring
+
+
+def placed_cost(kind: str, S: float, group: tuple, hw: HardwareProfile, pl: Placement,
+                notes: Optional[set] = None) -> CollectiveCost:
+  """A collective of a program compiled for the target: the group's devices located by ``pl``. Inside one
+  domain :func:`_inner_time`; across domains (InfiniBand between nodes, DCN between TPU slices) hierarchical:
+  reduce-scatter inside each domain, the outer level's collective of S / devices-per-domain (alpha-beta at its
+  datasheet rate x the published outer busbw fraction where there is one), all-gather inside."""
+  notes = set() if notes is None else notes
+  members = [pl.coords[d] for d in group if d < len(pl.coords)]
+  doms = {}
+  for c in members:
+    doms.setdefault(c[0], []).append(c)
+  one = next(iter(doms.values()), [])
+  if len(doms) <= 1 or len(hw.links) < 2:
+    return CollectiveCost(_inner_time(kind, S, one, hw, pl, notes), "placed", hw.links[0].name)
+  outer, n_dom, per = hw.links[1], len(doms), len(one)
+  frac = _curve(hw, "collectives_outer", kind, outer)
+  out_lv = dataclasses.replace(outer, bandwidth=frac(S / per) if frac else outer.bandwidth)
+  if frac is None:
+    notes.add(f"{kind} on {outer.name}: alpha-beta from the datasheet rate (no published curve)")
+  if kind == "all-reduce":
+    t = 2 * _inner_time("reduce-scatter", S, one, hw, pl, notes) + _flat("all-reduce", S / per, n_dom, out_lv, "ring")[0]
+  elif kind in ("all-gather", "reduce-scatter"):
+    # each device exchanges its S / per with its peers of the other domains over its own NIC, then the domain
+    # gathers (or, reduce-scatter: the reverse) the whole S inside
+    t = _inner_time(kind, S, one, hw, pl, notes) + ring_all_gather(S / per, n_dom, out_lv.bandwidth, out_lv.latency)
+  else:
+    t = _flat(kind, S, len(members), out_lv, "auto")[0]
+  return CollectiveCost(t, "placed-hierarchical", f"{hw.links[0].name}+{outer.name}")
+
+
 def call_key(kind: str, sizes) -> str:
   """Key of one (possibly combined) call in ``HardwareProfile.collective_calls``."""
   return kind + "|" + ",".join(str(int(s)) for s in sizes)
@@ -154,8 +239,13 @@ def combined_cost(kind: str, sizes, group: tuple, hw: HardwareProfile, algorithm
                         first.algorithm, first.level)
 
 
-def node_cost(info, hw: HardwareProfile, algorithm: str = "auto", group: Optional[tuple] = None) -> CollectiveCost:
-  """Cost of a graph CollectiveInfo: its first group stands for all (SPMD groups are symmetric)."""
+def node_cost(info, hw: HardwareProfile, algorithm: str = "auto", group: Optional[tuple] = None,
+              placement: Optional[Placement] = None, notes: Optional[set] = None) -> CollectiveCost:
+  """Cost of a graph CollectiveInfo: its first group stands for all (SPMD groups are symmetric); with a
+  ``placement`` (a program compiled for the target) by :func:`placed_cost`."""
+  if placement is not None and group is None:
+    first = info.groups()[0] if info.groups() else tuple(range(info.group_size))
+    return placed_cost(info.kind, info.bytes, tuple(first), hw, placement, notes)
   if group is None:
     if info.kind == "collective-permute":
       pairs = info.groups()

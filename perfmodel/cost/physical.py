@@ -4,6 +4,11 @@
   * ``calibrated``  the profile's fitted efficiency curves: dots at the achieved FLOP/s of their size, other
                     fusions at the achieved streaming bandwidth of their size plus their element and
                     transcendental work (a CPU does not overlap compute with memory, so these add)
+  * ``efficiency``  an accelerator from its profile's published curves (hardware.py ``_efficiency_sources``):
+                    matrix work (dots, convolutions, attention kernels) at peak[dtype] x the matmul curve at the
+                    node's FLOPs, memory traffic at HBM bandwidth x the hbm curve at its bytes; a node costs the
+                    larger of the two (one kernel overlaps its loads with its math) plus the launch overhead;
+                    where a profile has no curve, :data:`ASSUMED` (listed in the prediction's ``assumptions``)
 Every backend returns a :class:`Priced` (seconds and which backend priced it) or None (cannot price the node).
 """
 from __future__ import annotations
@@ -67,3 +72,56 @@ class Calibrated:
       return 0.0
     bw = interp_log(self.hw.stream_curve, nbytes) or self.hw.mem_bandwidth
     return nbytes / bw
+
+
+# Efficiencies assumed where a profile publishes no curve; each prediction that used one says so.
+ASSUMED = {
+    "matmul": ("tpu_v5e", "no published size sweep for this chip: the TPU v5e XLA matmul fractions (jax Pallas TPU "
+                          "matmul guide, the profile's efficiency.matmul) stand in for every TPU generation"),
+    "hbm": (0.85, "no published streaming sweep for this chip: 0.85 of the datasheet HBM bandwidth, the middle of "
+                  "the BabelStream fractions published for A100, H100 and H200 (0.79-0.89, their profiles)"),
+}
+
+
+class Efficiency:
+  name = "efficiency"
+
+  def __init__(self, hw: HardwareProfile):
+    from perfmodel.hardware import load  # noqa: PLC0415 (the stand-in curve's profile, only when needed)
+    self.hw, self.assumptions = hw, set()
+    eff = hw.efficiency or {}
+    self.matmul = eff.get("matmul")
+    if self.matmul is None and hw.device_kind.startswith("TPU"):
+      self.matmul = load(ASSUMED["matmul"][0]).efficiency["matmul"]
+      self.assumptions.add("matmul efficiency: " + ASSUMED["matmul"][1])
+    self.hbm = eff.get("hbm")
+    self.matrix_dtype = "bf16" if hw.device_kind.startswith("TPU") else ("tf32" if "tf32" in hw.peak_flops else "f32")
+
+  def _rate(self, node: Node) -> float:
+    d = node.dot.in_dtype or node.dot.dtype
+    dtype = {"f32": self.matrix_dtype, "s8": "int8", "f8e5m2": "f8e4m3fn"}.get(d, d)
+    curve = self.matmul
+    if dtype.startswith("f8") and (self.hw.efficiency or {}).get("matmul_fp8"):
+      curve = self.hw.efficiency["matmul_fp8"]
+    frac = interp_log(curve["value"], max(node.flops, 1.0)) if curve else None
+    if frac is None:
+      frac = 1.0
+      self.assumptions.add("matmul efficiency: no curve, datasheet peak")
+    return self.hw.peak(dtype) * frac
+
+  def _bytes_time(self, nbytes: float) -> float:
+    if self.hbm is not None:
+      frac = interp_log(self.hbm["value"], max(nbytes, 1.0))
+    else:
+      frac = ASSUMED["hbm"][0]
+      self.assumptions.add("HBM efficiency: " + ASSUMED["hbm"][1])
+    return nbytes / (self.hw.mem_bandwidth * frac)
+
+  def price(self, node: Node) -> Optional[Priced]:
+    hw = self.hw
+    t_mem = self._bytes_time(node.bytes) if node.bytes > 0 else 0.0
+    if node.kind == "dot" and node.dot is not None and node.flops:
+      # the published matmul timings include the kernel's launch: no overhead added on top
+      return Priced(max(node.flops / self._rate(node), t_mem), self.name)
+    t_vec = node.flops / hw.peak("f32") + node.transcendentals / hw.trans_rate
+    return Priced(hw.launch_overhead + max(t_vec, t_mem), self.name)

@@ -129,9 +129,15 @@ def emulate(cfg: Config, ranks: Optional[Sequence[int]] = None, hardware: str = 
       runs[r] = measure.run_rank(prog, r, repeats=repeats, warmup=warmup, execute=execute, host_data=host_data,
                                  trace_nodes=trace_nodes and execute,
                                  before_step=shadows.step if shadows is not None else None)  # no-op unless lockstep
+  skipped = [r for r in to_run if execute and not runs[r].executed]
+  notes += [runs[r].not_run for r in skipped]
+  for r in skipped:
+    print(runs[r].not_run, file=sys.stderr, flush=True)
+  execute = execute and not skipped  # one rank too big for this host: every class priced, none timed
   branch_source = "counted (execution)" if execute else "none"
   if not execute and any(runs[r].n_cond_sites for r in to_run):
-    traces, extra = shrunk_branch_traces(cfg, to_run, {r: runs[r].n_cond_sites for r in to_run})
+    traces, extra = shrunk_branch_traces(cfg, [r for r in to_run if not runs[r].branch_trace],
+                                         {r: runs[r].n_cond_sites for r in to_run})
     notes += extra
     for r, tr in traces.items():
       runs[r].branch_trace = tr

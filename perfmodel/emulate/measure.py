@@ -47,6 +47,8 @@ class RankRun:
   host_data: bool = False
   step_cpu_s: list = dataclasses.field(default_factory=list)  # process CPU time of each timed step (all threads)
   node_times: Optional[dict] = None  # HLO instruction -> in-program seconds per execution (TraceMe), if traced
+  executed: bool = True  # False: compiled only (asked, or the rank does not fit this host: ``not_run``)
+  not_run: str = ""  # why a rank asked to run was only compiled
 
   @property
   def noise(self) -> float:
@@ -108,6 +110,19 @@ def _data_iterator(prog: rp.RankProgram, rank: int):
   return nxt
 
 
+MEMORY_MARGIN = 0.8  # a rank runs only if its bytes stay under this share of the host's available memory
+
+
+def host_fit(memory: dict, count: bool = True) -> tuple:
+  """(fits, bytes needed, bytes available): a rank's compiled peak (arguments, outputs and temporaries of its
+  step), plus one more copy of its state when its branches are counted first (``count_branches`` runs a copy),
+  against ``MEMORY_MARGIN`` x the memory the host has available now (psutil)."""
+  import psutil  # noqa: PLC0415 (a run asks the host; nothing else needs it)
+  need = memory["peak_bytes"] + (memory["argument_size_in_bytes"] if count else 0)
+  avail = psutil.virtual_memory().available
+  return need <= MEMORY_MARGIN * avail, need, avail
+
+
 def run_rank(prog: rp.RankProgram, rank: int, repeats: int = 5, warmup: int = 1, execute: bool = True,
              seed: int = 0, batch: Optional[tuple] = None, state=None, host_data: bool = True,
              count: bool = True, trace_nodes: bool = False, before_step=None) -> RankRun:
@@ -117,6 +132,14 @@ def run_rank(prog: rp.RankProgram, rank: int, repeats: int = 5, warmup: int = 1,
   node_times = None
   times, loss = [], float("nan")
   trace, n_conds = None, interp.n_conds
+  not_run = ""
+  if execute:
+    fits, need, avail = host_fit(memory_of(compiled), count)
+    if not fits:
+      execute = False
+      not_run = (f"rank {rank} needs {need / 2**30:.1f} GiB (compiled peak{' + a state copy' if count else ''}) "
+                 f"but the host has {avail / 2**30:.1f} GiB available ({MEMORY_MARGIN:.0%} usable): not run, its "
+                 f"compute priced from the compiled program with the target profile")
   if execute:
     state = state if state is not None else rp.random_state(prog, seed)
     inputs, targets = batch if batch is not None else rp.random_batch(prog, seed + 1)
@@ -158,4 +181,5 @@ def run_rank(prog: rp.RankProgram, rank: int, repeats: int = 5, warmup: int = 1,
                  compute_s=statistics.median(times) if times else float("nan"), memory=memory_of(compiled),
                  hlo_text=compiled.as_text(), records=list(interp.records), loss=loss,
                  device=str(jax.devices()[0].device_kind), branch_trace=trace, n_cond_sites=n_conds,
-                 host_data=bool(execute and host_data), step_cpu_s=cpu if execute else [], node_times=node_times)
+                 host_data=bool(execute and host_data), step_cpu_s=cpu if execute else [], node_times=node_times,
+                 executed=execute, not_run=not_run)

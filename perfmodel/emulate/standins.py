@@ -249,8 +249,9 @@ class Interpreter:
 
   # -------------------------------------------------------------- higher-order primitives
   def _hop_jit(self, eqn, invals):
-    closed = eqn.params["jaxpr"]
-    return self.eval(closed.jaxpr, closed.consts, *invals)
+    closed = eqn.params.get("jaxpr") or eqn.params.get("call_jaxpr")  # closed_call names it call_jaxpr
+    jaxpr, consts = (closed.jaxpr, closed.consts) if hasattr(closed, "consts") else (closed, ())
+    return self.eval(jaxpr, consts, *invals)
 
   _hop_pjit = _hop_jit
   _hop_closed_call = _hop_jit

@@ -13,6 +13,8 @@ import math
 import re
 from typing import Optional
 
+import numpy as np
+
 from perfmodel.graph import hlo_parse as hp
 from perfmodel.graph.nodes import (Attribution, CollectiveInfo, DotInfo, ExecGraph, Node, Region,
                                    mark_program_bytes)
@@ -23,6 +25,12 @@ TRANSCENDENTAL = {"exponential", "exp", "log", "tanh", "rsqrt", "sqrt", "logisti
                   "exponential-minus-one", "log-plus-one", "erf", "atan2", "cbrt", "tan"}
 NO_FLOP = FREE_OPS | {"broadcast", "reshape", "transpose", "copy", "slice", "dynamic-slice", "dynamic-update-slice",
                       "concatenate", "pad", "gather", "scatter", "reverse", "convert", "select"}
+# Asynchronous copies between memory spaces (TPU: HBM <-> on-chip memory, prefetches the scheduler overlaps with
+# compute); the HBM traffic is the bytes of the instructions that read or write the copied buffers.
+ASYNC_COPIES = ("copy-start", "copy-done")
+# custom-calls that allocate or annotate and do no work of their own (TPU)
+NO_WORK_CALLS = {"AllocateBuffer", "AssumeGatherIndicesInBound", "GatherScatterIndicesBitpacked", "Sharding",
+                 "SPMDFullToShardShape", "SPMDShardToFullShape", "MoveToHost", "MoveToDevice"}
 # Fingerprint suffixes: nodes that run at different speeds must not share a profiled-database entry. A dot XLA
 # emits itself ran about 2x slower than a library dot of the same m, n, k on this CPU, and a layout change that
 # moves the minor-most dimension 2-4.5x slower per byte than one that keeps it.
@@ -58,7 +66,108 @@ def _dot_info(ins: hp.Instruction, comp: hp.Computation) -> tuple:
   batch = math.prod(lhs_dims[d] for d in batch_d) if lhs_dims else 1
   m = math.prod(s for i, s in enumerate(lhs_dims) if i not in contract and i not in batch_d) if lhs_dims else 1
   n = max(1, out.elements // max(1, batch * m))
-  return 2.0 * out.elements * k, DotInfo(m=m, n=n, k=k, batch=batch, dtype=out.dtype)
+  return 2.0 * out.elements * k, DotInfo(m=m, n=n, k=k, batch=batch, dtype=out.dtype,
+                                         in_dtype=lhs.shapes[0].dtype if lhs is not None and lhs.shapes else "")
+
+
+def _window(text: str) -> list:
+  """Per spatial dimension of a convolution's ``window={size=.. stride=.. pad=.. lhs_dilate=.. rhs_dilate=..}``:
+  (size, stride, pad_lo, pad_hi, lhs_dilation, rhs_dilation)."""
+  fields = dict(re.findall(r"(\w+)=([\d_x\-]+)", text or ""))
+  size = [int(x) for x in fields.get("size", "").split("x") if x]
+  def per(key, default):
+    v = fields.get(key)
+    return [default] * len(size) if v is None else v.split("x")
+  pads = [tuple(int(y) for y in p.split("_")) for p in per("pad", "0_0")]
+  return [(size[d], int(per("stride", 1)[d]), pads[d][0], pads[d][1], int(per("lhs_dilate", 1)[d]),
+           int(per("rhs_dilate", 1)[d])) for d in range(len(size))]
+
+
+def _valid_taps(in_size: int, out_size: int, size: int, stride: int, lo: int, lhs_dil: int, rhs_dil: int) -> int:
+  """(output position, window tap) pairs of one spatial dimension whose input index is a real element (not
+  padding, not a hole of the base dilation): what HloCostAnalysis counts."""
+  o = np.arange(out_size)[:, None]
+  pos = o * stride + np.arange(size)[None, :] * rhs_dil - lo
+  return int(np.count_nonzero((pos >= 0) & (pos % lhs_dil == 0) & (pos // lhs_dil < in_size)))
+
+
+def conv_info(ins: hp.Instruction, comp: hp.Computation) -> tuple:
+  """(flops, DotInfo) of a convolution from its ``dim_labels`` and window: 2 x output batch x output features x
+  kernel input features x the valid (output position, window tap) pairs of every spatial dimension. XLA:TPU
+  emits its matmuls this way (a dot is a convolution without spatial dimensions)."""
+  lhs, rhs = (comp.by_name.get(o) for o in ins.operands[:2])
+  m = re.fullmatch(r"(\w+)_(\w+)->(\w+)", ins.attrs.get("dim_labels", ""))
+  out = ins.shapes[0]
+  if m is None or lhs is None or rhs is None or not lhs.shapes or not rhs.shapes:
+    return 2.0 * out.elements, None
+  ll, rl, ol = m.groups()
+  ld, rd, od = lhs.shapes[0].dims, rhs.shapes[0].dims, out.dims
+  taps = 1
+  for d, (size, stride, lo, _, ldil, rdil) in enumerate(_window(ins.attrs.get("window", ""))):
+    c = str(d)
+    taps *= _valid_taps(ld[ll.index(c)], od[ol.index(c)], size, stride, lo, ldil, rdil)
+  batch, feat, k_in = od[ol.index("b")], od[ol.index("f")], rd[rl.index("i")]
+  flops = 2.0 * batch * feat * k_in * taps
+  m_rows = max(1, out.elements // max(1, feat))
+  return flops, DotInfo(m=m_rows, n=feat, k=max(1, int(round(flops / (2.0 * m_rows * feat)))), batch=1,
+                        dtype=out.dtype, in_dtype=lhs.shapes[0].dtype)
+
+
+def _dnums_flops(lhs: tuple, rhs: tuple, dn: dict) -> float:
+  """2 x batch x m x n x k of a dot from its operand dims and (backend-config) dimension numbers."""
+  lc = [int(x) for x in dn.get("lhs_contracting_dimensions", [])]
+  lb = [int(x) for x in dn.get("lhs_batch_dimensions", [])]
+  rc = [int(x) for x in dn.get("rhs_contracting_dimensions", [])]
+  rb = [int(x) for x in dn.get("rhs_batch_dimensions", [])]
+  n = math.prod(d for i, d in enumerate(rhs) if i not in rc and i not in rb)
+  return 2.0 * math.prod(lhs) * n
+
+
+SPLASH_PRODUCTS = (("_fwd", 2), ("_dq", 3), ("_dkv", 4))  # QK^T, PV | QK^T, dP, dQ | QK^T, dP, dV, dK
+
+
+def tpu_kernel_flops(ins: hp.Instruction, shapes: list) -> float:
+  """Splash attention's Pallas kernels (jax.experimental.pallas.ops.tpu.splash_attention): the first two float
+  operands are q ([..., T, E], heads leading) and k ([..., S, E]); each product is 2 x q elements x S, over the
+  blocks a causal mask leaves: (n + 1) / 2n of n x n blocks of ``block_q`` (kernel metadata) queries. Other
+  Pallas kernels: 0 (priced by their bytes)."""
+  where = ins.name + " " + ins.op_name
+  products = next((k for tag, k in SPLASH_PRODUCTS if "splash" in where and tag in where), 0)
+  floats = [a.dims for a in shapes if a is not None and a.dtype in ("bf16", "f16", "f32") and len(a.dims) >= 3]
+  if not products or len(floats) < 2:
+    return 0.0
+  q, k = floats[0], floats[1]
+  block = re.search(r"block_q\w*\\?\"?:\s*(\d+)", ins.line)
+  n = max(1, q[-2] // int(block.group(1))) if block else 0
+  causal = (n + 1) / (2.0 * n) if n else 0.5
+  return 2.0 * products * math.prod(q) * k[-2] * causal
+
+
+def custom_call_flops(target: str, ins: hp.Instruction, comp: hp.Computation) -> tuple:
+  """(flops, DotInfo or None) of the library calls that do matrix work, from their operand shapes and backend
+  config: cuBLAS gemms; cuDNN fused attention (forward: QK^T and PV over the score tensor, 2 x 2 x scores x
+  head_dim; backward: 5 such products; a causal mask skips the masked half of the tiles); TPU Pallas kernels
+  (:func:`tpu_kernel_flops`). Anything else does no counted work (0, None)."""
+  ops = [comp.by_name.get(o) for o in ins.operands]
+  shapes = [o.shapes[0] if o is not None and o.shapes else None for o in ops]
+  dims = [a.dims if a is not None else () for a in shapes]
+  dtype = ops[0].shapes[0].dtype if ops and ops[0] is not None and ops[0].shapes else "bf16"
+  bc = ins.backend_config
+  flops = 0.0
+  if target.startswith("__cublas") and len(dims) >= 2:
+    flops = _dnums_flops(dims[0], dims[1], bc.get("gemm_backend_config", {}).get("dot_dimension_numbers", {}))
+  elif target.startswith("__cudnn$fmha"):
+    fb = bc.get("cudnn_fmha_backend_config", {})
+    scores = math.prod(int(d) for d in fb.get("intermediate_tensor_shape", {}).get("dimensions", []))
+    contract = [int(x) for x in fb.get("bmm1_dot_dimension_numbers", {}).get("lhs_contracting_dimensions", [])]
+    head = math.prod(dims[0][d] for d in contract) if dims and contract else (dims[0][-1] if dims and dims[0] else 1)
+    products = 5 if "Backward" in target else 2
+    flops = 2.0 * products * scores * head * (0.5 if "CAUSAL" in str(fb.get("mask_type", "")) else 1.0)
+  elif target == "tpu_custom_call":
+    flops = tpu_kernel_flops(ins, shapes)
+  if not flops:
+    return 0.0, None
+  return flops, DotInfo(m=1, n=1, k=1, batch=1, dtype=ins.shapes[0].dtype if ins.shapes else dtype, in_dtype=dtype)
 
 
 def computation_flops(module: hp.Module, comp: hp.Computation) -> tuple:
@@ -71,10 +180,9 @@ def computation_flops(module: hp.Module, comp: hp.Computation) -> tuple:
       flops += f
       dot = dot or d
     elif op == "convolution":
-      lhs = comp.by_name.get(ins.operands[1]) if len(ins.operands) > 1 else None
-      kern = lhs.shapes[0].elements if lhs is not None and lhs.shapes else 1
-      out_feat = ins.shapes[0].dims[-1] if ins.shapes[0].dims else 1
-      flops += 2.0 * ins.shapes[0].elements * kern / max(1, out_feat)
+      f, d = conv_info(ins, comp)
+      flops += f
+      dot = dot or d
     elif op in ("fusion", "call", "map"):
       for c in ins.called():
         if c in module.computations:
@@ -222,6 +330,8 @@ class _Builder:
 
   def make_node(self, ins, comp, deps, starts) -> Optional[Node]:
     m, op = self.module, ins.opcode
+    if op in ASYNC_COPIES:
+      return None
     attr = _attribution(ins, m)
     role = hp.async_role(op)
     kind = hp.collective_kind(op)
@@ -282,10 +392,15 @@ class _Builder:
       nbytes = _operand_read_bytes(m, ins, comp) + _write_bytes(m, ins)
     elif op == "custom-call":
       target = re.sub(r'"', "", ins.attrs.get("custom_call_target", ""))
+      if target in NO_WORK_CALLS:
+        return None
       nbytes = sum(comp.by_name[o].out_bytes for o in ins.operands if o in comp.by_name) + ins.out_bytes
-      fkind = "dot" if any(t in target.lower() for t in ("gemm", "matmul", "onednn", "cublas")) else "other"
-      return Node(id=self.new_id(), name=ins.name, kind=fkind, opcode=f"custom-call:{target}", bytes=nbytes,
-                  out_bytes=ins.out_bytes, deps=deps, attribution=attr, fingerprint=f"cc|{target}")
+      flops, dot = custom_call_flops(target, ins, comp)
+      fkind = "dot" if dot is not None or any(t in target.lower() for t in ("gemm", "matmul", "onednn", "cublas")) \
+          else "other"
+      return Node(id=self.new_id(), name=ins.name, kind=fkind, opcode=f"custom-call:{target}", flops=flops,
+                  bytes=nbytes, out_bytes=ins.out_bytes, deps=deps, attribution=attr, dot=dot,
+                  fingerprint=f"cc|{target}")
     else:
       nbytes = sum(comp.by_name[o].out_bytes for o in ins.operands if o in comp.by_name) + ins.out_bytes
       if op in TRANSCENDENTAL:

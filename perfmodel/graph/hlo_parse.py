@@ -391,6 +391,7 @@ def parse_module(text: str) -> Module:
   mname = re.match(r"HloModule\s+([\w.\-]+)", header)
   nparts = re.search(r"num_partitions=(\d+)", header)
   nreps = re.search(r"replica_count=(\d+)", header)
+  pending = []  # one instruction's lines: TPU prints some attributes (kernel_metadata) over several lines
   for raw in text.splitlines():
     line = raw.rstrip()
     if cur is None:
@@ -400,6 +401,10 @@ def parse_module(text: str) -> Module:
         cur_entry = bool(m.group(1) or m.group(3))
         cur_name = m.group(2) or m.group(4)
       continue
+    if line.strip() == "}" or (line.strip() and _INSTR.match(line)):
+      if pending:
+        cur.append(parse_instruction(" ".join(pending), cur_name))
+        pending = []
     if line.strip() == "}":
       comps[cur_name] = Computation(cur_name, cur, is_entry=cur_entry, header=cur_header)
       if cur_entry:
@@ -407,7 +412,7 @@ def parse_module(text: str) -> Module:
       cur = None
       continue
     if line.strip():
-      cur.append(parse_instruction(line, cur_name))
+      pending.append(line)
   if entry is None:
     raise ValueError("no ENTRY computation found: pass the text of compiled.as_text() (a whole HLO module)")
   mod = Module(name=mname.group(1) if mname else "module", computations=comps, entry=entry,
@@ -433,60 +438,52 @@ def async_role(opcode: str) -> Optional[str]:
   return None
 
 
+def _const(comp: Computation, name: str) -> Optional[int]:
+  ins = comp.by_name.get(name)
+  try:
+    return int(float(ins.attrs["literal"])) if ins is not None and ins.opcode == "constant" else None
+  except ValueError:
+    return None
+
+
+def _compare(module: Module, comp: Computation):
+  """(the computation holding the loop condition's compare, compare, enclosing fusion or None, fusion body)."""
+  for ins in comp.instructions:
+    if ins.opcode == "compare":
+      return comp, ins, None, None
+    sub = module.computations.get(ins.called()[0]) if ins.opcode == "fusion" else None
+    found = _compare(module, sub) if sub is not None else None
+    if found:
+      return comp, found[1], ins, sub
+  return None
+
+
 def trip_count(module: Module, while_instr: Instruction) -> Optional[int]:
-  """Trip count of a while loop: XLA's known_trip_count, else the `i < N` condition pattern."""
+  """Trip count of a while loop: XLA's known_trip_count, else the `i < N` condition pattern (start and step from
+  known_init_step, else from the loop's initial tuple and the body's increment: :func:`_induction`)."""
   bc = while_instr.backend_config
   n = bc.get("known_trip_count", {}).get("n")
   if n is not None:
     return int(n)
   cond = module.computations.get(while_instr.attrs.get("condition", "").lstrip("%"))
-  if cond is None:
-    return None
-  init = int(bc.get("known_init_step", {}).get("init", 0))
-  step = int(bc.get("known_init_step", {}).get("step", 1))
-  consts = {}
-
-  def const_of(comp, name):
-    ins = comp.by_name.get(name)
-    if ins is not None and ins.opcode == "constant":
-      try:
-        return int(float(ins.attrs["literal"]))
-      except ValueError:
-        return None
-    return None
-
-  def find_compare(comp):
-    for ins in comp.instructions:
-      if ins.opcode == "compare":
-        return comp, ins
-      if ins.opcode == "fusion":
-        sub = module.computations.get(ins.called()[0])
-        if sub is not None:
-          r = find_compare(sub)
-          if r:
-            # map fusion params back to the caller's operands
-            return comp, (ins, r[1], sub)
-    return None
-
-  found = find_compare(cond)
+  found = _compare(module, cond) if cond is not None else None
   if not found:
     return None
-  comp, what = found
-  if isinstance(what, tuple):  # compare inside a fusion: operand k of the compare is param p of the fusion
-    fus, cmp, sub = what
-    vals = []
-    for op in cmp.operands:
-      pi = sub.by_name.get(op)
-      if pi is not None and pi.opcode == "parameter":
-        vals.append(const_of(comp, fus.operands[int(pi.attrs["parameter_number"])]))
-      else:
-        vals.append(const_of(sub, op))
-    direction = re.search(r"direction=(\w+)", "direction=" + cmp.attrs.get("direction", "")).group(1)
-  else:
-    vals = [const_of(comp, op) for op in what.operands]
-    direction = what.attrs.get("direction", "")
-  del consts
-  limit = vals[1] if vals[1] is not None else None
+  comp, cmp, fus, sub = found
+  init = int(bc.get("known_init_step", {}).get("init", 0))
+  step = int(bc.get("known_init_step", {}).get("step", 1))
+  direction = re.search(r"(\w+)$", cmp.attrs.get("direction", "")).group(1)
+  if fus is None:
+    vals = [_const(comp, op) for op in cmp.operands]
+    counter = comp.by_name.get(cmp.operands[0]) if cmp.operands else None
+  else:  # compare inside a fusion: a parameter of the fusion stands for the caller's operand
+    outer = lambda op: (fus.operands[int(sub.by_name[op].attrs["parameter_number"])]  # noqa: E731
+                        if op in sub.by_name and sub.by_name[op].opcode == "parameter" else None)
+    vals = [_const(comp, outer(op)) if outer(op) else _const(sub, op) for op in cmp.operands]
+    counter = comp.by_name.get(outer(cmp.operands[0]) or "") if cmp.operands else None
+  if "known_init_step" not in bc:
+    init, step = _induction(module, while_instr, comp, counter, init, step)
+  limit = vals[1] if len(vals) > 1 else None
   if limit is None:
     return None
   if direction == "LT":
@@ -494,3 +491,26 @@ def trip_count(module: Module, while_instr: Instruction) -> Optional[int]:
   if direction == "LE":
     return max(0, math.floor((limit - init) / step) + 1)
   return None
+
+
+def _induction(module: Module, while_instr: Instruction, cond: Computation, counter: Optional[Instruction],
+               init: int, step: int) -> tuple:
+  """(init, step) of a loop counter the condition reads as tuple element k: its value in the while's initial
+  tuple, and the constant the body adds to it (XLA:TPU's unrolled windowed-einsum loops step by 2)."""
+  while counter is not None and counter.opcode in ("copy", "bitcast", "convert"):
+    counter = cond.by_name.get(counter.operands[0])
+  if counter is None or counter.opcode != "get-tuple-element":
+    return init, step
+  k = int(counter.attrs.get("index", -1))
+  body = module.computations.get(while_instr.attrs.get("body", "").lstrip("%"))
+  if body is not None and body.root.opcode == "tuple" and k < len(body.root.operands):
+    upd = body.by_name.get(body.root.operands[k])
+    if upd is not None and upd.opcode == "add":
+      consts = [body.by_name.get(o) for o in upd.operands]
+      c = [int(float(x.attrs["literal"])) for x in consts if x is not None and x.opcode == "constant"]
+      step = c[0] if len(c) == 1 and c[0] > 0 else step
+  caller = module.computations.get(while_instr.computation)
+  tup = caller.by_name.get(while_instr.operands[0]) if caller is not None and while_instr.operands else None
+  if tup is not None and tup.opcode == "tuple" and k < len(tup.operands) and _const(caller, tup.operands[k]) is not None:
+    init = _const(caller, tup.operands[k])
+  return init, step

@@ -58,7 +58,8 @@ class DotInfo:
   n: int
   k: int
   batch: int
-  dtype: str
+  dtype: str  # the result's
+  in_dtype: str = ""  # the operands' (what the matrix unit runs at: a bf16 x bf16 dot may write f32)
 
 
 @dataclasses.dataclass(frozen=True)

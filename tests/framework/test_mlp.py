@@ -25,6 +25,7 @@ VARIANTS = {
     "gelu_tied": dict(mlp="gelu", tie_embeddings=True),
     "relu_head_dim_32_mqa": dict(mlp="relu", head_dim=32, n_kv_heads=1),
     "gelu_default_width_unscanned": dict(mlp="gelu", d_ff=0, scan_layers=False),
+    "relu_parallel_block_tied": dict(mlp="relu", block="parallel", tie_embeddings=True),
 }
 
 
@@ -33,7 +34,7 @@ def test_parameter_count_is_exact(variant):
   cfg = dataclasses.replace(BASE, **VARIANTS[variant])
   leaves = jax.tree.leaves(_params(cfg))
   assert sum(math.prod(x.shape) for x in leaves) == cfg.n_params()
-  norms = (2 * cfg.n_layers + 1) * cfg.d_model
+  norms = ((1 if cfg.block == "parallel" else 2) * cfg.n_layers + 1) * cfg.d_model
   # a tied head multiplies by the embedding table: a matmul for FLOPs, not a separate parameter
   tied_head = cfg.d_model * cfg.vocab_size if cfg.tie_embeddings else 0
   assert cfg.n_params(embeddings=False) + tied_head == flops.matmul_params(cfg) + norms
@@ -81,3 +82,17 @@ def test_head_dim_independent_of_d_model():
   # causality holds at this width too: changing the last token leaves earlier logits alone
   logits2 = jax.jit(lambda p: model.apply({"params": p}, tokens.at[0, -1].set(7)))(params)
   np.testing.assert_array_equal(logits[0, :-1], logits2[0, :-1])
+
+
+def test_parallel_block_adds_both_branches_of_one_norm():
+  cfg = dataclasses.replace(BASE, block="parallel")
+  block = model_lib.Block(cfg)
+  x = jax.random.normal(jax.random.key(0), (2, 5, cfg.d_model))
+  pos = jnp.broadcast_to(jnp.arange(5), (2, 5))
+  p = nn.unbox(block.init(jax.random.key(1), x, pos, None, None)["params"])
+  assert "mlp_norm" not in p
+  got, _ = block.apply({"params": p}, x, pos, None, None)
+  normed = model_lib.RMSNorm(cfg).apply({"params": p["attn_norm"]}, x)
+  attn, _ = model_lib.Attention(cfg).apply({"params": p["attn"]}, normed, pos)
+  mlp = model_lib.MLP(cfg).apply({"params": p["mlp"]}, normed)
+  np.testing.assert_allclose(np.asarray(got), np.asarray(x + attn + mlp), rtol=1e-5, atol=1e-5)

@@ -194,3 +194,20 @@ def test_lockstep_shadow_idles_until_the_measured_rank_starts_a_step():
     assert _cpu_s(pid) - c1 >= 0.2, "the shadow did not run the steps it was given"
   res = emulator.emulate(cfg, repeats=2, warmup=1, colocated=2, lockstep_shadows=True)
   assert "lockstep" in res["interference"] and res["iteration_time_s"] > 0
+
+
+def test_a_rank_too_big_for_the_host_is_priced_not_run(monkeypatch, capsys):
+  """The host reports less available memory than the rank's compiled peak: the rank is compiled, not run (no
+  OOM kill), the emulation says so in one line and prices the step from the compiled program."""
+  import collections
+  import psutil
+  from perfmodel.emulate import emulator
+  Mem = collections.namedtuple("Mem", "available")
+  monkeypatch.setattr(psutil, "virtual_memory", lambda: Mem(available=1024))
+  cfg = _tiny({"data": 2})
+  res = emulator.emulate(cfg, repeats=1, warmup=0)
+  assert res["executed"] is False and res["iteration_time_s"] > 0
+  line = [n for n in res["notes"] if "not run" in n]
+  assert line and "GiB available" in line[0]
+  assert "not run" in capsys.readouterr().err
+  assert all(r["measured_standin_program_s"] is None for r in res["ranks"])

@@ -190,9 +190,13 @@ def test_waits_shift_what_follows_and_ranks_align_at_their_synchronising_events(
 
 def test_a_profile_may_carry_efficiency_curves_kept_as_written_with_their_sources():
   d = json.loads(open(os.path.join(hardware.PROFILE_DIR, "h100.json")).read())
-  d["efficiency"] = {"value": {"dot": {"value": [[1e9, 0.3], [1e12, 0.7]], "source": "vendor table"}},
-                     "source": "achieved fraction of peak"}
+  d["efficiency"] = {"matmul": {"value": [[1e9, 0.3], [1e12, 0.7]], "source": "vendor table", "dtype": "bf16"},
+                     "collectives": {"all-gather": {"value": [[1e6, 1e10]], "unit": "busbw", "source": "nccl-tests"}}}
   hw = hardware.from_dict(d)
-  assert hw.efficiency == {"dot": {"value": [[1e9, 0.3], [1e12, 0.7]], "source": "vendor table"}}
-  assert hw.sources["efficiency"] == "achieved fraction of peak" and hw.sources["efficiency.dot"] == "vendor table"
-  assert hardware.load("h100").efficiency == {}
+  assert hw.efficiency == d["efficiency"]
+  assert hw.sources["efficiency.matmul"] == "vendor table"
+  assert hw.sources["efficiency.collectives.all-gather"] == "nccl-tests"
+  # every published curve of the committed profiles names its source
+  for name in ("a100", "h100", "h200", "tpu_v5e", "tpu_v5p", "tpu_v6e"):
+    prof = hardware.load(name)
+    assert all(prof.sources[k] for k in prof.sources if k.startswith("efficiency.")), name
