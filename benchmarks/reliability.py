@@ -3,8 +3,9 @@
 Areas are registered in ``AREAS`` (name -> module). An area module provides ``load_cases()`` (a list of
 cases with ``name``, ``klass``, ``timeout_s``), ``Workspace(root)`` (the good files its cases corrupt),
 ``run_case(case, workspace)`` -> an outcome with ``kind`` in recovered | clear_error | unclear_error | crash |
-hang | silent and ``data_lost``, and ``summarise``. ondevice/faults.py is the ondevice area's (GGUF files,
-generation limits, plans, ring peers, export); other areas add their module here.
+hang | silent and ``data_lost``, and ``summarise``. ondevice/fault_suite.py is the ondevice area's (GGUF files,
+generation limits, plans, ring peers, export), resilience/fault_suite.py the resilience area's (config,
+checkpoints, hot swap); other areas add their module here.
 
 Every case runs in its own subprocess (``--run-one``) under a time limit, so a hang is caught and killed,
 and a crash cannot take the others down. Prints one JSON object (counts per area and in total, and every
@@ -24,7 +25,7 @@ import tempfile
 import time
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
-AREAS = {"ondevice": "ondevice.faults"}
+AREAS = {"ondevice": "ondevice.fault_suite", "resilience": "resilience.fault_suite"}
 COUNTS = ("bad_inputs_tried", "recovered", "clear_errors", "unclear_errors", "crashes", "hangs", "silent",
           "data_lost")
 

@@ -264,9 +264,3 @@ def summarise(results: dict) -> dict:
 def fresh_copy(src: str, dst: str) -> str:
   shutil.copyfile(src, dst)
   return dst
-
-
-def load_cases() -> list:
-  import ondevice.faults_cases  # noqa: F401  (registers the cases)
-  import ondevice.faults_run_cases  # noqa: F401  (registers the cases)
-  return CASES

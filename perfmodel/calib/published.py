@@ -37,6 +37,8 @@ import re
 from typing import Optional
 
 ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+# the config file a row's predict starts from, read as data: the row's overrides set every field that matters
+BASE_CONFIG = "experiments/configs/llama3_70b.py"
 DEFAULT_CSV = os.path.normpath(os.path.join(ROOT, "..", "shared", "data", "published_training.csv"))
 
 

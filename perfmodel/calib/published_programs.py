@@ -30,8 +30,7 @@ DIR = os.path.join(P.ROOT, "benchmarks", "data", "published_programs")
 
 def row_cfg(r: P.PublishedRun, overrides: list):
   """The config the predict child builds for the row: the base config file with the row's overrides."""
-  from perfmodel.calib.published_validate import BASE_CONFIG  # noqa: PLC0415 (one definition)
-  cfg = config_file.load(os.path.join(P.ROOT, BASE_CONFIG), overrides)
+  cfg = config_file.load(os.path.join(P.ROOT, P.BASE_CONFIG), overrides)
   return config_lib.validate(cfg, r.n_chips)
 
 

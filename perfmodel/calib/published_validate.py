@@ -37,7 +37,7 @@ from typing import Optional
 from perfmodel.calib import published as P
 
 ROOT = P.ROOT
-BASE_CONFIG = "experiments/configs/llama3_70b.py"  # read as data by the child; every field that matters is set
+BASE_CONFIG = P.BASE_CONFIG
 TIMEOUT_S = 3600
 
 

@@ -3,7 +3,7 @@ recovery that was checked or in one `error:` line naming a fix: no traceback, no
 benchmarks/reliability.py runs the same cases, each in its own process, and reports the counts."""
 import pytest
 
-from ondevice import faults
+from ondevice import fault_suite as faults
 
 CASES = faults.load_cases()
 
