@@ -41,7 +41,7 @@ from __future__ import annotations
 import dataclasses
 import functools
 import math
-from typing import Any, Optional, Sequence
+from typing import Optional, Sequence
 
 import flax.linen as nn
 import jax
