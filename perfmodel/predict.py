@@ -249,7 +249,8 @@ def _train_compiled(cfg: Config, hw: HardwareProfile, backend: str, captured, ro
   _train_rates(p, cfg, hw, 1 if hw.name == "cpu" else cap.n_devices)
   p.peak_memory_bytes, p.memory_analysis = cap.memory["peak_bytes"], cap.memory
   if route == "target_compile":
-    p.fits_in_memory = cap.memory.get("needed", cap.memory["peak_bytes"]) <= hw.mem_bytes
+    p.fits_in_memory = (cap.memory.get("needed", cap.memory["peak_bytes"]) <= hw.mem_bytes
+                        and "RESOURCE_EXHAUSTED" not in cap.memory.get("compile_error", ""))  # the compiler's word
     p.assumptions = chain.assumptions or None
   p.memory_analytic = memory.analytic(cfg).to_dict()
   _graph_totals(p, g)

@@ -187,27 +187,42 @@ def _compile_in_child(cfg: Config, hardware: str, topology, budget_s) -> program
     except BaseException:
       os.killpg(child.pid, signal.SIGKILL)
       raise
+  if early is None and child.returncode != 0 and os.path.isdir(dump):
+    early = _dumped(dump)  # the child may have failed between two polls, after writing the program
   try:
     if child.returncode == 0:
       with open(os.path.join(work, "result.json")) as f:
         d = json.load(f)
       detail = ""
     elif early is not None and os.path.exists(os.path.join(work, "placement.json")):
+      # stopped by the budget, or the compiler gave up after optimising (on TPU: the program does not fit HBM):
+      # either way the optimised program and its buffer assignment are complete
       with open(os.path.join(work, "placement.json")) as f:
         d = json.load(f)
       d.update(hlo_text=early[0], memory=buffer_memory(early[1]), cost_analysis={}, lower_s=0.0,
                compile_s=time.perf_counter() - t0)
-      detail = (f"compile stopped after {budget_s:.0f} s budget, once XLA had written the optimised program: "
-                f"priced from it; memory from its buffer assignment")
+      if budget_s is not None and child.returncode < 0:
+        detail = (f"compile stopped after {budget_s:.0f} s budget, once XLA had written the optimised program: "
+                  f"priced from it; memory from its buffer assignment")
+      else:
+        d["memory"]["compile_error"] = _last_error(work, child.returncode)
+        detail = (f"the compiler stopped after optimising ({d['memory']['compile_error'][:160]}): priced from the "
+                  f"optimised program; memory from its buffer assignment")
     else:
-      with open(os.path.join(work, "stderr")) as f:
-        last = [x for x in f.read().splitlines() if x.strip()][-1:] or [f"exit {child.returncode}"]
-      raise RuntimeError(f"compiling the step for {hardware} failed: {last[0][:400]}")
+      raise RuntimeError(f"compiling the step for {hardware} failed: {_last_error(work, child.returncode)}")
   finally:
     shutil.rmtree(work, ignore_errors=True)
   pl = d.pop("placement")
   return program.Captured(placement=collectives.Placement(tuple(tuple(c) for c in pl["coords"]), tuple(pl["shape"]),
                                                           tuple(pl["wrap"])), route_detail=detail, **d)
+
+
+def _last_error(work: str, returncode: int) -> str:
+  """The child's last error line (XLA's status message when there is one)."""
+  with open(os.path.join(work, "stderr")) as f:
+    lines = [x for x in f.read().splitlines() if x.strip()]
+  errs = [x for x in lines if re.search(r"(Error|RESOURCE_EXHAUSTED|INTERNAL|INVALID_ARGUMENT)", x)]
+  return ((errs or lines)[-1:] or [f"exit {returncode}"])[0][:400]
 
 
 def _child() -> None:
