@@ -186,7 +186,8 @@ def summarize(rows: list, per: list, preds: dict, png: Optional[str] = None, res
       cap.setdefault(rec["chip"], hardware.load(rec["chip"]).mem_bytes)
       rec["capacity_bytes"] = cap[rec["chip"]]
   violations = [{"id": e["id"], "peak_gib": e["peak_memory_bytes"] / 2**30, "capacity_gib": e["capacity_bytes"] / 2**30}
-                for e in per if e.get("peak_memory_bytes") and e["peak_memory_bytes"] > e["capacity_bytes"]]
+                for e in per if e.get("peak_memory_bytes") and (e["peak_memory_bytes"] > e["capacity_bytes"]
+                                                                or e.get("fits_in_memory") is False)]
   tpu = [e for e in per if e["chip"].startswith("tpu") and e.get("peak_memory_bytes") is not None]
   by_source_terms = {}
   for e in per:
