@@ -116,7 +116,7 @@ def cmd_validate(a, overrides):
     out = published_validate.run(csv=a.csv, limit=a.limit, ids=[x for x in (a.rows or "").split(",") if x] or None,
                                  png=a.png or os.path.join(tempfile.gettempdir(), "perfmodel_published.png"),
                                  results=not a.no_results, backend=a.backend, log=_log, reprice=a.reprice,
-                                 save_programs=a.save_programs)
+                                 save_programs=a.save_programs, compile_budget=a.compile_budget)
     return _print(out)
   from perfmodel import program  # noqa: PLC0415
   _regime(a)
@@ -221,6 +221,9 @@ def _parser():
                   help="--published: price the committed programs (benchmarks/data/published_programs), no compile")
   va.add_argument("--save-programs", action="store_true",
                   help="--published: commit each row's compiled program to benchmarks/data/published_programs")
+  va.add_argument("--compile-budget", default="75", metavar="SECONDS|full",
+                  help="--published: each row's predict --compile-budget (default 75, as predict: the programs a "
+                       "user's predict prices; 'full': finished executables, minutes per TPU row)")
   va.add_argument("--no-results", action="store_true", help="do not append to benchmarks/RESULTS.md")
   va.add_argument("--limit", type=int, default=0, help="run only the first N configs (smoke)")
   va.add_argument("--measurements", default=None, nargs="+", metavar="FILE",

@@ -98,11 +98,13 @@ def row_config(r: P.PublishedRun) -> tuple:
   return ov, topology, notes
 
 
-def predict_row(r: P.PublishedRun, backend: str = "auto", timeout_s: float = TIMEOUT_S) -> dict:
+def predict_row(r: P.PublishedRun, backend: str = "auto", timeout_s: float = TIMEOUT_S,
+                compile_budget: str = "75") -> dict:
   """The row's Prediction (JSON) from a ``python -m perfmodel predict`` child, or {'error': ...}."""
   ov, topology, notes = row_config(r)
   argv = [sys.executable, "-m", "perfmodel", "predict", "--config", BASE_CONFIG, "--hardware", r.hardware,
-          "--backend", backend, "--compile-budget", "full"] + (["--topology", topology] if topology else []) + ov
+          "--backend", backend, "--compile-budget", str(compile_budget)]
+  argv += (["--topology", topology] if topology else []) + ov
   env = dict(os.environ)
   env["PYTHONPATH"] = ROOT + os.pathsep + env.get("PYTHONPATH", "")
   t0 = time.perf_counter()
@@ -132,7 +134,7 @@ def _terms(pred: dict) -> dict:
 
 def run(csv: Optional[str] = None, limit: int = 0, ids: Optional[list] = None, png: Optional[str] = None,
         results: bool = True, backend: str = "auto", log=print, reprice: bool = False,
-        save_programs: bool = False) -> dict:
+        save_programs: bool = False, compile_budget: str = "75") -> dict:
   """``reprice``: price the committed programs (perfmodel/calib/published_programs.py) in this process, nothing
   compiled; ``save_programs``: after each row, commit its compiled program there."""
   from perfmodel.calib import published_programs as PP  # noqa: PLC0415 (loads jax: only a run needs it)
@@ -147,7 +149,8 @@ def run(csv: Optional[str] = None, limit: int = 0, ids: Optional[list] = None, p
   per, preds, t0 = [], {}, time.perf_counter()
   for i, r in enumerate(rows):
     ov, topology, notes = row_config(r)
-    out = dict(PP.reprice(r, ov, backend), mapping=notes) if reprice else predict_row(r, backend)
+    out = dict(PP.reprice(r, ov, backend), mapping=notes) if reprice else predict_row(r, backend,
+                                                                                      compile_budget=compile_budget)
     if save_programs and "error" not in out:
       PP.export(r, ov, topology)
     rec = {"id": r.id, "chip": r.hardware, "precision": r.precision, "source": r.source_key,
@@ -168,7 +171,8 @@ def run(csv: Optional[str] = None, limit: int = 0, ids: Optional[list] = None, p
           f"{rec['child_wall_s']:.0f} s")
     per.append(rec)
   return summarize(rows, per, preds, png=png, results=results, wall_s=time.perf_counter() - t0,
-                   command=_command_tail(csv, limit, ids, backend) + (" --reprice" if reprice else ""))
+                   command=_command_tail(csv, limit, ids, backend) + (" --reprice" if reprice else
+                                                                      f" --compile-budget {compile_budget}"))
 
 
 def summarize(rows: list, per: list, preds: dict, png: Optional[str] = None, results: bool = False,
