@@ -154,7 +154,7 @@ class MeshConfig:
   pipeline: int = 1
   rules: str = "default"  # named logical-axis rule preset (parallelism/rules.py)
   form: str = "jit"  # "jit" (GSPMD auto-sharding) or "shard_map" (explicit collectives)
-  microbatches: int = 1  # pipeline micro-batches
+  microbatches: int = 1  # pipeline micro-batches; without a pipeline (jit form): gradient accumulation steps
   schedule: str = "gpipe"  # "gpipe" or "1f1b"
 
   def sizes(self) -> dict:
@@ -320,7 +320,7 @@ def validate(cfg: Config, n_devices: int, n_processes: int = 1) -> Config:
                       f"data x fsdp = {batch_shards}: use a multiple of {batch_shards}")
   if cfg.data.global_batch % n_processes:
     raise ConfigError(f"data.global_batch={cfg.data.global_batch} is not divisible by {n_processes} processes")
-  if mesh.pipeline > 1:
+  if mesh.pipeline > 1 or mesh.microbatches > 1:
     per = cfg.data.global_batch // batch_shards
     if per % mesh.microbatches:
       raise ConfigError(f"per-replica batch {per} is not divisible by mesh.microbatches={mesh.microbatches}")

@@ -51,8 +51,28 @@ def apply_grads(state: TrainState, grads, tx: optax.GradientTransformation) -> T
   return TrainState(step=state.step + 1, params=optax.apply_updates(state.params, updates), opt_state=opt_state)
 
 
-def train_step(state: TrainState, batch, *, model: nn.Module, tx: optax.GradientTransformation):
-  loss, grads = jax.value_and_grad(loss_fn)(state.params, batch, model)
+def accumulate(loss_and_grads, params, batch, n: int):
+  """Mean loss and gradients over ``n`` equal micro-batches taken one at a time (gradient accumulation: the
+  activations of one micro-batch are live at once). Micro-batch i holds rows i, n+i, 2n+i, ... so each keeps
+  every device's share of a batch sharded over its first axis."""
+  if n == 1:
+    return loss_and_grads(params, batch)
+
+  def split(x_BxT):
+    return x_BxT.reshape(x_BxT.shape[0] // n, n, *x_BxT.shape[1:]).swapaxes(0, 1)
+
+  def body(carry, micro):
+    return jax.tree.map(jnp.add, carry, loss_and_grads(params, micro)), None
+
+  zero = (jnp.zeros((), jnp.float32), jax.tree.map(jnp.zeros_like, params))
+  (loss, grads), _ = jax.lax.scan(body, zero, jax.tree.map(split, batch))
+  return loss / n, jax.tree.map(lambda g: g / n, grads)
+
+
+def train_step(state: TrainState, batch, *, model: nn.Module, tx: optax.GradientTransformation,
+               microbatches: int = 1):
+  loss, grads = accumulate(lambda p, b: jax.value_and_grad(loss_fn)(p, b, model), state.params, batch,
+                           microbatches)
   metrics = StepMetrics(loss=loss, grad_norm=optax.tree.norm(grads),
                         n_tokens=jnp.asarray(batch["targets"].size, jnp.int32))
   return apply_grads(state, grads, tx), metrics

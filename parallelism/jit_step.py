@@ -26,7 +26,8 @@ def build(cfg: Config, mesh: Mesh, donate: bool = True) -> compiled.CompiledStep
   model = model_lib.build(cfg.model)
   tx = optim.make(cfg.optim, cfg.train.steps)
   state_sh = compiled.state_shardings(model, tx, mesh, rules)
-  step = functools.partial(ts.train_step, model=model, tx=tx)
+  # mesh.microbatches without a pipeline = gradient accumulation (MaxText's gradient_accumulation_steps)
+  step = functools.partial(ts.train_step, model=model, tx=tx, microbatches=cfg.mesh.microbatches)
   return compiled.assemble(cfg, mesh, model, tx, rules, state_sh, step,
                            functools.partial(_loss_and_grads, model=model), donate)
 

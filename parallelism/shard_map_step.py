@@ -20,8 +20,8 @@ communication: here every collective is in our code, visible in the jaxpr:
 * **PP** (``pipeline`` > 1): parallelism/pipeline.py (GPipe / 1F1B over ``ppermute``). The jit form
   with ``pipeline > 1`` is built here too: a shard_map manual over 'pipeline' only.
 
-``mesh.microbatches`` only matters with ``pipeline > 1`` (there is no gradient accumulation in the
-non-pipelined step). Mesh axes of size 1 are dropped from the shard_map specs (``manual.strip_trivial``),
+``mesh.microbatches`` are the pipeline's micro-batches with ``pipeline > 1``; without a pipeline they are
+gradient accumulation steps (``framework.train_step.accumulate`` around the shard_map, as in the jit form). Mesh axes of size 1 are dropped from the shard_map specs (``manual.strip_trivial``),
 so the jaxpr holds only collectives that move data.
 
 Structure: the ``shard_map`` computes (loss, grads) with grads sharded like the params; the optax
@@ -107,6 +107,7 @@ def build(cfg: Config, mesh: Mesh, donate: bool = True) -> compiled.CompiledStep
   tx = optim.make(cfg.optim, cfg.train.steps)
   state_sh = compiled.state_shardings(model, tx, mesh, rules)
   n_tokens = cfg.data.global_batch * cfg.data.seq_len
+  accum = 1 if pipelined else cfg.mesh.microbatches
   if all_manual:
     manual_axes = frozenset(mesh.axis_names)
     inner = model_lib.build(cfg.model, manual_ctx(mesh, rules))
@@ -123,13 +124,14 @@ def build(cfg: Config, mesh: Mesh, donate: bool = True) -> compiled.CompiledStep
   if pipelined:
     body = pipeline.loss_and_grads_body(cfg, inner, param_specs, n_tokens, batch_axes, masked=not all_manual)
   else:
-    body = functools.partial(_loss_and_grads_body, model=inner, specs=param_specs, n_tokens=n_tokens,
+    body = functools.partial(_loss_and_grads_body, model=inner, specs=param_specs, n_tokens=n_tokens // accum,
                              batch_axes=batch_axes)
   loss_and_grads = shard_map(body, mesh=mesh, in_specs=(param_specs, batch_spec, batch_spec),
                              out_specs=(P(), param_specs), axis_names=manual_axes, check_vma=True)
 
   def step(state: ts.TrainState, batch):
-    loss, grads = loss_and_grads(state.params, batch["inputs"], batch["targets"])
+    loss, grads = ts.accumulate(lambda p, b: loss_and_grads(p, b["inputs"], b["targets"]), state.params, batch,
+                                accum)
     metrics = ts.StepMetrics(loss=loss, grad_norm=optax.tree.norm(grads),
                              n_tokens=jnp.asarray(n_tokens, jnp.int32))
     return ts.apply_grads(state, grads, tx), metrics

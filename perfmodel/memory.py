@@ -46,6 +46,8 @@ def analytic(cfg: Config) -> MemoryBreakdown:
   opt = 2 * params  # Adam moments in the parameter dtype
   grads = params
   tokens = d.global_batch * d.seq_len / (mesh.data * mesh.fsdp * mesh.sequence)
+  if mesh.pipeline == 1:
+    tokens /= mesh.microbatches  # gradient accumulation: one micro-batch's activations at a time
   D, H, K, E, F, T = m.d_model, m.n_heads, m.n_kv_heads, m.hd, m.ff, d.seq_len
   tp = mesh.tensor
   # Values saved for the backward pass per token per layer (elements), by remat policy.

@@ -17,9 +17,8 @@ How a row becomes a PrismLLM config (``row_config``), each choice listed in the 
     ``blockwise`` where the layout forbids those (context parallelism);
   * recompute: the row's policy, or ``minimal`` (matmul outputs kept, the attention core recomputed: Megatron's
     selective recomputation, its default) where none is published;
-  * micro-batches: pipelined rows use them as pipeline micro-batches; a non-pipelined row with gradient
-    accumulation runs its whole per-replica batch in one pass (PrismLLM's non-pipelined step does not accumulate:
-    same FLOPs, larger matmuls, more activation memory);
+  * micro-batches: ``mesh.microbatches``: pipeline micro-batches on pipelined rows, gradient accumulation steps
+    on the others (one micro-batch's activations live at a time, as in MaxText and Megatron);
   * precision: bf16 compute, f32 master weights and AdamW moments; fp16 rows run as bf16 and are scored apart.
 """
 from __future__ import annotations
@@ -76,12 +75,10 @@ def row_config(r: P.PublishedRun) -> tuple:
   if pipelined and r.microbatches == 0:
     micro = max(1, r.global_batch // max(1, r.data * r.fsdp))
     notes.append(f"micro-batch size not published: {micro} pipeline micro-batches of one sequence")
-  if not pipelined and micro > 1:
-    notes.append(f"gradient accumulation x{micro} run as one pass of the whole per-replica batch")
   if pipelined and r.virtual_stages != 1:
     notes.append("interleaved pipeline run as non-interleaved 1F1B (larger bubble)")
   mesh = dict(data=r.data, fsdp=r.fsdp, tensor=r.tensor, pipeline=r.pipeline, sequence=r.sequence,
-              microbatches=micro if pipelined else 1, form="shard_map" if pipelined or cp else "jit",
+              microbatches=micro, form="shard_map" if pipelined or cp else "jit",
               schedule="1f1b")
   if r.parallel_block:
     notes.append("parallel attention+MLP block (model.block=parallel)")
