@@ -6,13 +6,14 @@ backend, so each command sets them first and imports what runs on jax afterwards
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import json
 import math
 import os
 import sys
 import tempfile
 
-from framework.config import MESH_AXES, validate
+from framework.config import MESH_AXES, ConfigError, validate
 from framework.config_file import load
 
 VALIDATE_DEVICES = 8  # virtual host devices of calibrate and validate processes (measuring children have their own)
@@ -32,6 +33,19 @@ def _load_cfg(config: str, overrides: list, mesh: str = "", devices: int = 0):
   return validate(cfg, n), n
 
 
+def _even_stages(cfg, n_layers: int):
+  """A pipeline whose stages cannot hold equal layer counts (Llama-3.1-405B: 126 layers over 16 stages) runs its
+  slowest stage with ceil(L / P) layers, and that stage sets the lock-step pace: priced as P stages of ceil(L / P)
+  layers. Returns (config to price, note) ; the caller scales FLOP-based rates back to the real L."""
+  P = cfg.mesh.pipeline
+  if P <= 1 or n_layers % P == 0:
+    return cfg, None
+  per = -(-n_layers // P)
+  note = (f"model.n_layers={n_layers} over {P} pipeline stages: priced as {P} stages of {per} layers (the slowest "
+          f"stage of an uneven split, which sets the step), FLOP rates for {n_layers} layers")
+  return dataclasses.replace(cfg, model=dataclasses.replace(cfg.model, n_layers=per * P)), note
+
+
 def _print(obj):
   print(json.dumps(obj, indent=None, default=float))
 
@@ -41,6 +55,10 @@ def _log(msg):
 
 
 def cmd_predict(a, overrides):
+  raw = load(a.config, list(overrides))
+  cfg0, uneven = _even_stages(raw, raw.model.n_layers)
+  if uneven:  # validate the priced (even) config: the real one is refused by training, not by pricing
+    overrides = list(overrides) + [f"--config.model.n_layers={cfg0.model.n_layers}"]
   cfg, n = _load_cfg(a.config, overrides, a.mesh, a.devices)
   from perfmodel import hardware, predict, program  # noqa: PLC0415 (after the config: nothing has touched jax yet)
   hw = hardware.load(a.hardware)
@@ -55,7 +73,16 @@ def cmd_predict(a, overrides):
   p = predict.predict(cfg, hw, mode=a.mode, method=a.method, backend=a.backend, batch=a.batch,
                       prompt_len=a.prompt_len, gen_len=a.gen_len, captured=cap, topology=a.topology,
                       compile_budget_s=None if a.compile_budget == "full" else float(a.compile_budget))
-  _print(p.to_dict())
+  out = p.to_dict()
+  if uneven:
+    from framework import flops  # noqa: PLC0415
+    scale = (flops.train_flops_per_token(raw.model, raw.data.seq_len)
+             / flops.train_flops_per_token(cfg.model, cfg.data.seq_len))
+    for k in ("mfu", "model_flops_per_step"):
+      if out.get(k) is not None:
+        out[k] *= scale
+    out["assumptions"] = (out.get("assumptions") or []) + [uneven]
+  _print(out)
 
 
 def _profile(a, cap, hw):
@@ -264,6 +291,10 @@ def main(argv=None):
   bad = [r for r in rest if not r.startswith("--config.")]
   if bad:
     p.error(f"unrecognized arguments: {bad}")
-  {"predict": cmd_predict, "calibrate": cmd_calibrate, "validate": cmd_validate, "search": cmd_search,
-   "floor": cmd_floor}[a.cmd](a, rest)
+  try:
+    {"predict": cmd_predict, "calibrate": cmd_calibrate, "validate": cmd_validate, "search": cmd_search,
+     "floor": cmd_floor}[a.cmd](a, rest)
+  except (ConfigError, FileNotFoundError) as e:  # bad input: one line that names the fix, no traceback
+    print(f"error: {e}", file=sys.stderr)
+    return 2
   return 0
