@@ -13,8 +13,9 @@ How a row becomes a PrismLLM config (``row_config``), each choice listed in the 
   * layout: dp/fsdp/tp/pp/cp -> mesh data/fsdp/tensor/pipeline/sequence; pipelined rows run PrismLLM's
     non-interleaved 1F1B (an interleaved schedule's virtual stages have no equivalent: its smaller bubble is not
     modelled); a row published on k TPU slices compiles for k slices of its per-slice shape;
-  * attention: ``splash`` on TPU (MaxText ran its flash kernel), ``cudnn`` on GPU (cuDNN flash attention), and
-    ``blockwise`` where the layout forbids those (context parallelism);
+  * attention: ``splash`` on TPU (MaxText ran its flash kernel), ``blockwise`` on TPU where the layout forbids
+    splash (pipeline stages, context parallelism); ``cudnn`` on GPU (cuDNN flash attention; with context
+    parallelism its causal mask comes from the tokens' positions);
   * recompute: the row's policy, or ``minimal`` (matmul outputs kept, the attention core recomputed: Megatron's
     selective recomputation, its default) where none is published;
   * micro-batches: ``mesh.microbatches``: pipeline micro-batches on pipelined rows, gradient accumulation steps
@@ -53,11 +54,11 @@ def row_config(r: P.PublishedRun) -> tuple:
   pipelined, cp = r.pipeline > 1, r.sequence > 1
   if tpu and not pipelined and not cp and r.seq_len % 128 == 0:
     attention = "splash"
-  elif not tpu and not cp:
-    attention = "cudnn"
+  elif not tpu:
+    attention = "cudnn"  # with context parallelism the causal mask comes from the positions (framework/attention)
   else:
     attention = "blockwise"
-    notes.append("attention blockwise: the layout (pipeline / context parallel) rules out the flash kernel")
+    notes.append("attention blockwise: the layout (pipeline / context parallel) rules out the splash kernel")
   remat = r.remat
   if remat is None:
     remat = "minimal"
