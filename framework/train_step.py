@@ -64,8 +64,11 @@ def accumulate(loss_and_grads, params, batch, n: int):
   def body(carry, micro):
     return jax.tree.map(jnp.add, carry, loss_and_grads(params, micro)), None
 
-  zero = (jnp.zeros((), jnp.float32), jax.tree.map(jnp.zeros_like, params))
-  (loss, grads), _ = jax.lax.scan(body, zero, jax.tree.map(split, batch))
+  micro = jax.tree.map(split, batch)
+  # The sum starts from the first micro-batch rather than from zeros: XLA would fold a zero tree the size of
+  # the gradients into a host literal while compiling (tens of GB for a replicated 8B model).
+  first = loss_and_grads(params, jax.tree.map(lambda x: x[0], micro))
+  (loss, grads), _ = jax.lax.scan(body, first, jax.tree.map(lambda x: x[1:], micro))
   return loss / n, jax.tree.map(lambda g: g / n, grads)
 
 

@@ -294,7 +294,7 @@ def main(argv=None):
   try:
     {"predict": cmd_predict, "calibrate": cmd_calibrate, "validate": cmd_validate, "search": cmd_search,
      "floor": cmd_floor}[a.cmd](a, rest)
-  except (ConfigError, FileNotFoundError) as e:  # bad input: one line that names the fix, no traceback
+  except (ConfigError, FileNotFoundError, MemoryError) as e:  # bad input: one line naming the fix, no traceback
     print(f"error: {e}", file=sys.stderr)
     return 2
   return 0

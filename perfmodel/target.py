@@ -174,9 +174,14 @@ def _compile_in_child(cfg: Config, hardware: str, topology, budget_s) -> program
                              text=True, start_new_session=True)
     child.stdin.write(json.dumps(spec))
     child.stdin.close()
-    early = None
+    early, limit, too_big = None, _host_memory_limit(), False
     try:
       while child.poll() is None:
+        if _rss(child.pid) > limit:  # stop before the kernel's OOM killer would, and say so
+          os.killpg(child.pid, signal.SIGKILL)
+          child.wait()
+          too_big = True
+          break
         if early is None and os.path.isdir(dump):
           early = _dumped(dump)
         if early is not None and budget_s is not None and time.perf_counter() - t0 > budget_s:
@@ -187,6 +192,11 @@ def _compile_in_child(cfg: Config, hardware: str, topology, budget_s) -> program
     except BaseException:
       os.killpg(child.pid, signal.SIGKILL)
       raise
+  if too_big:
+    shutil.rmtree(work, ignore_errors=True)
+    raise HostMemoryError(f"compiling the step for {hardware} needs more than {limit / 2**30:.1f} GiB of this "
+                          f"host's memory (80% of what was available): stopped; free memory or predict on a larger "
+                          f"host")
   if early is None and child.returncode != 0 and os.path.isdir(dump):
     early = _dumped(dump)  # the child may have failed between two polls, after writing the program
   try:
@@ -215,6 +225,26 @@ def _compile_in_child(cfg: Config, hardware: str, topology, budget_s) -> program
   pl = d.pop("placement")
   return program.Captured(placement=collectives.Placement(tuple(tuple(c) for c in pl["coords"]), tuple(pl["shape"]),
                                                           tuple(pl["wrap"])), route_detail=detail, **d)
+
+
+class HostMemoryError(MemoryError):
+  """The compile would not fit this host's memory."""
+
+
+def _host_memory_limit() -> int:
+  """80% of the memory available now (MemAvailable), the most a compile child may take."""
+  with open("/proc/meminfo") as f:
+    info = dict(line.split(":", 1) for line in f)
+  return int(0.8 * int(info["MemAvailable"].split()[0]) * 1024)
+
+
+def _rss(pid: int) -> int:
+  """Resident bytes of a process (0 once it is gone)."""
+  try:
+    with open(f"/proc/{pid}/status") as f:
+      return next(int(x.split()[1]) * 1024 for x in f if x.startswith("VmRSS:"))
+  except (OSError, StopIteration):
+    return 0
 
 
 def _last_error(work: str, returncode: int) -> str:

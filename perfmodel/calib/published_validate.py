@@ -14,8 +14,8 @@ How a row becomes a PrismLLM config (``row_config``), each choice listed in the 
     non-interleaved 1F1B (an interleaved schedule's virtual stages have no equivalent: its smaller bubble is not
     modelled); a row published on k TPU slices compiles for k slices of its per-slice shape;
   * attention: ``splash`` on TPU (MaxText ran its flash kernel), ``blockwise`` on TPU where the layout forbids
-    splash (pipeline stages, context parallelism); ``cudnn`` on GPU (cuDNN flash attention; with context
-    parallelism its causal mask comes from the tokens' positions);
+    splash (pipeline stages, context parallelism); ``cudnn`` on GPU (cuDNN flash attention), XLA's
+    ``dot_product`` with context parallelism (masked by the tokens' positions);
   * recompute: the row's policy, or ``minimal`` (matmul outputs kept, the attention core recomputed: Megatron's
     selective recomputation, its default) where none is published;
   * micro-batches: ``mesh.microbatches``: pipeline micro-batches on pipelined rows, gradient accumulation steps
@@ -54,8 +54,13 @@ def row_config(r: P.PublishedRun) -> tuple:
   pipelined, cp = r.pipeline > 1, r.sequence > 1
   if tpu and not pipelined and not cp and r.seq_len % 128 == 0:
     attention = "splash"
+  elif not tpu and not cp:
+    attention = "cudnn"
   elif not tpu:
-    attention = "cudnn"  # with context parallelism the causal mask comes from the positions (framework/attention)
+    # cuDNN's kernel with a position mask (context parallelism) compiles into a host literal of tens of GB under
+    # gradient accumulation: XLA's own attention, masked by the positions, stands in
+    attention = "dot_product"
+    notes.append("attention dot_product (XLA, masked by positions): context parallelism with cuDNN does not compile")
   else:
     attention = "blockwise"
     notes.append("attention blockwise: the layout (pipeline / context parallel) rules out the splash kernel")

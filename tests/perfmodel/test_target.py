@@ -15,6 +15,7 @@ from framework import config as config_lib
 from framework import config_file, flops
 from parallelism import targets
 from perfmodel import predict, program
+from perfmodel import target as target_lib
 from perfmodel.cost import collectives as C
 from perfmodel.graph import from_hlo, hlo_parse as hp
 from perfmodel.hardware import load
@@ -165,3 +166,13 @@ def test_placed_collectives_cross_gpu_nodes_hierarchically():
   assert inside.seconds == pytest.approx(2 * 7 / 8 * S / busbw, rel=1e-6)
   across = C.placed_cost("all-reduce", S, tuple(range(32)), hw, pl)
   assert across.algorithm == "placed-hierarchical" and across.seconds > inside.seconds
+
+
+def test_a_compile_that_outgrows_the_host_is_stopped_with_one_line(monkeypatch):
+  """The compile child is watched: past the host-memory limit it is killed and the error says so (never the
+  kernel's OOM killer)."""
+  from tests.framework.tiny import tiny_config  # noqa: PLC0415
+  monkeypatch.setattr(target_lib, "_host_memory_limit", lambda: 1)  # any resident byte is too many
+  cfg = config_lib.validate(tiny_config(mesh=dict(data=8)), 8)
+  with pytest.raises(target_lib.HostMemoryError, match="needs more than .* of this host's memory"):
+    target_lib.train_step(cfg, "h100", cache=False)
