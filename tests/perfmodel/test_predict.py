@@ -72,14 +72,15 @@ def test_predict_70b_at_8192_devices_without_materialising():
 
 
 def test_predict_70b_at_8192_devices_from_the_real_rank_program():
-  """The default route above 512 devices: the shard_map per-device body traced on an AbstractMesh of 8192
+  """The rank-program route (the default above 512 devices for the cpu profile, and for a TPU/GPU profile
+  without the target compiler installed): the shard_map per-device body traced on an AbstractMesh of 8192
   (the program emulation runs), priced as a jaxpr graph; nothing is compiled for 8192 devices."""
   cfg = validate(from_dict(dict(
       model=dict(vocab_size=32000, d_model=8192, n_layers=80, n_heads=64, n_kv_heads=8, d_ff=28672, max_seq_len=4096,
                  dtype="bfloat16", param_dtype="float32", remat="full"),
       data=dict(seq_len=4096, global_batch=1024), mesh=dict(data=16, fsdp=64, tensor=8))), 8192)
   assert predict.resolve_method(8192) == "auto_large"  # above 512 devices: no N-device compile
-  out = predict.predict(cfg, "h100").to_dict()
+  out = predict.predict(cfg, "h100", method="rank_program").to_dict()
   assert out["route"] == "rank_program" and out["n_devices"] == 8192 and "route_fallback_reason" not in out
   per_dev = out["model_flops_per_step"] / 8192
   # per-rank dots of the real program (fwd + bwd + full-remat recompute) vs 6ND/8192 x 4/3
