@@ -12,6 +12,7 @@ import math
 import os
 import sys
 import tempfile
+import time
 
 from framework.config import MESH_AXES, ConfigError, validate
 from framework.config_file import load
@@ -65,15 +66,20 @@ def cmd_predict(a, overrides):
   route = predict.resolve_method(n, a.mode, a.method, hw)
   if route == "compile":
     program.ensure_devices(n if a.mode == "train" else 1)
-  cap = None
+  cap, profile_s = None, 0.0
   if route == "compile":
     cap = (program.sampler(cfg, a.batch, a.prompt_len, a.gen_len) if a.mode == "infer"
            else program.train_step(cfg))
+    t_prof = time.perf_counter()
     _profile(a, cap, hw)
+    profile_s = time.perf_counter() - t_prof
   p = predict.predict(cfg, hw, mode=a.mode, method=a.method, backend=a.backend, batch=a.batch,
                       prompt_len=a.prompt_len, gen_len=a.gen_len, captured=cap, topology=a.topology,
                       compile_budget_s=None if a.compile_budget == "full" else float(a.compile_budget))
   out = p.to_dict()
+  # what the prediction cost: compile (compile_s), timing this program's instructions on this host (profile_s,
+  # 0 unless the backend profiles), pricing (predict_s)
+  out["profile_s"] = profile_s
   if uneven:
     from framework import flops  # noqa: PLC0415
     scale = (flops.train_flops_per_token(raw.model, raw.data.seq_len)
