@@ -53,7 +53,7 @@ def main(argv=None) -> int:
   rss = resource.getrusage(resource.RUSAGE_CHILDREN).ru_maxrss * 1024
   out = {
       "benchmark": "emulate_scale", "date": datetime.datetime.now().isoformat(timespec="minutes"),
-      "machine": f"{platform.node()} {os.cpu_count()} cores (shared), 24 GB", "config": CONFIG,
+      "machine": f"{platform.machine()} {os.cpu_count()} cores (shared), 24 GB", "config": CONFIG,
       "emulated_devices": res["emulated_devices"], "real_devices": res["real_devices"], "mesh": res["mesh"],
       "hardware": a.hardware, "executed": False, "reduced": "nothing (seq 8192, 16 micro-batches, 1F1B)",
       "iteration_time_s": res["iteration_time_s"],

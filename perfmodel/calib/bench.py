@@ -70,7 +70,7 @@ def regime() -> dict:
 
 def boot_id() -> str:
   """The kernel's id of this boot (Linux; None elsewhere). Measurements of one boot share one machine state; across
-  boots (a new VM of the same kind) a host's speeds move by double-digit percentages, so every measurement records
+  boots (a new machine of the same kind) a host's speeds move by double-digit percentages, so every measurement records
   it (the profiled database re-times another boot's entries; the host floor groups sets by it)."""
   try:
     with open("/proc/sys/kernel/random/boot_id") as f:

@@ -139,11 +139,11 @@ def curves(quick: bool = False, prof_path: str = PROFILE) -> dict:
     coll["reduce-scatter"] = [[s, t] for s, t in coll["all-gather"]]
 
 
-  src = (f"python -m perfmodel calibrate on {platform.node()} {datetime.date.today().isoformat()}, "
+  src = (f"python -m perfmodel calibrate on {platform.machine()} {os.cpu_count()}-core host {datetime.date.today().isoformat()}, "
          f"jax {jax.__version__}, {os.cpu_count()} cores, load avg {os.getloadavg()[0]:.2f}")
   base = store.read_json(prof_path)
   peak = max(r for _, r in dot_curve)
-  cal = Calibration(date=datetime.datetime.now().isoformat(timespec="seconds"), host=platform.node(),
+  cal = Calibration(date=datetime.datetime.now().isoformat(timespec="seconds"), host=f"{platform.machine()} {os.cpu_count()} cores",
                     jax=jax.__version__, vector_flops_per_s=vector_rate, skinny_dim=skinny_dim,
                     step_overhead_s=step_overhead, host_parallelism=host_par,
                     provenance={"noise_pct_median": statistics.median(noise), "quick": quick,
@@ -226,7 +226,7 @@ def node_stage(quick: bool = False, prof_path: str = PROFILE, step_rounds: int =
                step_statistic: str = STEP_STATISTIC, log=print) -> dict:
   """Stage 2: the calibration programs (uses the curves already in the profile for the physical estimates)."""
   hw = hardware.load(prof_path)
-  src = (f"python -m perfmodel calibrate on {platform.node()} {datetime.date.today().isoformat()}, "
+  src = (f"python -m perfmodel calibrate on {platform.machine()} {os.cpu_count()}-core host {datetime.date.today().isoformat()}, "
          f"jax {jax.__version__}, load avg {os.getloadavg()[0]:.2f}, regime {bench.regime()}")
   host = HostSpeed(step_statistic)
   steps, ref, refs, windows, traced = None, None, {}, {}, None

@@ -438,7 +438,7 @@ def profile_program(hlo_text: str, n_devices: int = 1, profile: str = "cpu", pat
 def _meta() -> dict:
   dev = jax.local_devices()[0]
   return {"device_kind": dev.device_kind, "platform": dev.platform, "jax": jax.__version__,
-          "host": platform.node(), "date": datetime.date.today().isoformat(),
+          "host": f"{platform.machine()} {os.cpu_count()} cores", "date": datetime.date.today().isoformat(),
           "method": "'isolated-traced': the instruction cut out of the compiled program, compiled alone, its thunks' "
                     "traced time (perfmodel/calib/fusion_profiler.py)"}
 

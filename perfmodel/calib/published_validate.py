@@ -269,4 +269,4 @@ def _append_results(out: dict, command: str) -> None:
   nums = json.loads(json.dumps(nums), parse_float=lambda x: round(float(x), 3))
   with open(path, "a") as f:
     f.write(f"| {datetime.datetime.now().isoformat(timespec='minutes')} | python -m perfmodel validate{command} | "
-            f"{platform.node()} {os.cpu_count()} cores (shared) | {json.dumps(nums)} |\n")
+            f"{platform.machine()} {os.cpu_count()} cores (shared) | {json.dumps(nums)} |\n")

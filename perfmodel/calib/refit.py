@@ -16,6 +16,7 @@ from __future__ import annotations
 
 import dataclasses
 import datetime
+import os
 import platform
 
 import numpy as np
@@ -163,7 +164,7 @@ def fit_profiled(prof_path: str, hlo_cache: str = None, log=print, samples_file:
     chain = chain_lib.Chain([database.Profiled(hw, db), _learned_without(hw, samples, name)], hw)
     return lambda n: chain.price(n).seconds
   progs = programs(hw, lambda name, compile_fn: runners.cached_capture(hlo_cache, name, compile_fn), log)
-  source = (f"python -m perfmodel calibrate --profiled on {platform.node()} "
+  source = (f"python -m perfmodel calibrate --profiled on {platform.machine()} {os.cpu_count()}-core host "
             f"{datetime.datetime.now().isoformat(timespec='minutes')}: node times profiled then, step times from the "
             f"calibration of {hw.calibration.date or '?'}")
   comp = dataclasses.replace(_fit(hw, progs, price_for, log, " profiled"), source=source)

@@ -197,4 +197,4 @@ def _append_results(out, command_tail: str = ""):
     nums["host_floor"] = {k: round(v, 3) for k, v in out["host_floor"].items() if isinstance(v, float)}
   with open(path, "a") as f:
     f.write(f"| {datetime.datetime.now().isoformat(timespec='minutes')} | python -m perfmodel validate{command_tail} | "
-            f"{platform.node()} {os.cpu_count()} cores (shared) | {json.dumps(nums)} |\n")
+            f"{platform.machine()} {os.cpu_count()} cores (shared) | {json.dumps(nums)} |\n")

@@ -225,7 +225,7 @@ def calibrate(path: str = DEFAULT_PATH, reps: int = 7, k: int = 8, timeout_s: fl
          "next_curves": {k_: [[p[0], p[4]] for p in v] for k_, v in raw.items()},
          "raw_with_collective_s": {k_: [[p[0], p[2]] for p in v] for k_, v in raw.items()},
          "raw_local_only_s": {k_: [[p[0], p[3]] for p in v] for k_, v in raw.items()},
-         "source": (f"python -m perfmodel.emulate.gloo_calibration on {platform.node()} "
+         "source": (f"python -m perfmodel.emulate.gloo_calibration on {platform.machine()} {os.cpu_count()}-core host "
                     f"{datetime.datetime.now().isoformat(timespec='minutes')}: 2 processes pinned one per core, "
                     f"jax.distributed + gloo over 127.0.0.1, shard_map over 2 devices, {k} collectives per jit call, "
                     f"each after a {burst_dim}^3 matmul burst, minus the same loop without the collective "
