@@ -255,7 +255,7 @@ def draw_spec(out_path: str, data_dir: str = DATA) -> dict:
   d = _load(SPEC, data_dir)
   fig, ax = plt.subplots(figsize=(8, 4.4))
   summary = {}
-  for run, col in zip(d["runs"], ("tab:red", "tab:blue", "tab:green", "tab:purple")):
+  for i, (run, col) in enumerate(zip(d["runs"], ("tab:red", "tab:blue", "tab:green", "tab:purple"))):
     s = run["result"]["spec"]
     gs = sorted(int(k[5:]) for k in s if k.startswith("gamma"))
     sp = [s[f"gamma{g}"]["speedup"] for g in gs]
@@ -263,7 +263,7 @@ def draw_spec(out_path: str, data_dir: str = DATA) -> dict:
     lab = f"{run['date']} ({run['label']}), load avg {run['result']['load_avg']:.1f}"
     ax.plot(gs, sp, "o-", color=col, label=lab)
     for g, y, a in zip(gs, sp, acc):
-      ax.annotate(f"acc {a:.2f}", (g, y), fontsize=7, xytext=(4, -10), textcoords="offset points", color=col)
+      ax.annotate(f"acc {a:.2f}", (g, y), fontsize=7, xytext=(4, (6, -12)[i % 2]), textcoords="offset points", color=col)
     summary[run["date"]] = {g: {"speedup": round(y, 3), "acceptance": round(a, 3)} for g, y, a in zip(gs, sp, acc)}
   ax.axhline(1.0, color="k", lw=0.8, ls=":")
   ax.set_xlabel("draft length gamma (tokens)")
