@@ -28,10 +28,24 @@ import json
 import os
 import tempfile
 
+from experiments.figures.registry import MissingData, figure
+
 ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 DATA = os.path.join(ROOT, "benchmarks", "data")
 RING, KSWEEP, SPEC, PAPER = "ondevice_ring.json", "ondevice_ksweep.json", "ondevice_spec.json", "primacpp_paper.json"
 DEVICES4 = "benchmarks/ondevice_devices4.yaml"
+PAPER_NAME, SRC, _D = "prima.cpp", "arXiv 2504.08791", "benchmarks/data/"
+RERUN = {
+    RING: ("python -c 'from experiments.figures.primacpp import small_model; small_model(\"/tmp/small_q8.gguf\")' && "
+           "nice -n 10 python -m ondevice.bench --model /tmp/small_q8.gguf --suite ring --devices "
+           "benchmarks/ondevice_devices4.yaml --tokens 24 --scenarios all --no-append > /tmp/ring.json && "
+           "python -m experiments.figures.primacpp --store ring /tmp/ring.json"),
+    KSWEEP: "nice -n 10 python -m experiments.figures.primacpp --rerun ksweep",
+    SPEC: ("nice -n 10 python -m ondevice.bench --model T.gguf --suite spec --draft D.gguf --tokens 48 --gammas 1,2,4 "
+           "--no-append > /tmp/spec.json && python -m experiments.figures.primacpp --store spec /tmp/spec.json "
+           "(T, D: experiments/configs/ondevice_spec.py)"),
+    PAPER: "",
+}
 SYSTEMS = [("exo_like_memory_split", "exo-like\nRAM split", "tab:orange"),
            ("dllama_like_tensor_parallel", "dllama-like\ntensor par.", "tab:purple"),
            ("equal_layers_split", "equal layers\n(k=1)", "tab:brown"),
@@ -40,7 +54,11 @@ SYSTEMS = [("exo_like_memory_split", "exo-like\nRAM split", "tab:orange"),
 
 
 def _load(name, data_dir=DATA):
-  with open(os.path.join(data_dir, name)) as f:
+  path = os.path.join(data_dir, name)
+  if not os.path.exists(path):
+    how = f"; run `{RERUN[name]}` to produce it" if RERUN.get(name) else " (the paper's numbers, committed by hand)"
+    raise MissingData(f"{_D}{name} is missing{how}")
+  with open(path) as f:
     return json.load(f)
 
 
@@ -53,6 +71,8 @@ def _plt():
 
 # ------------------------------------------------------------------ systems on the same devices
 
+@figure("primacpp_systems", paper=PAPER_NAME, data=[_D + RING], rerun=RERUN[RING],
+        paper_number=f"5-17x lower TPOT than llama.cpp, exo, dllama; 70B: 674 vs 10120 ms for llama.cpp ({SRC})")
 def draw_systems(out_path: str, data_dir: str = DATA) -> dict:
   plt = _plt()
   d = _load(RING, data_dir)
@@ -79,7 +99,10 @@ def draw_systems(out_path: str, data_dir: str = DATA) -> dict:
   fig.tight_layout()
   fig.savefig(out_path, dpi=120)
   plt.close(fig)
-  return {"best_single_device": r["best_single_device"], "best_single_ms": round(best, 1),
+  h = r["halda_ring"]["tpot_ms"]
+  ours = (f"Halda + ring {h:.0f} ms vs best single device {best:.0f} ms ({r['speedup_vs_best_single_device']:.2f}x), "
+          f"exo-like {r['speedup_vs_exo_like']:.1f}x, dllama-like {r['speedup_vs_dllama_like']:.1f}x slower (emulated clock)")
+  return {"ours": ours, "best_single_device": r["best_single_device"], "best_single_ms": round(best, 1),
           **{k: round(r[k]["tpot_ms"], 1) for k, _, _ in SYSTEMS},
           "speedup_vs_best_single": round(r["speedup_vs_best_single_device"], 2),
           "speedup_vs_exo_like": round(r["speedup_vs_exo_like"], 2),
@@ -130,6 +153,8 @@ def halda_paper_plans(data_dir: str = DATA) -> dict:
   return rows
 
 
+@figure("primacpp_halda_paper", paper=PAPER_NAME, data=[_D + PAPER],
+        paper_number=f"prima.cpp 54 / 72 / 569 / 674 ms for Llama 3-8B / 1-30B / 1-65B / 3-70B (Table 2, {SRC})")
 def draw_halda_paper(out_path: str, data_dir: str = DATA) -> dict:
   plt = _plt()
   rows = halda_paper_plans(data_dir)
@@ -161,9 +186,10 @@ def draw_halda_paper(out_path: str, data_dir: str = DATA) -> dict:
   fig.tight_layout()
   fig.savefig(out_path, dpi=120)
   plt.close(fig)
-  return {n: {"halda_ms": round(r["halda_ms"], 1), "paper_prima_ms": r["paper"]["prima.cpp"],
+  ours = "Halda's model on the paper's devices: " + " / ".join(f"{r['halda_ms']:.0f}" for r in rows.values()) + " ms"
+  return {"ours": ours, **{n: {"halda_ms": round(r["halda_ms"], 1), "paper_prima_ms": r["paper"]["prima.cpp"],
               "paper_llamacpp_ms": r["paper"]["llama.cpp"], "halda_best_single_ms": round(r["halda_best_single_ms"], 1),
-              "k": r["k"], "w": r["w"], "n_gpu": r["n_gpu"]} for n, r in rows.items()}
+              "k": r["k"], "w": r["w"], "n_gpu": r["n_gpu"]} for n, r in rows.items()}}
 
 
 # ------------------------------------------------------------------ ring cycles k
@@ -213,6 +239,8 @@ def sweep_k(path: str, devices: str, ks, n: int = 24, prompt: bytes = b"def fibo
           "rows": rows}
 
 
+@figure("primacpp_ring_k", paper=PAPER_NAME, data=[_D + KSWEEP], rerun=RERUN[KSWEEP],
+        paper_number=f"piped ring with k > 1 and prefetching hides disk loading ({SRC})")
 def draw_ring_k(out_path: str, data_dir: str = DATA) -> dict:
   plt = _plt()
   d = _load(KSWEEP, data_dir)
@@ -240,6 +268,10 @@ def draw_ring_k(out_path: str, data_dir: str = DATA) -> dict:
     ax.set_ylim(0, None)
     ax.grid(alpha=0.3)
     ax.legend(fontsize=7)
+  hs, ps = summary["halda"], summary["prima_runtime"]
+  j = lambda rows, key, fmt: " / ".join(fmt.format(v[key]) for v in rows.values())  # noqa: E731
+  summary["ours"] = (f"k = {' / '.join(str(k) for k in hs)}: TPOT {j(hs, 'tpot_ms', '{:.0f}')} ms (prima.cpp's runtime "
+                     f"{j(ps, 'tpot_ms', '{:.0f}')}), disk {j(hs, 'disk_mb', '{:.1f}')} MB/token (emulated clock)")
   fig.suptitle(f"prima.cpp: TPOT and disk reads vs ring cycles k ({d['model'].split(':')[0]}, 4 emulated devices; "
                f"load avg {d['load_avg']:.1f}, {d['date']})", fontsize=9)
   fig.tight_layout()
@@ -250,6 +282,8 @@ def draw_ring_k(out_path: str, data_dir: str = DATA) -> dict:
 
 # ------------------------------------------------------------------ speculative decoding
 
+@figure("primacpp_spec", paper=PAPER_NAME, data=[_D + SPEC], rerun=RERUN[SPEC],
+        paper_number=f"32B with speculative decoding: 26 tokens/s ({SRC} v2)")
 def draw_spec(out_path: str, data_dir: str = DATA) -> dict:
   plt = _plt()
   d = _load(SPEC, data_dir)
@@ -264,7 +298,11 @@ def draw_spec(out_path: str, data_dir: str = DATA) -> dict:
     ax.plot(gs, sp, "o-", color=col, label=lab)
     for g, y, a in zip(gs, sp, acc):
       ax.annotate(f"acc {a:.2f}", (g, y), fontsize=7, xytext=(4, (6, -12)[i % 2]), textcoords="offset points", color=col)
-    summary[run["date"]] = {g: {"speedup": round(y, 3), "acceptance": round(a, 3)} for g, y, a in zip(gs, sp, acc)}
+    summary[run["date"]] = {g: {"speedup": round(y, 6), "acceptance": round(a, 6)} for g, y, a in zip(gs, sp, acc)}
+  summary["ours"] = "; ".join(
+      f"{min(v['speedup'] for v in x.values()):.2f}-{max(v['speedup'] for v in x.values()):.2f}x at acceptance "
+      f"{min(v['acceptance'] for v in x.values()):.2f}-{max(v['acceptance'] for v in x.values()):.2f} ({run})"
+      for run, x in summary.items())
   ax.axhline(1.0, color="k", lw=0.8, ls=":")
   ax.set_xlabel("draft length gamma (tokens)")
   ax.set_ylabel("speed-up over greedy decoding (x, wall clock)")
@@ -278,13 +316,8 @@ def draw_spec(out_path: str, data_dir: str = DATA) -> dict:
   return summary
 
 
-FIGURES = [  # name, paper figure it mirrors, draw function, data files
-    ("primacpp_systems", "prima.cpp Table 2: TPOT per system, same model and devices", draw_systems, [RING]),
-    ("primacpp_halda_paper", "prima.cpp Tables 1-2: Halda on the paper's home cluster, Llama 8B-70B", draw_halda_paper,
-     [PAPER]),
-    ("primacpp_ring_k", "prima.cpp: piped-ring cycles k vs TPOT and disk reads", draw_ring_k, [KSWEEP]),
-    ("primacpp_spec", "prima.cpp: speculative decoding speed-up vs draft length", draw_spec, [SPEC]),
-]
+DRAW = {"primacpp_systems": draw_systems, "primacpp_halda_paper": draw_halda_paper, "primacpp_ring_k": draw_ring_k,
+        "primacpp_spec": draw_spec}
 
 
 def rerun_ksweep(data_dir: str = DATA, ks=(1, 2, 4, 8), tokens: int = 24) -> str:
@@ -298,17 +331,40 @@ def rerun_ksweep(data_dir: str = DATA, ks=(1, 2, 4, 8), tokens: int = 24) -> str
   return out
 
 
+def store(kind: str, src: str, label: str = "", data_dir: str = DATA) -> str:
+  """Keep a `python -m ondevice.bench` JSON output as figure data: the ring run replaces ondevice_ring.json, a spec
+  run is added to ondevice_spec.json's runs (dated, with the load average it ran under)."""
+  with open(src) as f:
+    res = json.load(f)
+  now = datetime.datetime.now().isoformat(timespec="minutes")
+  if kind == "ring":
+    out, d = os.path.join(data_dir, RING), {"date": now, "command": RERUN[RING], "result": res}
+  else:
+    out = os.path.join(data_dir, SPEC)
+    with open(out) as f:
+      d = json.load(f)
+    d["runs"].append({"date": now, "command": "python -m ondevice.bench --suite spec", "label": label or res["model"],
+                      "result": res})
+  with open(out, "w") as f:
+    json.dump(d, f, indent=1)
+  return out
+
+
 def main(argv=None):
   ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
   ap.add_argument("--rerun", choices=["ksweep"], help="re-measure that data file at this host's scale first")
+  ap.add_argument("--store", nargs=2, metavar=("ring|spec", "JSON"), help="keep an ondevice.bench output as data")
+  ap.add_argument("--label", default="", help="--store spec: the pair's label in the figure")
   ap.add_argument("--out-dir", default=os.path.join(ROOT, "benchmarks", "figures"))
   a = ap.parse_args(argv)
   if a.rerun == "ksweep":
     print(rerun_ksweep())
+  if a.store:
+    print(store(a.store[0], a.store[1], a.label))
   os.makedirs(a.out_dir, exist_ok=True)
-  for name, _, fn, _ in FIGURES:
+  for name, fn in DRAW.items():
     out = os.path.join(a.out_dir, f"{name}.png")
-    print(out, json.dumps(fn(out)))
+    print(out, fn(out)["ours"])
 
 
 if __name__ == "__main__":

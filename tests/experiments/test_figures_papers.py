@@ -5,26 +5,38 @@ import pytest
 
 pytest.importorskip("matplotlib")
 
-from experiments.figures import phoenix, primacpp  # noqa: E402
+from experiments.figures import phoenix, primacpp, registry  # noqa: E402
+
+OURS = [f for f in registry.FIGURES.values() if f.module in (phoenix.__name__, primacpp.__name__)]
 
 
-@pytest.mark.parametrize("name,fn,data", [(n, f, d) for n, _, f, d in phoenix.FIGURES + primacpp.FIGURES])
-def test_draws_from_committed_data(tmp_path, name, fn, data):
-  for d in data:
-    assert os.path.exists(os.path.join(phoenix.DATA, d)), f"{name} needs committed benchmarks/data/{d}"
-  out = tmp_path / f"{name}.png"
-  summary = fn(str(out))
+def test_every_figure_is_registered():
+  assert {f.name for f in OURS} == set(phoenix.DRAW) | set(primacpp.DRAW)
+  assert {f.paper for f in OURS} == {"PHOENIX", "prima.cpp"}
+
+
+@pytest.mark.parametrize("fig", OURS, ids=lambda f: f.name)
+def test_draws_from_committed_data(tmp_path, fig):
+  for p in fig.data_paths():
+    assert os.path.exists(p), f"{fig.name} needs committed {p}"
+  out = tmp_path / f"{fig.name}.png"
+  summary = fig.draw(str(out))
   assert out.stat().st_size > 10_000
-  assert summary
+  assert summary["ours"] and fig.paper_number
+
+
+def test_missing_data_names_the_command(tmp_path):
+  with pytest.raises(registry.MissingData, match="hotswap.py"):
+    phoenix.draw_recovery(str(tmp_path / "x.png"), data_dir=str(tmp_path))
+  with pytest.raises(registry.MissingData, match="--rerun ksweep"):
+    primacpp.draw_ring_k(str(tmp_path / "x.png"), data_dir=str(tmp_path))
 
 
 def test_numbers_come_from_the_data():
   runs = phoenix._load(phoenix.RUNS)["quick"]
-  # every recovery of runs B and C lands in one kind's bar
-  n = sum(1 for r in runs["B"]["recoveries"] + runs["C"]["recoveries"] if r["kind"] in phoenix.KINDS)
-  assert n == len(runs["B"]["recoveries"]) + len(runs["C"]["recoveries"])
-  # the overhead boxes hold one median per 5-step block, on and off alternating
-  blk = phoenix._blocks(runs["A"]["step_log"])
+  recs = runs["B"]["recoveries"] + runs["C"]["recoveries"]
+  assert all(r["kind"] in phoenix.KINDS for r in recs)  # every recovery lands in one kind's bar
+  blk = phoenix._blocks(runs["A"]["step_log"])  # one median per 5-step block, on and off alternating
   assert abs(len(blk[True]) - len(blk[False])) <= 1 and len(blk[True]) >= 5
 
 
