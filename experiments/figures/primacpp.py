@@ -36,7 +36,7 @@ RING, KSWEEP, SPEC, PAPER = "ondevice_ring.json", "ondevice_ksweep.json", "ondev
 DEVICES4 = "benchmarks/ondevice_devices4.yaml"
 PAPER_NAME, SRC, _D = "prima.cpp", "arXiv 2504.08791", "benchmarks/data/"
 RERUN = {
-    RING: ("python -c 'from experiments.figures.primacpp import small_model; small_model(\"/tmp/small_q8.gguf\")' && "
+    RING: ("python -c \"from experiments.figures.primacpp import small_model; small_model('/tmp/small_q8.gguf')\" && "
            "nice -n 10 python -m ondevice.bench --model /tmp/small_q8.gguf --suite ring --devices "
            "benchmarks/ondevice_devices4.yaml --tokens 24 --scenarios all --no-append > /tmp/ring.json && "
            "python -m experiments.figures.primacpp --store ring /tmp/ring.json"),
