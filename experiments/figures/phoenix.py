@@ -29,6 +29,7 @@ import json
 import os
 import statistics
 
+from experiments.figures import registry
 from experiments.figures.registry import MissingData, figure
 
 ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
@@ -331,13 +332,13 @@ def main(argv=None):
   ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
   ap.add_argument("--collect", nargs=2, metavar=("QUICK_JSON", "FULL_JSON"),
                   help="copy two benchmarks/hotswap.py outputs and extract their workdirs into benchmarks/data")
-  ap.add_argument("--out-dir", default=os.path.join(ROOT, "benchmarks", "figures"))
+  ap.add_argument("--out-dir", default=None, help="write DIR/NAME.png instead of each figure's committed path")
   a = ap.parse_args(argv)
   if a.collect:
     print("\n".join(collect(*a.collect)))
-  os.makedirs(a.out_dir, exist_ok=True)
   for name, fn in DRAW.items():
-    out = os.path.join(a.out_dir, f"{name}.png")
+    out = os.path.join(a.out_dir, f"{name}.png") if a.out_dir else os.path.join(ROOT, registry.FIGURES[name].out)
+    os.makedirs(os.path.dirname(out), exist_ok=True)
     print(out, fn(out)["ours"])
 
 

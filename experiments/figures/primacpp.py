@@ -6,6 +6,8 @@
   windows, and ours (Halda + pipelined ring). Data: ondevice_ring.json (``python -m ondevice.bench --suite
   ring --scenarios all``); the clock is EMULATED (real compute x slowdown, page-cache and disk emulation), so
   host load moves it only through the measured layer time. Paper: 5-17x lower TPOT than the baselines.
+* ``primacpp_model_sizes`` (committed as benchmarks/ondevice_latency.png): the same comparison over model sizes
+  (4, 8, 16 layers), experiments/figures/ondevice_latency.py's sweep and plot. Data: ondevice_latency.json.
 * ``primacpp_halda_paper``: Halda's plan (planning only, ondevice/halda.py) on the paper's Table 1 devices for
   Llama 3-8B, 1-30B, 1-65B and 3-70B, next to the paper's Table 2 latencies (llama.cpp and prima.cpp). The
   paper's numbers and every input the paper does not give (memory bandwidths, bits per weight, shapes) are in
@@ -18,7 +20,8 @@
   acceptance < 1, wall clock. Data: ondevice_spec.json (``python -m ondevice.bench --suite spec``).
 
   PYTHONPATH=. python -m experiments.figures.primacpp [--out-dir DIR]
-  PYTHONPATH=. nice -n 10 python -m experiments.figures.primacpp --rerun ksweep   # minutes; rewrites the data
+  PYTHONPATH=. nice -n 10 python -m experiments.figures.primacpp --rerun ksweep|sizes   # minutes; rewrites the data
+  PYTHONPATH=. python -m experiments.figures.primacpp --store ring|spec OUT.json  # keep an ondevice.bench output
 """
 from __future__ import annotations
 
@@ -28,11 +31,13 @@ import json
 import os
 import tempfile
 
+from experiments.figures import registry
 from experiments.figures.registry import MissingData, figure
 
 ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 DATA = os.path.join(ROOT, "benchmarks", "data")
 RING, KSWEEP, SPEC, PAPER = "ondevice_ring.json", "ondevice_ksweep.json", "ondevice_spec.json", "primacpp_paper.json"
+SIZES = "ondevice_latency.json"
 DEVICES4 = "benchmarks/ondevice_devices4.yaml"
 PAPER_NAME, SRC, _D = "prima.cpp", "arXiv 2504.08791", "benchmarks/data/"
 RERUN = {
@@ -41,6 +46,7 @@ RERUN = {
            "benchmarks/ondevice_devices4.yaml --tokens 24 --scenarios all --no-append > /tmp/ring.json && "
            "python -m experiments.figures.primacpp --store ring /tmp/ring.json"),
     KSWEEP: "nice -n 10 python -m experiments.figures.primacpp --rerun ksweep",
+    SIZES: "nice -n 10 python -m experiments.figures.primacpp --rerun sizes",
     SPEC: ("nice -n 10 python -m ondevice.bench --model T.gguf --suite spec --draft D.gguf --tokens 48 --gammas 1,2,4 "
            "--no-append > /tmp/spec.json && python -m experiments.figures.primacpp --store spec /tmp/spec.json "
            "(T, D: experiments/configs/ondevice_spec.py)"),
@@ -107,6 +113,33 @@ def draw_systems(out_path: str, data_dir: str = DATA) -> dict:
           "speedup_vs_best_single": round(r["speedup_vs_best_single_device"], 2),
           "speedup_vs_exo_like": round(r["speedup_vs_exo_like"], 2),
           "speedup_vs_dllama_like": round(r["speedup_vs_dllama_like"], 2), "load_avg": round(d["result"]["load_avg"], 1)}
+
+
+@figure("primacpp_model_sizes", paper=PAPER_NAME, data=[_D + SIZES], rerun=RERUN[SIZES], out="benchmarks/ondevice_latency.png",
+        paper_number=f"the lead grows with model size: 8B 54 vs 15 ms (llama.cpp), 70B 674 vs 10120 ms (Table 2, {SRC})")
+def draw_model_sizes(out_path: str, data_dir: str = DATA) -> dict:
+  """experiments/figures/ondevice_latency.py's model-size sweep, from its committed output."""
+  from experiments.figures import ondevice_latency
+  d = _load(SIZES, data_dir)
+  ondevice_latency.plot(d["runs"], out_path)
+  rows = {}
+  for run in d["runs"]:
+    ring = run["ring"]
+    rows[run["model"]] = {s: round(ondevice_latency._tpot(ring, s), 1) for s, _ in ondevice_latency.SCEN}
+  ours = "; ".join(f"{m.split(' ')[0]}: best single {v['best_single']:.0f} ms, Halda ring {v['halda_ring']:.0f} ms "
+                   f"({v['best_single'] / v['halda_ring']:.1f}x)" for m, v in rows.items())
+  return {"ours": ours + f" (emulated clock, load {d['load_avg']:.1f})", **rows}
+
+
+def rerun_sizes(data_dir: str = DATA, layers=(4, 8, 16), tokens: int = 12) -> str:
+  from experiments.figures import ondevice_latency
+  with tempfile.TemporaryDirectory() as td:
+    runs = ondevice_latency.sweep(list(layers), os.path.join(ROOT, DEVICES4), tokens, td)
+  out = os.path.join(data_dir, SIZES)
+  with open(out, "w") as f:
+    json.dump({"date": datetime.datetime.now().isoformat(timespec="minutes"), "load_avg": os.getloadavg()[0],
+               "tokens": tokens, "devices": DEVICES4, "command": RERUN[SIZES], "runs": runs}, f, indent=1)
+  return out
 
 
 # ------------------------------------------------------------------ Halda on the paper's devices
@@ -316,7 +349,7 @@ def draw_spec(out_path: str, data_dir: str = DATA) -> dict:
   return summary
 
 
-DRAW = {"primacpp_systems": draw_systems, "primacpp_halda_paper": draw_halda_paper, "primacpp_ring_k": draw_ring_k,
+DRAW = {"primacpp_systems": draw_systems, "primacpp_model_sizes": draw_model_sizes, "primacpp_halda_paper": draw_halda_paper, "primacpp_ring_k": draw_ring_k,
         "primacpp_spec": draw_spec}
 
 
@@ -352,18 +385,18 @@ def store(kind: str, src: str, label: str = "", data_dir: str = DATA) -> str:
 
 def main(argv=None):
   ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-  ap.add_argument("--rerun", choices=["ksweep"], help="re-measure that data file at this host's scale first")
+  ap.add_argument("--rerun", choices=["ksweep", "sizes"], help="re-measure that data file at this host's scale first")
   ap.add_argument("--store", nargs=2, metavar=("ring|spec", "JSON"), help="keep an ondevice.bench output as data")
   ap.add_argument("--label", default="", help="--store spec: the pair's label in the figure")
-  ap.add_argument("--out-dir", default=os.path.join(ROOT, "benchmarks", "figures"))
+  ap.add_argument("--out-dir", default=None, help="write DIR/NAME.png instead of each figure's committed path")
   a = ap.parse_args(argv)
-  if a.rerun == "ksweep":
-    print(rerun_ksweep())
+  if a.rerun:
+    print(rerun_ksweep() if a.rerun == "ksweep" else rerun_sizes())
   if a.store:
     print(store(a.store[0], a.store[1], a.label))
-  os.makedirs(a.out_dir, exist_ok=True)
   for name, fn in DRAW.items():
-    out = os.path.join(a.out_dir, f"{name}.png")
+    out = os.path.join(a.out_dir, f"{name}.png") if a.out_dir else os.path.join(ROOT, registry.FIGURES[name].out)
+    os.makedirs(os.path.dirname(out), exist_ok=True)
     print(out, fn(out)["ours"])
 
 
