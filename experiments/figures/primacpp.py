@@ -27,6 +27,7 @@ from __future__ import annotations
 
 import argparse
 import datetime
+import functools
 import json
 import os
 import tempfile
@@ -168,6 +169,7 @@ def paper_inputs(p: dict):
   return out
 
 
+@functools.lru_cache(maxsize=4)  # a few seconds of MILPs; the inputs are a committed file
 def halda_paper_plans(data_dir: str = DATA) -> dict:
   from ondevice import halda
   p = _load(PAPER, data_dir)

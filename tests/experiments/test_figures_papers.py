@@ -41,7 +41,7 @@ def test_numbers_come_from_the_data():
 
 
 def test_halda_on_the_paper_devices_is_a_plan_not_a_copy():
-  rows = primacpp.halda_paper_plans()
+  rows = primacpp.halda_paper_plans(primacpp.DATA)
   paper = primacpp._load(primacpp.PAPER)
   for name, r in rows.items():
     assert sum(r["w"]) * r["k"] == paper["not_in_the_paper"]["models"][name]["layers"]
