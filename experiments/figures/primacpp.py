@@ -51,7 +51,7 @@ RERUN = {
     SPEC: ("nice -n 10 python -m ondevice.bench --model T.gguf --suite spec --draft D.gguf --tokens 48 --gammas 1,2,4 "
            "--no-append > /tmp/spec.json && python -m experiments.figures.primacpp --store spec /tmp/spec.json "
            "(T, D: experiments/configs/ondevice_spec.py)"),
-    PAPER: "",
+    PAPER: "python -m experiments.figures.primacpp --plan-paper",  # Halda plans, nothing runs: the data is the paper's
 }
 SYSTEMS = [("exo_like_memory_split", "exo-like\nRAM split", "tab:orange"),
            ("dllama_like_tensor_parallel", "dllama-like\ntensor par.", "tab:purple"),
@@ -63,7 +63,7 @@ SYSTEMS = [("exo_like_memory_split", "exo-like\nRAM split", "tab:orange"),
 def _load(name, data_dir=DATA):
   path = os.path.join(data_dir, name)
   if not os.path.exists(path):
-    how = f"; run `{RERUN[name]}` to produce it" if RERUN.get(name) else " (the paper's numbers, committed by hand)"
+    how = " (the paper's numbers, committed by hand)" if name == PAPER else f"; run `{RERUN[name]}` to produce it"
     raise MissingData(f"{_D}{name} is missing{how}")
   with open(path) as f:
     return json.load(f)
@@ -188,7 +188,7 @@ def halda_paper_plans(data_dir: str = DATA) -> dict:
   return rows
 
 
-@figure("primacpp_halda_paper", paper=PAPER_NAME, data=[_D + PAPER],
+@figure("primacpp_halda_paper", paper=PAPER_NAME, data=[_D + PAPER], rerun=RERUN[PAPER],
         paper_number=f"prima.cpp 54 / 72 / 569 / 674 ms for Llama 3-8B / 1-30B / 1-65B / 3-70B (Table 2, {SRC})")
 def draw_halda_paper(out_path: str, data_dir: str = DATA) -> dict:
   plt = _plt()
@@ -390,8 +390,12 @@ def main(argv=None):
   ap.add_argument("--rerun", choices=["ksweep", "sizes"], help="re-measure that data file at this host's scale first")
   ap.add_argument("--store", nargs=2, metavar=("ring|spec", "JSON"), help="keep an ondevice.bench output as data")
   ap.add_argument("--label", default="", help="--store spec: the pair's label in the figure")
+  ap.add_argument("--plan-paper", action="store_true", help="print Halda's plans on the paper's devices and exit")
   ap.add_argument("--out-dir", default=None, help="write DIR/NAME.png instead of each figure's committed path")
   a = ap.parse_args(argv)
+  if a.plan_paper:
+    print(json.dumps(halda_paper_plans(DATA), indent=1))
+    return
   if a.rerun:
     print(rerun_ksweep() if a.rerun == "ksweep" else rerun_sizes())
   if a.store:
