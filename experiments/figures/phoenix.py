@@ -284,8 +284,10 @@ def draw_goodput(out_path: str, data_dir: str = DATA) -> dict:
                f"curves assume exponential failures; run B injects at steps, some during a recovery", fontsize=8)
   for x in (600.0, 3600.0, 86400.0):
     summary["host"][f"node_mtbf_{int(x)}s"] = {k: round(v, 3) for k, v in _curve(host, [x])[0].items() if k.startswith("goodput_")}
+  curve_b = _curve(host, [node_mtbf_b])[0]["goodput_hotswap"]
   summary["host"]["run_B"] = {"node_mtbf_s": round(node_mtbf_b, 1), "measured": round(b["goodput_measured"], 3),
-                              "predicted": round(b["goodput_predicted_from_other_runs"], 3)}
+                              "predicted": round(b["goodput_predicted_from_other_runs"], 3),
+                              "hotswap_curve_at_its_rate": round(curve_b, 3)}
   c = {k: v["value"] for k, v in proj["costs"].items()}
   pc = goodput.Costs(node_mtbf_s=3600.0, **c)
   grid2 = [10 ** (2 + i * 0.06) for i in range(101)]  # 100 s .. 1e8 s
@@ -304,7 +306,8 @@ def draw_goodput(out_path: str, data_dir: str = DATA) -> dict:
   h6 = summary["host"]["node_mtbf_600s"]
   summary["ours"] = (f"host, node MTBF 600 s: hot swap {h6['goodput_hotswap']:.2f}, in-memory + restart "
                      f"{h6['goodput_in_memory_restart']:.2f}, disk {h6['goodput_disk_checkpoint_restart']:.2f}; run B "
-                     f"measured {b['goodput_measured']:.3f} vs predicted {b['goodput_predicted_from_other_runs']:.3f}; "
+                     f"measured {b['goodput_measured']:.3f} vs predicted {b['goodput_predicted_from_other_runs']:.3f} (schedule) and "
+                     f"{curve_b:.2f} (curve); "
                      f"512 GPUs / 65B at 10 h: {at10['goodput_hotswap']:.2f} / {at10['goodput_in_memory_restart']:.2f} / "
                      f"{at10['goodput_disk_checkpoint_restart']:.2f} (restarts: lower bounds)")
   a2.set_title(f"(b) projected: {proj['scale']}; step {c['step_s']:.1f} s, hot-swap recovery {c['hotswap_recovery_s']:.0f} s,"
