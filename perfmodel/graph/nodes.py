@@ -19,6 +19,7 @@ analytic.py (no program at all).
 from __future__ import annotations
 
 import dataclasses
+import functools
 from typing import Iterator, Optional
 
 from perfmodel.graph import hlo_parse as hp
@@ -47,9 +48,16 @@ class CollectiveInfo:
   n_devices: int = 1
 
   def groups(self) -> list:
-    if self.kind == "collective-permute":
-      return hp.parse_pairs(self.groups_text)
-    return hp.parse_replica_groups(self.groups_text or None, self.n_devices)
+    return list(_groups(self.kind, self.groups_text, self.n_devices))
+
+
+@functools.lru_cache(maxsize=512)
+def _groups(kind: str, text: str, n_devices: int) -> tuple:
+  # cached: a loop body's collectives are priced once per trip and schedule slot, and the groups of thousands of
+  # devices take a second to parse
+  if kind == "collective-permute":
+    return tuple(hp.parse_pairs(text))
+  return tuple(hp.parse_replica_groups(text or None, n_devices))
 
 
 @dataclasses.dataclass(frozen=True)
