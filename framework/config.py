@@ -365,6 +365,9 @@ def validate_attention(m: ModelConfig, seq_len: int, mesh: MeshConfig) -> None:
   if m.attention == "splash" and mesh.sequence > 1:
     raise ConfigError("model.attention='splash' does not support mesh.sequence > 1 (its causal mask assumes "
                       "queries and keys start together): use model.attention='blockwise' or mesh.sequence=1")
+  if m.attention == "cudnn" and (m.hd > 128 or m.hd % 8):
+    raise ConfigError(f"model.attention='cudnn' needs a head dim <= 128 and a multiple of 8 (cuDNN's flash kernel), "
+                      f"got {m.hd}: use model.attention='dot_product' or 'blockwise'")
   if m.attention == "cudnn" and m.dtype not in ("bfloat16", "float16"):
     raise ConfigError(f"model.attention='cudnn' needs 16-bit compute, got model.dtype={m.dtype!r}: set "
                       f"model.dtype=bfloat16 (or use model.attention='dot_product')")

@@ -54,8 +54,11 @@ def row_config(r: P.PublishedRun) -> tuple:
   pipelined, cp = r.pipeline > 1, r.sequence > 1
   if tpu and not pipelined and not cp and r.seq_len % 128 == 0:
     attention = "splash"
-  elif not tpu and not cp:
+  elif not tpu and not cp and r.head_dim <= 128 and r.head_dim % 8 == 0:
     attention = "cudnn"
+  elif not tpu and not cp:
+    attention = "dot_product"
+    notes.append(f"attention dot_product (XLA): head dim {r.head_dim} is outside cuDNN flash attention's (<= 128)")
   elif not tpu:
     # cuDNN's kernel with a position mask (context parallelism) compiles into a host literal of tens of GB under
     # gradient accumulation: XLA's own attention, masked by the positions, stands in
