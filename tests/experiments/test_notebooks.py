@@ -127,9 +127,9 @@ def _check_hotswap(nb, workdir):
 def _check_ondevice(nb, workdir):
   text = _text(nb)
   tpot = dict(re.findall(r"^(.+?): windows .* TPOT ([\d.]+) ms \(emulated\)$", text, re.M))
-  assert len(tpot) == 3, text[-2000:]
+  assert len(tpot) == 6, text[-2000:]  # 4 devices alone, the exo-like split, Halda
   halda = float(tpot["Halda, pipelined ring"])
-  single = float(next(v for k, v in tpot.items() if k.endswith("alone (mmap)")))
+  single = min(float(v) for k, v in tpot.items() if k.endswith("alone (mmap)"))
   # the point of the plan on these memory-starved devices (ondevice/README.md): faster than the best device alone
   assert halda < single, tpot
 
