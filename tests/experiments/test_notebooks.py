@@ -3,13 +3,15 @@ default variant on CPU, and checks what each one claims to show.
 
 The kernel starts in experiments/notebooks/ (where Jupyter opens a notebook): the first cell has to find the
 repository by walking up and change into it. PYTHONPATH names the repository, so PrismLLM is importable and the
-cell's `pip install -e` branch is not taken (the test does not install into the environment it runs in).
+cell's `pip install -e` branch is not taken there (the test does not install into the environment it runs in).
+That branch, and the Colab clone, are checked by running the cell with `subprocess.run` recording the commands.
 """
 import json
 import math
 import os
 import pathlib
 import re
+import sys
 import time
 
 import pytest
@@ -155,3 +157,60 @@ def test_notebook_executes(name, tmp_path, monkeypatch):
   assert any("image/png" in o.get("data", {}) for o in figure), f"{name}: the last cell drew no figure"
   CHECKS[name](nb, workdir)
   print(f"{name} notebook executed in {elapsed:.1f} s")
+
+
+class _Calls:
+  """subprocess.run stand-in: records each command; `git clone` creates the target folder."""
+
+  def __init__(self):
+    self.cmds = []
+
+  def __call__(self, cmd, check=False, **_):
+    self.cmds.append(list(cmd))
+    if cmd[:2] == ["git", "clone"]:
+      pathlib.Path(cmd[-1]).mkdir(parents=True)
+
+
+def _run_install_cell(monkeypatch, cwd, jax_version="0.10.2", missing=(), repo_url=""):
+  import importlib.metadata  # noqa: PLC0415
+  import importlib.util  # noqa: PLC0415
+  import subprocess  # noqa: PLC0415
+  calls = _Calls()
+  real_find = importlib.util.find_spec
+  monkeypatch.setattr(subprocess, "run", calls)
+  monkeypatch.setattr(importlib.util, "find_spec", lambda m, *a: None if m in missing else real_find(m, *a))
+  monkeypatch.setattr(importlib.metadata, "version", lambda d: jax_version if d == "jax" else "0")
+  monkeypatch.setenv("PRISMLLM_REPO", repo_url)
+  monkeypatch.setenv("XLA_FLAGS", "")
+  monkeypatch.chdir(cwd)  # the cell changes directory; monkeypatch restores it
+  monkeypatch.setattr(sys, "path", list(sys.path))
+  source = _code(nbformat.read(FOLDER / "hotswap.ipynb", as_version=4))[0].source
+  namespace = {}
+  exec(compile(source, "install-cell", "exec"), namespace)  # noqa: S102 - the notebook's own cell
+  return namespace, calls.cmds
+
+
+def test_install_cell_finds_the_repository_and_installs_nothing_when_ready(monkeypatch):
+  ns, cmds = _run_install_cell(monkeypatch, FOLDER)
+  assert ns["ROOT"] == REPO and os.getcwd() == str(REPO) and cmds == []
+  assert "--xla_force_host_platform_device_count=8" in os.environ["XLA_FLAGS"]
+
+
+@pytest.mark.parametrize("jax_version,missing", [("0.11.2", ()), ("0.10.1", ()), ("0.10.2", ("flax",))])
+def test_install_cell_installs_the_repository_when_jax_or_a_dependency_is_off(monkeypatch, jax_version, missing):
+  _, cmds = _run_install_cell(monkeypatch, FOLDER, jax_version, missing)
+  assert cmds == [[sys.executable, "-m", "pip", "install", "-q", "-e", str(REPO)]]
+
+
+def test_install_cell_clones_prismllm_repo_outside_a_checkout(monkeypatch, tmp_path):
+  url = "https://example.invalid/prismllm.git"
+  ns, cmds = _run_install_cell(monkeypatch, tmp_path, missing=("framework",), repo_url=url)
+  clone = tmp_path.resolve() / "prismllm"
+  assert cmds == [["git", "clone", "--depth", "1", url, str(clone)],
+                  [sys.executable, "-m", "pip", "install", "-q", "-e", str(clone)]]
+  assert ns["ROOT"] == clone
+
+
+def test_install_cell_says_what_to_do_outside_a_checkout_without_a_url(monkeypatch, tmp_path):
+  with pytest.raises(RuntimeError, match="set PRISMLLM_REPO"):
+    _run_install_cell(monkeypatch, tmp_path, missing=("framework",))
