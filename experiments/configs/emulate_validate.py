@@ -9,6 +9,10 @@ Every step is logged (log_every=1) so metrics.jsonl has one step_time_s per step
 and sampling are off so the loop times only training steps.
 
 Commands:
+  # once per host, before emulating for the cpu target: measure this host's 2-process gloo collective curves
+  # (~1 min; overwrites the committed perfmodel/emulate/calibration/cpu_gloo.json, measured on the development
+  # host; without it the emulator prices collectives with that host's curves)
+  python -m perfmodel.emulate.gloo_calibration
   # the real run (one process per core, gloo over loopback)
   python -m experiments.run --config experiments/configs/emulate_validate.py:layout=data --workdir /tmp/ev \
       --processes 2 --host-devices 2

@@ -12,7 +12,8 @@ Commands:
   # smoke-train the same code path at toy size on 8 emulated CPU devices
   python -m experiments.run --config experiments/configs/llama3_70b.py:runlocal=True --workdir /tmp/l70b_local
 Reproduces: the benchmarks/RESULTS.md row of the first command (per-rank peak 15.88 GB); the scale benchmark
-wraps it: PYTHONPATH=. python benchmarks/emulate_scale.py --hardware h100
+wraps it and appends a row to the committed benchmarks/RESULTS.md:
+  PYTHONPATH=. python benchmarks/emulate_scale.py --hardware h100
 """
 import ml_collections
 

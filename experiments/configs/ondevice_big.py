@@ -1,10 +1,11 @@
 """On-device benchmark model "big": 16 layers, d=1024, 16/4 heads, FFN 2816, byte vocab (~203M parameters),
 random weights: large enough that decoding is memory-bound, as on a real device.
 
-Command (export once, then bench):
+Command (export once, then bench; the bench appends a row to the committed benchmarks/RESULTS.md, --no-append skips it):
   python -m ondevice.export --random --config experiments/configs/ondevice_big.py --out /tmp/big-q4_0.gguf --quant q4_0
   python -m ondevice.bench --model /tmp/big-q4_0.gguf --suite single
-Variant ':layers=N' changes the depth (model-size sweep of experiments/figures/ondevice_latency.py).
+Variant ':layers=N' changes the depth, e.g. ':layers=4' (~46M parameters) for a quicker bench. The model-size
+sweep of benchmarks/ondevice_latency.png uses models of its own (the 'small' shape of ondevice_tiny.py), not this config.
 """
 import ml_collections
 
