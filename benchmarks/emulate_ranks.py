@@ -4,11 +4,13 @@ CPU device as the emulated mesh grows 8 -> 8192 ranks (PrismLLM's scale figure).
   PYTHONPATH=. python benchmarks/emulate_ranks.py [--ranks 8,64,512,2048,8192] [--out benchmarks/data/emulate_ranks.json]
 
 The model is `experiments/configs/llama3_70b.py:runlocal=True` (toy widths, 4 layers, 1F1B over 2 stages), on the
-mesh data=N/8 x fsdp=2 x tensor=2 x pipeline=2 with 4 sequences per data x fsdp replica, so every rank's shapes
-are the same at every N and only the emulated job grows. Each point runs the emulator in its own child
-process (executed, 3 timed steps after 1 warm-up, target profile h100); host memory is that child's peak RSS
-(wait4). The emulated iteration time is on the h100 clock (compute from roofline shares of the measured CPU
-step, collectives from the profile's links), so it grows with the data-parallel all-reduce group.
+mesh data=N/8 x fsdp=2 x tensor=2 x pipeline=2 with 2 sequences per data x fsdp replica (global batch N/2), so
+every rank's shapes are the same at every N and only the emulated job grows. Each point runs the emulator in its
+own child process (executed, 3 timed steps after 1 warm-up, target profile h100); host memory is that child's peak
+RSS (wait4); its CPU time (user + system, less sensitive than wall time to the other jobs on a shared host) is
+recorded beside the wall time, with the load average before and after. In the emulated iteration time, compute is
+measured on this CPU (the real rank executes) and collectives are priced on the h100 profile's links, so its
+communication grows with the data-parallel all-reduce group.
 """
 from __future__ import annotations
 
@@ -51,7 +53,7 @@ def one(n: int, hardware: str, out_dir: str) -> dict:
           "iteration_time_s": res["iteration_time_s"], "peak_memory_bytes_per_rank": res["peak_memory_bytes"],
           "per_rank": [{k: r[k] for k in ("rank", "class", "class_size", "iteration_time_s", "compute_s", "comm_s",
                                           "wait_s")} for r in res["ranks"]],
-          "peak_rss_bytes": usage.ru_maxrss * 1024, "load_avg_1m": [load0, os.getloadavg()[0]], "command": " ".join(cmd[1:])}
+          "process_cpu_s": usage.ru_utime + usage.ru_stime, "peak_rss_bytes": usage.ru_maxrss * 1024, "load_avg_1m": [load0, os.getloadavg()[0]], "command": " ".join(cmd[1:])}
 
 
 def main(argv=None) -> int:
@@ -64,7 +66,7 @@ def main(argv=None) -> int:
   for n in [int(x) for x in a.ranks.split(",")]:
     pt = one(n, a.hardware, tempfile.mkdtemp(prefix=f"emu_ranks_{n}_"))
     points.append(pt)
-    print(f"{n} ranks: wall {pt['process_wall_s']:.1f} s, peak RSS {pt['peak_rss_bytes'] / 1e9:.2f} GB, "
+    print(f"{n} ranks: wall {pt['process_wall_s']:.1f} s, CPU {pt['process_cpu_s']:.1f} s, peak RSS {pt['peak_rss_bytes'] / 1e9:.2f} GB, "
           f"iteration {pt['iteration_time_s'] * 1e3:.2f} ms, load {pt['load_avg_1m']}", file=sys.stderr, flush=True)
   out = {"benchmark": "emulate_ranks", "date": datetime.datetime.now().isoformat(timespec="minutes"),
          "machine": f"{platform.machine()} {os.cpu_count()} cores (shared)", "config": CONFIG,

@@ -121,27 +121,41 @@ def draw_scale(out):
   d = _load(RANKS)
   pts = sorted(d["points"], key=lambda p: p["emulated_ranks"])
   n = [p["emulated_ranks"] for p in pts]
-  fig, (a, b) = plt.subplots(1, 2, figsize=(12, 4.6))
-  a.plot(n, [p["process_wall_s"] for p in pts], "o-", color="tab:blue", label="emulator wall time")
+  fig, (a, b) = plt.subplots(1, 2, figsize=(12.5, 4.8))
+  top = max(p["process_wall_s"] for p in pts)
+  a.plot(n, [p["process_wall_s"] for p in pts], "o-", color="tab:blue", label="wall time")
+  if all("process_cpu_s" in p for p in pts):
+    a.plot(n, [p["process_cpu_s"] for p in pts], "o:", color="tab:cyan", label="CPU time (user + system)")
   a.set_xscale("log", base=2)
   a.set_xlabel("emulated ranks (from 1 real CPU device)")
-  a.set_ylabel("wall time (s)", color="tab:blue")
-  a.set_ylim(0, max(p["process_wall_s"] for p in pts) * 1.3)
+  a.set_ylabel("emulator time per run (s)", color="tab:blue")
+  a.set_ylim(0, top * 1.45)
   a2 = a.twinx()
   a2.plot(n, [p["peak_rss_bytes"] / 1e9 for p in pts], "s--", color="tab:red", label="host peak RSS")
   a2.set_ylabel("host peak memory, RSS (GB)", color="tab:red")
-  a2.set_ylim(0, max(p["peak_rss_bytes"] / 1e9 for p in pts) * 1.3)
+  a2.set_ylim(0, max(p["peak_rss_bytes"] / 1e9 for p in pts) * 1.45)
   for p in pts:
-    a.annotate(f"{p['real_devices']}/{p['emulated_ranks']}\n= {100 * p['real_devices'] / p['emulated_ranks']:.3g}%",
-               (p["emulated_ranks"], p["process_wall_s"]), textcoords="offset points", xytext=(0, 8), ha="center",
-               fontsize=7)
-  loads = [x for p in pts for x in p["load_avg_1m"]]
-  a.set_title(f"cost of emulating (labels: real / emulated devices); load {min(loads):.1f}-{max(loads):.1f}")
-  b.plot(n, [p["iteration_time_s"] * 1e3 for p in pts], "o-", color="k")
+    a.annotate(f"{p['real_devices']}/{p['emulated_ranks']}\n= {100 * p['real_devices'] / p['emulated_ranks']:.3g}%"
+               f"\nload {max(p['load_avg_1m']):.1f}", (p["emulated_ranks"], p["process_wall_s"]),
+               textcoords="offset points", xytext=(0, 8), ha="center", fontsize=7)
+  h1, l1 = a.get_legend_handles_labels()
+  h2, l2 = a2.get_legend_handles_labels()
+  a.legend(h1 + h2, l1 + l2, fontsize=7, loc="lower right")
+  a.set_title("cost of emulating; labels: real / emulated devices, 1-min load (2 cores)", fontsize=10)
+  b.plot(n, [p["iteration_time_s"] * 1e3 for p in pts], "o-", color="k", label="iteration (slowest rank)")
+  r0 = [p["per_rank"][0] for p in pts]
+  b.plot(n, [r["compute_s"] * 1e3 for r in r0], "^--", color="tab:blue", label="rank 0 compute")
+  b.plot(n, [r["comm_s"] * 1e3 for r in r0], "v--", color="tab:orange", label="rank 0 communication")
+  b.plot(n, [r["wait_s"] * 1e3 for r in r0], "x:", color="0.5", label="rank 0 wait (pipeline, stragglers)")
   b.set_xscale("log", base=2)
+  b.set_ylim(0, None)
   b.set_xlabel("emulated ranks")
-  b.set_ylabel(f"emulated iteration time on {d['hardware']} (ms)")
-  b.set_title("toy Llama (4 layers, d=64), data=N/8 x fsdp 2 x tensor 2 x pipeline 2")
+  b.set_ylabel(f"emulated time per iteration (ms)\ncompute measured on this CPU, collectives on {d['hardware']} links",
+               fontsize=9)
+  b.set_title("toy Llama (4 layers, d=64): data N/8 x fsdp 2 x tensor 2 x pipeline 2", fontsize=9)
+  b.legend(fontsize=7)
+  for ax in (a, b):
+    ax.set_xticks(n, [str(v) for v in n])
   fig.tight_layout()
   fig.savefig(out, dpi=110)
   plt.close(fig)
@@ -169,7 +183,7 @@ def draw_l70b_stages(out):
   fig, ax = plt.subplots(figsize=(9, 4.8))
   x = range(len(rows))
   ax.bar(x, comp, 0.55, color="tab:blue", label=f"compute (priced by the {d['hardware']} roofline)")
-  ax.bar(x, comm, 0.55, bottom=comp, color="tab:orange", label="exposed communication")
+  ax.bar(x, comm, 0.55, bottom=comp, color="tab:orange", label="communication")
   ax.bar(x, wait, 0.55, bottom=[c + m for c, m in zip(comp, comm)], color="0.75", label="bubble / wait")
   for i, r in enumerate(rows):
     tot = comp[i] + comm[i] + wait[i]
@@ -177,11 +191,11 @@ def draw_l70b_stages(out):
             fontsize=8)
   ax.set_xticks(list(x), labels, fontsize=8)
   ax.set_ylabel("time per iteration (s)")
-  ax.set_ylim(0, max(c + m + w for c, m, w in zip(comp, comm, wait)) * 1.2)
+  ax.set_ylim(0, max(c + m + w for c, m, w in zip(comp, comm, wait)) * 1.35)
   mesh = " x ".join(f"{k} {v}" for k, v in d["mesh"].items() if v > 1)
   ax.set_title(f"Llama-3-70B, {d['emulated_devices']} ranks ({mesh}) emulated from {d['real_devices']} CPU device,"
                f" compile only", fontsize=9)
-  ax.legend(fontsize=8, loc="lower right")
+  ax.legend(fontsize=8, loc="upper center", ncol=3)
   fig.tight_layout()
   fig.savefig(out, dpi=110)
   plt.close(fig)
