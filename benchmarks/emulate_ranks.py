@@ -1,7 +1,8 @@
 """Emulator cost vs emulated ranks: wall time and host peak memory of `python -m perfmodel emulate` from ONE
 CPU device as the emulated mesh grows 8 -> 8192 ranks (PrismLLM's scale figure).
 
-  PYTHONPATH=. python benchmarks/emulate_ranks.py [--ranks 8,64,512,2048,8192] [--out benchmarks/data/emulate_ranks.json]
+  PYTHONPATH=. python benchmarks/emulate_ranks.py [--ranks 8,64,512,2048,8192] [--out FILE]
+  (default FILE: benchmarks/data/emulate_ranks.json, which the figure reads)
 
 The model is `experiments/configs/llama3_70b.py:runlocal=True` (toy widths, 4 layers, 1F1B over 2 stages), on the
 mesh data=N/8 x fsdp=2 x tensor=2 x pipeline=2 with 2 sequences per data x fsdp replica (global batch N/2), so
@@ -53,7 +54,8 @@ def one(n: int, hardware: str, out_dir: str) -> dict:
           "iteration_time_s": res["iteration_time_s"], "peak_memory_bytes_per_rank": res["peak_memory_bytes"],
           "per_rank": [{k: r[k] for k in ("rank", "class", "class_size", "iteration_time_s", "compute_s", "comm_s",
                                           "wait_s")} for r in res["ranks"]],
-          "process_cpu_s": usage.ru_utime + usage.ru_stime, "peak_rss_bytes": usage.ru_maxrss * 1024, "load_avg_1m": [load0, os.getloadavg()[0]], "command": " ".join(cmd[1:])}
+          "process_cpu_s": usage.ru_utime + usage.ru_stime, "peak_rss_bytes": usage.ru_maxrss * 1024,
+          "load_avg_1m": [load0, os.getloadavg()[0]], "command": " ".join(cmd[1:])}
 
 
 def main(argv=None) -> int:
@@ -66,7 +68,8 @@ def main(argv=None) -> int:
   for n in [int(x) for x in a.ranks.split(",")]:
     pt = one(n, a.hardware, tempfile.mkdtemp(prefix=f"emu_ranks_{n}_"))
     points.append(pt)
-    print(f"{n} ranks: wall {pt['process_wall_s']:.1f} s, CPU {pt['process_cpu_s']:.1f} s, peak RSS {pt['peak_rss_bytes'] / 1e9:.2f} GB, "
+    print(f"{n} ranks: wall {pt['process_wall_s']:.1f} s, CPU {pt['process_cpu_s']:.1f} s, "
+          f"peak RSS {pt['peak_rss_bytes'] / 1e9:.2f} GB, "
           f"iteration {pt['iteration_time_s'] * 1e3:.2f} ms, load {pt['load_avg_1m']}", file=sys.stderr, flush=True)
   out = {"benchmark": "emulate_ranks", "date": datetime.datetime.now().isoformat(timespec="minutes"),
          "machine": f"{platform.machine()} {os.cpu_count()} cores (shared)", "config": CONFIG,

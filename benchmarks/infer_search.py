@@ -25,7 +25,8 @@ import time
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 BATCHES = (1, 4, 16, 32)
-PRECISION = {"f32": dict(dtype="float32", param_dtype="float32"), "bf16": dict(dtype="bfloat16", param_dtype="bfloat16")}
+PRECISION = {"f32": dict(dtype="float32", param_dtype="float32"),
+             "bf16": dict(dtype="bfloat16", param_dtype="bfloat16")}
 LAYERS = {"scan": dict(scan_layers=True), "unrolled": dict(scan_layers=False)}
 MODEL = dict(vocab_size=256, d_model=256, n_layers=4, n_heads=8, n_kv_heads=4, d_ff=768, max_seq_len=256,
              remat="none")
@@ -45,14 +46,27 @@ def main(argv=None) -> int:
   ap.add_argument("--out", default=os.path.join(ROOT, "benchmarks", "data", "infer_search.json"))
   a = ap.parse_args(argv)
   os.environ.setdefault("JAX_PLATFORMS", "cpu")
-  from perfmodel import hardware, predict  # noqa: PLC0415 (jax is configured by the environment above)
-  from perfmodel.calib import runners, suite  # noqa: PLC0415
+  # the cpu profile's regime (perfmodel/cli.py _regime), set before jax starts: one pinned core, single-threaded
+  # XLA, CPU-time clock, the real job's allocator, so predictions and measurements are in the profile's units
+  from framework import host_memory  # noqa: PLC0415
+  from perfmodel.calib import bench, trace_nodes  # noqa: PLC0415
+  host_memory.apply()
+  trace_nodes.enable()
+  core = bench.pin(-1)
+  from perfmodel import hardware, predict, program  # noqa: PLC0415
+  from perfmodel.calib import fusion_profiler, runners, suite  # noqa: PLC0415
+  from perfmodel.cost import chain  # noqa: PLC0415
   hw = hardware.load("cpu")
+  profiled = chain.resolve_backend(hw, "auto") in chain.NEEDS_PROFILED_PROGRAM
   rows, t0 = [], time.perf_counter()
   for b, prec, lay in itertools.product(BATCHES, PRECISION, LAYERS):
     e = entry(b, prec, lay)
     cfg, _, _ = runners.entry_cfg(e, suite.BASE)
-    p = predict.predict(cfg, hw, mode="infer", batch=b, prompt_len=PROMPT_LEN, gen_len=GEN_LENS[1])
+    cap = program.sampler(cfg, b, PROMPT_LEN, GEN_LENS[1])
+    if profiled:  # as `perfmodel predict` and `validate` do: time the program's fusions alone on this host first
+      fusion_profiler.profile_program(cap.hlo_text, cap.n_devices, hw.name,
+                                      stale_before=fusion_profiler.stale_before(hw))
+    p = predict.predict(cfg, hw, mode="infer", batch=b, prompt_len=PROMPT_LEN, gen_len=GEN_LENS[1], captured=cap)
     rows.append(dict(batch=b, precision=prec, layers=lay, name=e["name"], predicted_tpot_s=p.tpot_s,
                      predicted_tokens_per_s=b / p.tpot_s, predicted_peak_memory_bytes=p.peak_memory_bytes,
                      fits=p.peak_memory_bytes <= hw.mem_bytes))
@@ -73,6 +87,8 @@ def main(argv=None) -> int:
             f"{r['measured_tokens_per_s']:.0f} tok/s, load {r['load_avg_1m']}", file=sys.stderr, flush=True)
   out = {"benchmark": "infer_search", "date": datetime.datetime.now().isoformat(timespec="minutes"),
          "machine": f"{platform.machine()} {os.cpu_count()} cores (shared)", "hardware_profile": hw.name,
+         "regime": {"pinned_core": core, "clock": "cpu time" if bench.pinned() else "wall",
+                    "backend": chain.resolve_backend(hw, "auto")},
          "model": MODEL, "prompt_len": PROMPT_LEN, "gen_lens": list(GEN_LENS), "n_candidates": len(rows),
          "default": default["name"], "best_predicted": best["name"], "predict_wall_s": predict_s,
          "predicted_speedup_pct": 100 * (best["predicted_tokens_per_s"] / default["predicted_tokens_per_s"] - 1),

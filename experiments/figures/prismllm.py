@@ -50,7 +50,8 @@ def draw_iteration_time(out):
     s = sorted(t * 1e3 for t in _real_steps(d, l)) or [r]
     lo.append(r - s[int(0.1 * (len(s) - 1))])
     hi.append(s[int(0.9 * (len(s) - 1))] - r)
-  a.bar([i - 0.2 for i in x], real, 0.4, yerr=[lo, hi], capsize=4, color="0.3", label="real 2-process run (p10-p90 of steps)")
+  a.bar([i - 0.2 for i in x], real, 0.4, yerr=[lo, hi], capsize=4, color="0.3",
+        label="real 2-process run (p10-p90 of steps)")
   a.bar([i + 0.2 for i in x], emu, 0.4, color="tab:blue", label="emulated (1 real rank + virtual peer)")
   a.set_xticks(list(x), lays)
   a.set_xlabel("layout (2 ranks, gloo on localhost)")
@@ -91,8 +92,10 @@ def draw_memory(out):
   x = range(len(lays))
   w = 0.27
   ax.bar([i - w for i in x], real, w, color="0.3", label="real compiled program (max over ranks)")
-  ax.bar(list(x), exact, w, color="tab:blue", label="emulator --exact-memory: N-device program\ncompiled on N virtual CPU devices")
-  ax.bar([i + w for i in x], standin, w, color="tab:orange", label="emulator: per-rank program with stand-in\ncollectives (the route used at 8192 ranks)")
+  ax.bar(list(x), exact, w, color="tab:blue",
+         label="emulator --exact-memory: N-device program\ncompiled on N virtual CPU devices")
+  ax.bar([i + w for i in x], standin, w, color="tab:orange",
+         label="emulator: per-rank program with stand-in\ncollectives (the route used at 8192 ranks)")
   for i, l in enumerate(lays):
     e = d["layouts"][l]
     ax.text(i, exact[i] * 1.02, f"{e['memory_error_bytes']:+d} B", ha="center", fontsize=8, color="tab:blue")
