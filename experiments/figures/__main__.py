@@ -25,7 +25,9 @@ from experiments.figures import registry  # noqa: E402
 def _rerun(fig) -> None:
   if not fig.rerun:
     raise SystemExit(f"{fig.name} has no rerun command")
-  env = dict(os.environ, PYTHONPATH=os.pathsep.join([registry.ROOT] + [p for p in [os.environ.get("PYTHONPATH")] if p]))
+  # `python` in a rerun command is this interpreter (its bin folder first on PATH), with the repository importable
+  env = dict(os.environ, PYTHONPATH=os.pathsep.join([registry.ROOT] + [p for p in [os.environ.get("PYTHONPATH")] if p]),
+             PATH=os.pathsep.join([os.path.dirname(sys.executable), os.environ.get("PATH", "")]))
   print(f"[{fig.name}] rerun: {fig.rerun}", flush=True)
   subprocess.run(fig.rerun, shell=True, cwd=registry.ROOT, env=env, check=True)
 

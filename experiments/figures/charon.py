@@ -130,12 +130,14 @@ def draw_search(out):
   x = range(len(rows))
   colors = ["tab:green" if r["name"] == d["best_predicted"] else "tab:red" if r["name"] == d["default"] else "0.6"
             for r in rows]
-  a.bar([i - 0.2 for i in x], [r["predicted_tokens_per_s"] for r in rows], 0.4, color=colors, label="predicted")
+  a.bar([i - 0.2 for i in x], [r["predicted_tokens_per_s"] for r in rows], 0.4, color=colors)
   meas = [(i, r) for i, r in enumerate(rows) if "measured_tokens_per_s" in r]
   a.bar([i + 0.2 for i, _ in meas], [r["measured_tokens_per_s"] for _, r in meas], 0.4, color="k",
         yerr=[r["measured_tokens_per_s"] * r["measured_noise_pct"] / 100 for _, r in meas], capsize=3,
         label="measured (run for real; bar: noise)")
-  a.set_xticks(list(x), [f"b{r['batch']} {r['precision']}\n{r['layers']}" for r in rows], fontsize=7)
+  for c, lab in (("0.6", "predicted"), ("tab:green", "predicted: the best"), ("tab:red", "predicted: the default")):
+    a.bar([0], [0], color=c, label=lab)
+  a.set_xticks(list(x), [f"b{r['batch']}\n{r['precision']}\n{r['layers'][:6]}" for r in rows], fontsize=7)
   a.set_ylabel("decode throughput (tokens/s)")
   a.set_xlabel("candidate (batch, precision, layer layout), by predicted throughput; green: predicted best, "
                "red: default", fontsize=8)
@@ -150,10 +152,13 @@ def draw_search(out):
         label="predicted")
   b.bar([0.2, 1.2], [dflt["measured_tokens_per_s"], best["measured_tokens_per_s"]], 0.4, color="k",
         label="measured")
+  for xx, r in ((0.2, dflt), (1.2, best)):
+    b.text(xx, r["measured_tokens_per_s"] * 1.02, f"TPOT error\n{r['tpot_err_pct']:+.0f}%", ha="center", fontsize=8)
   b.set_xticks([0, 1], labels, fontsize=8)
   b.set_ylabel("decode throughput (tokens/s)")
-  b.set_title(f"speed-up: predicted {d['predicted_speedup_pct']:+.0f}%, measured {d['measured_speedup_pct']:+.0f}%",
-              fontsize=10)
+  loads = [x for r in (dflt, best) for x in r["load_avg_1m"]]
+  b.set_title(f"speed-up: predicted {d['predicted_speedup_pct']:+.0f}%, measured {d['measured_speedup_pct']:+.0f}%\n"
+              f"(pinned core, CPU-time clock; load {min(loads):.1f}-{max(loads):.1f} on 2 cores)", fontsize=10)
   b.legend(fontsize=8)
   fig.tight_layout()
   fig.savefig(out, dpi=110)
