@@ -104,11 +104,11 @@ def draw_memory(out):
   ax.set_xticks(list(x), lays)
   ax.set_xlabel("layout (2 ranks)")
   ax.set_ylabel("per-rank peak memory (MiB)")
-  ax.set_ylim(0, max(real + exact + standin) * 1.25)
+  ax.set_ylim(0, max(real + exact + standin) * 1.6)
   worst = max(abs(d["layouts"][l]["memory_error_bytes"]) for l in lays)
   ax.set_title(f"per-rank peak memory; labels: error vs the real run (--exact-memory max |error| {worst} B)",
                fontsize=10)
-  ax.legend(fontsize=8, loc="upper right")
+  ax.legend(fontsize=8, loc="upper center", ncol=2)
   fig.tight_layout()
   fig.savefig(out, dpi=110)
   plt.close(fig)
