@@ -49,8 +49,11 @@ def main(argv=None) -> int:
       print(f"{f.name:28s} {f.paper:10s} paper: {f.paper_number}\n{'':28s} data: {', '.join(f.data) or '-'}\n"
             f"{'':28s} rerun: {f.rerun or '-'}\n{'':28s} png: {f.out}")
     return 0
-  for n in a.rerun:
-    _rerun(figs[n])
+  done = set()
+  for n in a.rerun:  # figures that share a data file share its command: run it once
+    if figs[n].rerun not in done:
+      _rerun(figs[n])
+      done.add(figs[n].rerun)
   names = a.only + [n for n in a.rerun if n not in a.only] or list(figs)
   summary, t_all = {}, time.perf_counter()
   for n in names:
