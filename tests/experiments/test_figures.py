@@ -62,3 +62,20 @@ def test_list_and_unknown_name():
     assert name in p.stdout
   bad = _run("--only", "no_such_figure")
   assert bad.returncode != 0 and "unknown figure" in bad.stderr
+
+
+def test_rerun_runs_the_command_with_this_interpreter_then_draws(tmp_path, monkeypatch):
+  from experiments.figures import __main__ as runner
+  marker = tmp_path / "python.txt"
+  cmd = f"python -c \"import sys; open({str(marker)!r}, 'w').write(sys.prefix)\""
+
+  def draw(out):
+    with open(out, "wb") as f:
+      f.write(b"\x89PNG" + b"0" * 2000)
+    return {"ours": "drawn"}
+  fig = registry.Figure("rerun_probe", "none", draw, "unused.png", [], cmd, "-", __name__)
+  monkeypatch.setitem(registry.FIGURES, "rerun_probe", fig)
+  monkeypatch.setattr(registry, "discover", lambda: registry.FIGURES)
+  assert runner.main(["--rerun", "rerun_probe", "--out-dir", str(tmp_path)]) == 0
+  assert marker.read_text() == sys.prefix  # the same environment (a venv has its own prefix)
+  assert (tmp_path / "rerun_probe.png").stat().st_size > 1000
