@@ -150,10 +150,13 @@ def draw_search(out):
   measured = [r for _, r in meas]
   top = max(measured, key=lambda r: r["measured_tokens_per_s"])
   regret = 100 * (1 - best["measured_tokens_per_s"] / top["measured_tokens_per_s"]) if len(measured) > 2 else None
+  tpot_mape = sum(abs(r["tpot_err_pct"]) for r in measured) / len(measured)
+  tau = _kendall([r["predicted_tokens_per_s"] for r in measured], [r["measured_tokens_per_s"] for r in measured])
+  short = f"b{top['batch']} {top['precision']} {top['layers']}"
   a.set_title(f"{d['n_candidates']} candidates, d_model {m['d_model']} x {m['n_layers']} layers, prompt "
-              f"{d['prompt_len']}, one CPU core; {len(measured)} run for real"
-              + (f"; measured best {top['name']} (regret of the pick {regret:.0f}%)" if regret is not None else ""),
-              fontsize=9)
+              f"{d['prompt_len']}, one CPU core; {len(measured)} run for real\n"
+              + (f"measured best {short} (the pick's regret {regret:.0f}%); " if regret is not None else "")
+              + f"TPOT MAPE {tpot_mape:.0f}%" + (f", Kendall tau {tau:.2f}" if tau is not None else ""), fontsize=9)
   a.legend(fontsize=8)
   labels = ["default\n" + dflt["name"], "predicted best\n" + best["name"]]
   b.bar([-0.2, 0.8], [dflt["predicted_tokens_per_s"], best["predicted_tokens_per_s"]], 0.4, color="0.6",
@@ -172,6 +175,17 @@ def draw_search(out):
   fig.savefig(out, dpi=110)
   plt.close(fig)
   pick = f"; measured best {top['name']}, regret of the pick {regret:.0f}%" if regret is not None else ""
+  pick += f"; TPOT MAPE {tpot_mape:.0f}% over {len(measured)} runs" + (f", tau {tau:.2f}" if tau is not None else "")
   return {"ours": f"{d['best_predicted']} vs default {d['default']}: measured {d['measured_speedup_pct']:+.0f}% "
                   f"throughput (predicted {d['predicted_speedup_pct']:+.0f}%); TPOT error of the best "
                   f"{best['tpot_err_pct']:+.1f}%{pick}"}
+
+
+def _kendall(xs, ys):
+  """Kendall's tau-a of two equally long sequences (None under 3 points)."""
+  n = len(xs)
+  if n < 3:
+    return None
+  s = sum((1 if (xs[i] - xs[j]) * (ys[i] - ys[j]) > 0 else -1 if (xs[i] - xs[j]) * (ys[i] - ys[j]) < 0 else 0)
+          for i in range(n) for j in range(i + 1, n))
+  return s / (n * (n - 1) / 2)
