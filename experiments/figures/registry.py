@@ -2,23 +2,25 @@
 
 API (the whole of it):
 
-    from experiments.figures.registry import figure, MissingData
+    from experiments.figures.registry import MissingData, data_path, figure
 
     @figure("charon_search",                          # unique NAME; `--only NAME`, `--rerun NAME`
             paper="Charon",                           # PrismLLM | Charon | PHOENIX | prima.cpp
             data=["benchmarks/data/x.json"],          # committed inputs, relative to the repository root
             rerun="python -m perfmodel search ...",   # the shell command (run from the repository root, with
                                                       # PYTHONPATH=.) that re-measures the data at this host's scale
-            paper_number="+275% throughput (Fig. 9)",  # what the paper reports, as text
+            paper_number="+275% throughput",          # what the paper reports, as text
             out="benchmarks/figures/charon_search.png")  # default: benchmarks/figures/NAME.png
     def draw(out_path: str) -> dict:
       ...  # read the data files, save a PNG to out_path
-      return {"ours": "+31% measured (+40% predicted)"}   # our number, as text, from the data
+      return {"ours": f"{speedup:+.0f}% measured"}     # our number, as text, computed from the data
 
-A draw function that finds an input missing raises `MissingData("... run `CMD` to produce it")`; the runner
-prints that one line and goes on with the other figures. `python -m experiments.figures` imports every module
-of this package (`discover()`), so a module registers just by being in the package. Draw functions must stay
-fast (the whole set runs in under 2 minutes on 2 CPU cores): they read data, they never measure.
+Read inputs through `data_path("benchmarks/data/x.json")`: it returns the absolute path, or raises
+`MissingData` naming the figure's rerun command when the file is absent (raise `MissingData(msg)` yourself for
+any other missing input); the runner prints that one line and goes on with the other figures.
+`python -m experiments.figures` imports every module of this package (`discover()`), so a module registers just by
+being in the package. Draw functions must stay fast (the whole set runs in under 2 minutes on 2 CPU cores): they
+read data, they never measure.
 """
 import dataclasses
 import importlib
