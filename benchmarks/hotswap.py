@@ -83,19 +83,10 @@ def _windows(step_log, n):
   return save, free
 
 
-def _losses(wd) -> dict:
-  """step -> every loss logged for it in this workdir (every generation, every launch)."""
-  out = {}
-  with open(os.path.join(wd, "metrics.jsonl")) as f:
-    for line in f:
-      m = json.loads(line)
-      out.setdefault(m["step"], []).append(m["loss"])
-  return out
-
-
 def _identical(wa, wb, nodes=4) -> bool:
   """Every loss of every step in wb equals the failure-free run's (wa), every step is there, final bytes equal."""
-  a, b = _losses(wa), _losses(wb)
+  from resilience import faults  # noqa: PLC0415
+  a, b = faults.losses_by_step(wa), faults.losses_by_step(wb)
   if set(a) != set(b) or any(x != a[s][0] for s, v in b.items() for x in v):
     return False
   for r in range(nodes):

@@ -164,6 +164,16 @@ def _unlink(p: str):
     pass
 
 
+def losses_by_step(wd: str) -> dict:
+  """step -> every loss reported for it in this workdir's metrics.jsonl (every generation, every launch)."""
+  out = {}
+  with open(os.path.join(wd, "metrics.jsonl")) as f:
+    for line in f:
+      m = json.loads(line)
+      out.setdefault(m["step"], []).append(m["loss"])
+  return out
+
+
 def session_pids(sid: int) -> list:
   """Live processes of session ``sid`` (a launcher started with start_new_session: agents, zygotes, workers)."""
   out = []

@@ -7,15 +7,14 @@ failures of every kind. Results are compared with a failure-free run of the same
 """
 from __future__ import annotations
 
-import json
 import os
 import signal
 import time
 
 from framework import checkpoint as ckpt_lib
 from resilience import injection
-from resilience.faults import (Outcome, case, classify, committed_files, finish, lost_files, run, shm_of, start,
-                               summary_json, wait_gone)
+from resilience.faults import (Outcome, case, classify, committed_files, finish, losses_by_step, lost_files, run,
+                               shm_of, start, summary_json, wait_gone)
 from resilience.faults_cases import _flip_bit
 
 HS = "experiments/configs/hotswap.py:runlocal=True"
@@ -28,16 +27,6 @@ def _hs_argv(ws, workdir, steps, **res):
   # keep every checkpoint: the data-lost check must not mistake orbax's max_to_keep clean-up for a loss
   return ["--config", HS, "--workdir", workdir, f"--config.train.steps={steps}", "--config.checkpoint.keep=100",
           *[f"--config.extras.resilience.{k}={v}" for k, v in opts.items()]]
-
-
-def _metrics(wd) -> dict:
-  """step -> every loss reported for it (by every generation and every run in this workdir)."""
-  out = {}
-  with open(os.path.join(wd, "metrics.jsonl")) as f:
-    for line in f:
-      m = json.loads(line)
-      out.setdefault(m["step"], []).append(m["loss"])
-  return out
 
 
 def _final_bytes(wd, nodes):
@@ -54,14 +43,14 @@ def _hs_reference(ws, steps, nodes):
     wd = ws.fresh(f"hs_reference_{steps}_{nodes}")
     r = run(_hs_argv(ws, wd, steps, nodes=nodes, spares=0), 600, wd)
     assert r.rc == 0, r.err[-3000:]
-    return {"losses": {s: v[0] for s, v in _metrics(wd).items()}, "final": _final_bytes(wd, nodes)}
+    return {"losses": {s: v[0] for s, v in losses_by_step(wd).items()}, "final": _final_bytes(wd, nodes)}
   return ws.memo(("hs_ref", steps, nodes), build)
 
 
 def _same_as_reference(ws, wd, steps, **res):
   nodes = res.get("nodes", 4)
   ref = _hs_reference(ws, steps, nodes)
-  got = _metrics(wd)
+  got = losses_by_step(wd)
   return set(got) == set(ref["losses"]) and all(all(x == ref["losses"][s] for x in v) for s, v in got.items()) \
       and _final_bytes(wd, nodes) == ref["final"]
 

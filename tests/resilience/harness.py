@@ -12,6 +12,8 @@ import sys
 import tempfile
 import time
 
+from resilience.faults import session_pids
+
 REPO = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 TEST_STEPS = 8
 
@@ -38,22 +40,6 @@ def _remove_shm(workdir):
       os.unlink(p)
     except OSError:
       pass
-
-
-def session_pids(sid):
-  """Live processes of session ``sid`` (the launcher's: agents, zygotes and workers inherit it)."""
-  out = []
-  for d in os.listdir("/proc"):
-    if not d.isdigit():
-      continue
-    try:
-      with open(f"/proc/{d}/stat") as f:
-        fields = f.read().rsplit(")", 1)[1].split()
-    except OSError:
-      continue
-    if fields[0] != "Z" and int(fields[3]) == sid:  # state, ppid, pgrp, session
-      out.append(int(d))
-  return out
 
 
 def command(workdir, cache_dir, timeout_s=600, steps=TEST_STEPS, config="experiments/configs/hotswap.py:runlocal=True",
