@@ -183,8 +183,13 @@ def main(argv=None) -> int:
     res["kernels"] = bench_kernels()
   elif args.suite == "single":
     from ondevice import bench_single
+    from ondevice.peer import PeerCrash
     threads = tuple(int(t) for t in str(args.threads).split(","))
-    res.update(bench_single.run(args.model, prompt, args.tokens, threads, args.rounds))
+    try:
+      res.update(bench_single.run(args.model, prompt, args.tokens, threads, args.rounds))
+    except PeerCrash as e:
+      print(f"error: {e}", file=sys.stderr)
+      return 2
     res["jax_f32"] = {"skipped": "--no-jax"} if args.no_jax else bench_jax(args.model, prompt, args.tokens)
   elif args.suite == "spec":
     if not args.draft:

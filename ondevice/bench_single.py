@@ -124,20 +124,28 @@ def paired(engines: list, prompt: list, stream: list, rounds: int, block: int = 
 
 
 def run(path: str, prompt: list, n: int, threads=(1, 2), rounds: int = 3) -> dict:
-  """{'threads_N': {...}} for each thread count; llama.cpp entries are skipped (with a reason) if missing."""
-  from ondevice import planes
+  """{'threads_N': {...}} for each thread count; llama.cpp entries are skipped (with a reason) if missing.
+  ``llama_cpp_build`` records how the peer was built (version, llama.cpp's system info line: the vector
+  extensions its kernels use), so the strength of the baseline is part of the result. A peer that crashes in
+  a child's smoke decode raises ``peer.PeerCrash`` before anything is timed."""
+  from ondevice import peer, planes
   ctx = -(-(len(prompt) + n + 8) // 256) * 256
   try:
     import llama_cpp as L
   except ImportError:
     L = None
   model = None
+  build = None
   if L is not None:
+    smoke = peer.checked()
+    if not smoke.ok:
+      raise peer.PeerCrash(smoke.line)
+    build = peer.system_info()
     L.llama_backend_init()
     mp = L.llama_model_default_params()
     model = L.llama_model_load_from_file(path.encode(), mp)
   res = {"prompt_tokens": len(prompt), "stream_tokens": n, "rounds": rounds, "ctx": ctx,
-         "load_avg_start": os.getloadavg()[0]}
+         "load_avg_start": os.getloadavg()[0], "llama_cpp_build": build}
   try:
     for th in threads:
       ours = Ours(path, ctx, th)
@@ -153,7 +161,7 @@ def run(path: str, prompt: list, n: int, threads=(1, 2), rounds: int = 3) -> dic
       r = paired(engines, prompt, stream, rounds)
       row = {"ours": r["ours"], "stream": bytes(t for t in stream if t < 256).decode("utf-8", "replace")}
       if model is None:
-        row["llama_cpp"] = {"skipped": "llama-cpp-python not installed (.ci/run installs a native build)"}
+        row["llama_cpp"] = {"skipped": "llama-cpp-python not installed (.ci/llama_cpp_wheel.sh builds one for this CPU)"}
       else:
         for e in engines[1:]:
           row[e.name] = dict(r[e.name], config=e.config)

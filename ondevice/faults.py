@@ -26,6 +26,8 @@ from typing import Callable
 
 import numpy as np
 
+from ondevice.gguf_io import random_arrays, tiny_config  # noqa: F401  (the cases' models)
+
 AREA = "ondevice"
 FIX_WORDS = re.compile(r"re-export|re-copy|pass |raise |lower |rerun|fix |remove |give |add |use |run it with|"
                        r"export |choose |shorten|drop |free |pick ", re.I)
@@ -69,25 +71,6 @@ def classes() -> list:
 
 
 # ------------------------------------------------------------------------------------------ workspace
-
-def tiny_config(**kw):
-  from framework.config import ModelConfig
-  base = dict(vocab_size=256, d_model=64, n_layers=4, n_heads=4, n_kv_heads=2, d_ff=128, max_seq_len=256,
-              init_std=0.2)
-  return ModelConfig(**{**base, **kw})
-
-
-def random_arrays(cfg, seed: int = 0, std: float = 0.2) -> dict:
-  """GGUF tensor name -> f32 array of a random llama model (std 0.2: peaked logits, so greedy tokens are
-  stable against rounding and comparisons between files are meaningful)."""
-  from ondevice.gguf_check import expected_shapes
-  rng = np.random.default_rng(seed)
-  out = {}
-  for name, shape in expected_shapes(cfg).items():
-    out[name] = (1.0 + 0.1 * rng.standard_normal(shape) if len(shape) == 1 else std * rng.standard_normal(shape))
-    out[name] = out[name].astype(np.float32)
-  return out
-
 
 class Workspace:
   """Good files the cases start from (our Q4_0 / Q8_0 exports of one random tiny model, a smaller draft,

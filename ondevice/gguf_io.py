@@ -162,6 +162,24 @@ def write_arrays(arrays: dict, cfg: ModelConfig, path: str, quant: str = "f32", 
   return {"path": path, "quant": quant, "bytes": os.path.getsize(path), "tensor_types": counts}
 
 
+def tiny_config(**kw) -> ModelConfig:
+  """A small llama shape (byte vocabulary) for test models, the smoke decode and the fault cases."""
+  base = dict(vocab_size=256, d_model=64, n_layers=4, n_heads=4, n_kv_heads=2, d_ff=128, max_seq_len=256,
+              init_std=0.2)
+  return ModelConfig(**{**base, **kw})
+
+
+def random_arrays(cfg: ModelConfig, seed: int = 0, std: float = 0.2) -> dict:
+  """GGUF tensor name -> f32 array of a random llama model (std 0.2: peaked logits, so greedy tokens are
+  stable against rounding and comparisons between files are meaningful)."""
+  rng = np.random.default_rng(seed)
+  out = {}
+  for name, shape in gguf_check.expected_shapes(cfg).items():
+    out[name] = (1.0 + 0.1 * rng.standard_normal(shape) if len(shape) == 1 else std * rng.standard_normal(shape))
+    out[name] = out[name].astype(np.float32)
+  return out
+
+
 def _export_q4_k(params, cfg, path, align, name) -> dict:
   try:
     import ctypes

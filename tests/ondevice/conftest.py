@@ -39,5 +39,21 @@ def files(tiny, tmp_path_factory):
   return out
 
 
+NO_LLAMA = ("llama-cpp-python not installed: .ci/llama_cpp_wheel.sh (run by .ci/run) installs a build for this CPU "
+            "(see ondevice/README.md, 'llama.cpp peer')")
+
+
+def llama_cpp_peer():
+  """The llama.cpp peer for a parity test: skipped where llama-cpp-python is not installed; where it is, a child
+  process has decoded a tiny model with it first (ondevice/peer.py), so a build that crashes on this CPU fails
+  the test with one line ("the llama.cpp peer crashed ...") instead of killing the test worker."""
+  llama_cpp = pytest.importorskip("llama_cpp", reason=NO_LLAMA)
+  from ondevice import peer
+  res = peer.checked()
+  if not res.ok:
+    pytest.fail(res.line, pytrace=False)
+  return llama_cpp
+
+
 def replace(cfg, **kw):
   return dataclasses.replace(cfg, **kw)

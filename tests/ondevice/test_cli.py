@@ -44,14 +44,11 @@ def test_run_cli_streams_text_and_rejects_truncated_file(files, tmp_path):
   assert r.returncode == 2 and "truncated" in r.stderr and "re-export" in r.stderr
 
 
-_NO_LLAMA = "llama-cpp-python not installed (source build >40 min in CI); pip install llama-cpp-python"
-
-
 def _llama(path, **kw):
   """llama.cpp in its exact-arithmetic configuration: f32 KV cache (its default is f16) and no flash
   attention (its CPU flash-attention path rounds Q to f16: 0.03-0.29 logit differences on the tiny model)."""
-  llama_cpp = pytest.importorskip("llama_cpp", reason=_NO_LLAMA)
-  return llama_cpp.Llama(path, n_ctx=64, n_threads=1, type_k=0, type_v=0, flash_attn=False, verbose=False, **kw)
+  from .conftest import llama_cpp_peer
+  return llama_cpp_peer().Llama(path, n_ctx=64, n_threads=1, type_k=0, type_v=0, flash_attn=False, verbose=False, **kw)
 
 
 def test_llama_cpp_greedy_tokens_match(files):
@@ -123,7 +120,8 @@ def test_q4_k_export_through_llama_cpp_quantizer(tmp_path):
   """--quant q4_k: F16 export + llama.cpp's quantiser (Q4_K_M). The file is read back (header,
   dequantised params) and llama.cpp runs it; its argmax agrees with framework.model on the file's own
   dequantised weights (llama.cpp quantises activations to Q8_K, hence agreement, not equality)."""
-  pytest.importorskip("llama_cpp", reason=_NO_LLAMA)
+  from .conftest import llama_cpp_peer
+  llama_cpp_peer()
   import jax
   from framework import model as fm
   from framework.config import ModelConfig

@@ -12,11 +12,10 @@ accumulator to f16, which no f32 engine reproduces; README, llama.cpp parity).
 import numpy as np
 import pytest
 
-from ondevice import faults, planes
-from ondevice.gguf_io import write_arrays
+from ondevice import planes
+from ondevice.gguf_io import random_arrays, tiny_config, write_arrays
 
-NO_LLAMA = ("llama-cpp-python not installed: .ci/run installs a native build (see ondevice/README.md, "
-            "'llama.cpp peer'); pip install llama-cpp-python also works")
+from .conftest import llama_cpp_peer
 PROMPT = list(b"import os\nimport sys\n\n\ndef main(argv):\n    ")
 N = 64
 
@@ -24,9 +23,8 @@ N = 64
 @pytest.fixture(scope="module")
 def flat_models(tmp_path_factory):
   d = tmp_path_factory.mktemp("parity")
-  cfg = faults.tiny_config(d_model=256, n_layers=4, n_heads=4, n_kv_heads=2, d_ff=768, max_seq_len=128,
-                           init_std=0.02)
-  arrays = faults.random_arrays(cfg, seed=5, std=0.02)
+  cfg = tiny_config(d_model=256, n_layers=4, n_heads=4, n_kv_heads=2, d_ff=768, max_seq_len=128, init_std=0.02)
+  arrays = random_arrays(cfg, seed=5, std=0.02)
   out = {}
   for q in ("q4_0", "q8_0"):
     out[q] = str(d / f"flat-{q}.gguf")
@@ -35,8 +33,7 @@ def flat_models(tmp_path_factory):
 
 
 def _llama(path, threads):
-  llama_cpp = pytest.importorskip("llama_cpp", reason=NO_LLAMA)
-  return llama_cpp.Llama(path, n_ctx=128, n_threads=threads, n_threads_batch=threads, type_k=0, type_v=0,
+  return llama_cpp_peer().Llama(path, n_ctx=128, n_threads=threads, n_threads_batch=threads, type_k=0, type_v=0,
                          flash_attn=False, logits_all=True, verbose=False)
 
 
@@ -74,10 +71,12 @@ def test_same_logits_and_greedy_stream_as_llama_cpp(flat_models, q, threads):
 def test_bench_reports_the_same_stream(flat_models):
   """ondevice.bench's single suite times both engines on one token stream and says whether it is the greedy
   stream of both (it must be, in the exact configuration)."""
-  pytest.importorskip("llama_cpp", reason=NO_LLAMA)
+  llama_cpp_peer()
   from ondevice import bench_single
   res = bench_single.run(flat_models["q4_0"], PROMPT, 12, threads=(1,), rounds=1)
   r = res["threads_1"]
+  build = res["llama_cpp_build"]  # the baseline's build is part of the record
+  assert build["version"] and ("AVX2 = 1" in build["system_info"] or "NEON = 1" in build["system_info"])
   assert r["same_greedy_tokens_exact_config"] is True
   assert r["ours"]["tpot_ms"] > 0 and r["llama_cpp_exact"]["tpot_ms"] > 0
 
