@@ -64,32 +64,36 @@ def memory_diagnosis(r: P.PublishedRun, features: dict, program_overrides: list,
   program = {k: _literal(v) for k, v in program.items()}
   terms = memory.analytic(M.build_config(program_overrides, r.n_chips))
   missing = [n for n in features if n not in ("recompute", "program_layers") and not _program_has(features, n, program)]
-  saves, words = 0.0, []
+  saves, words, others = 0.0, [], []
   dp = r.data
   if "optimizer_sharding" in missing and features["optimizer_sharding"].value == "data" and dp > 1:
-    s = terms.opt_state * (1 - 1 / dp)
-    saves += s
+    saves += terms.opt_state * (1 - 1 / dp)
     words.append(f"ZeRO-1 (optimizer state {terms.opt_state / GIB:.1f} GiB replicated over dp={dp}; sharded "
                  f"{terms.opt_state / dp / GIB:.1f} GiB)")
   if "master_weights" in missing and features["master_weights"].value == "f32":
     shard = dp if features["optimizer_sharding"].value == "data" else 1
     s = terms.params * (0.5 - 1 / shard)  # fp32 parameters -> bf16 copy + fp32 master sharded with the optimizer
-    saves += s
-    words.append(f"fp32 master weights (fp32 parameters {terms.params / GIB:.1f} GiB -> bf16 "
-                 f"{terms.params / 2 / GIB:.1f} + master {terms.params / shard / GIB:.1f} GiB)")
-  others = [f"{n} {features[n].value}" for n in missing if n not in ("optimizer_sharding", "master_weights")]
+    text = (f"fp32 master weights (fp32 parameters {terms.params / GIB:.1f} GiB -> bf16 {terms.params / 2 / GIB:.1f} "
+            f"+ master {terms.params / shard / GIB:.1f} GiB)")
+    if s > 0:
+      saves += s
+      words.append(text)
+    else:
+      others.append(f"{text}, which adds {-s / GIB:.1f} GiB")
+  others += [f"{n} {features[n].value}" for n in missing if n not in ("optimizer_sharding", "master_weights")]
   largest = max((("parameters", terms.params), ("optimizer state", terms.opt_state), ("gradients", terms.grads),
                  ("activations", terms.activations), ("logits", terms.logits)), key=lambda kv: kv[1])
+  largest = f"largest analytic term (estimate) {largest[0]} {largest[1] / GIB:.1f} GiB"
   head = f"needs {peak / GIB:.1f} GiB of {cap / GIB:.1f} GiB"
+  if "RESOURCE_EXHAUSTED" in mem.get("compile_error", ""):
+    head += " (the compiler stopped: RESOURCE_EXHAUSTED)"
+  tail = f"; also not in the program: {', '.join(others)}" if others else ""
   if not words:
-    tail = f"; also not in the program: {', '.join(others)}" if others else ""
-    return (f"mapping or model: {head} with no memory-saving feature of the row missing; largest analytic term "
-            f"{largest[0]} {largest[1] / GIB:.1f} GiB (remat {features['recompute'].value}){tail}")
+    return (f"mapping or model: {head} with no memory-saving feature of the row missing; {largest} "
+            f"(remat {features['recompute'].value}){tail}")
   left = peak - saves
   verdict = (f"fits with them ({left / GIB:.1f} GiB)" if left <= cap else
-             f"still {left / GIB:.1f} GiB with them: also the mapping or another feature (largest analytic term "
-             f"{largest[0]} {largest[1] / GIB:.1f} GiB)")
-  tail = f"; also not in the program: {', '.join(others)}" if others else ""
+             f"still {left / GIB:.1f} GiB with them: also the mapping or another feature ({largest})")
   return f"needs {' and '.join(words)}: {head}, {verdict}{tail}"
 
 

@@ -112,15 +112,15 @@ def _f(x, fmt=".1f", unit="%") -> str:
   return "n/a" if x is None else f"{x:{fmt}}{unit}"
 
 
-def lines(name: str, s: dict) -> list:
+def lines(name: str, s: dict, groups: tuple = ("by_chip", "by_source")) -> list:
   """Human-readable lines of one score: the model beside the baseline, overall, by chip and by source."""
   m, b = s["model"], s["baseline"]
   out = [f"{name}: {s['n']} rows | MAPE model {_f(m['mape_pct'])} vs baseline {_f(b['mape_pct'])} | mean signed "
          f"{_f(m['mean_signed_pct'], '+.1f')} vs {_f(b['mean_signed_pct'], '+.1f')} | Kendall tau global "
          f"{_f(m['tau_global'], '.2f', '')} vs {_f(b['tau_global'], '.2f', '')}, within tables "
          f"{_f(m['tau_tables'], '.2f', '')} vs {_f(b['tau_tables'], '.2f', '')}"]
-  for group in ("by_chip", "by_source"):
+  for group in groups:
     for k, v in m[group].items():
-      out.append(f"  {group[3:]} {k[:60]}: {v['n']} rows | MAPE model {_f(v['mape_pct'])} vs baseline "
+      out.append(f"  {group[3:]} {k[:90]}: {v['n']} rows | MAPE model {_f(v['mape_pct'])} vs baseline "
                  f"{_f(b[group][k]['mape_pct'])}")
   return out

@@ -209,7 +209,7 @@ def report_lines(out: dict) -> list:
   lines += S.lines("included (bf16 + fp8, headline)", sc["included"])
   for k, name in (("design", "design rows"), ("heldout", "held-out rows"), ("fp16", "fp16 rows (scored apart)"),
                   ("fits_chip_diagnosis", "rows whose program fits the chip (diagnosis, not a headline)")):
-    lines += S.lines(name, sc[k])[:1]
+    lines += S.lines(name, sc[k], groups=("by_chip",))
   f = out["fits"]
   if f["n_checked"]:
     lines.append(f"fit the chip: {f['n_fit']} of {f['n_checked']} ({f['pct']:.0f}%; acceptance >= 95%)")

@@ -96,3 +96,11 @@ def test_every_included_row_is_accounted_for(committed):
 def test_record_needs_a_reproducible_run():
   with pytest.raises(SystemExit, match="--save-programs"):
     PV.run(record=True, log=lambda *_: None)
+
+
+def test_strict_refuses_a_stale_program(monkeypatch):
+  now = PP.code_version()
+  monkeypatch.setattr(PP, "code_version", lambda: dict(now, sources="0" * 16))  # every program is now stale
+  out = PV.run(reprice=True, strict=True, ids=["maxtext_v5e_16b_1x256"], log=lambda *_: None)
+  (row,) = out["rows"]
+  assert row["error"].startswith("stale program: code:") and out["n_priced"] == 0
