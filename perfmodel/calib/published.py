@@ -328,7 +328,7 @@ def _row(row: dict, splits: dict) -> PublishedRun:
                              split_why=split_why)
 
 
-def _bf16_peak(profile: str) -> float:
+def bf16_peak(profile: str) -> float:
   from perfmodel import hardware  # noqa: PLC0415
   return hardware.load(profile).peak("bf16")
 
@@ -345,7 +345,7 @@ def _step_seconds(r: PublishedRun) -> tuple:
   if "tflop/s" in m or m == "mfu":
     if r.convention is None or not r.global_batch:
       return None, "missing fields: FLOP convention or global batch for a FLOP-rate row"
-    rate = r.value * 1e12 if "tflop/s" in m else r.value * _bf16_peak(r.hardware)
+    rate = r.value * 1e12 if "tflop/s" in m else r.value * bf16_peak(r.hardware)
     return flops_per_step(r) / (rate * r.n_chips), ""
   return None, f"metric '{r.metric}' is not a step time (e.g. includes evaluation)"
 

@@ -44,10 +44,9 @@ def mfu_flag(r: P.PublishedRun, pred: dict) -> Optional[dict]:
   best, src = best_matmul_fraction(r.hardware, r.precision)
   if mfu is None or best is None or mfu <= best:
     return None
-  peak = hardware.load(r.hardware).peak("bf16")
   executed = pred.get("flops_per_device")
   return {"flag": "mfu_above_best_matmul", "mfu": mfu, "best_matmul_fraction": best, "source": src,
-          "program_flop_fraction": executed / (pred["step_time_s"] * peak) if executed else None}
+          "program_flop_fraction": executed / (pred["step_time_s"] * P.bf16_peak(r.hardware)) if executed else None}
 
 
 def _program_has(features: dict, name: str, program: dict) -> bool:

@@ -23,18 +23,13 @@ def model_flops(r: P.PublishedRun) -> float:
   return P.flops_per_step(r, BASELINE_CONVENTION)
 
 
-def _bf16_peak(profile: str) -> float:
-  from perfmodel import hardware  # noqa: PLC0415
-  return hardware.load(profile).peak("bf16")
-
-
 def baseline_step_s(r: P.PublishedRun) -> float:
-  return model_flops(r) / (r.n_chips * _bf16_peak(r.hardware) * BASELINE_MFU)
+  return model_flops(r) / (r.n_chips * P.bf16_peak(r.hardware) * BASELINE_MFU)
 
 
 def mfu_of(r: P.PublishedRun, step_s: float) -> float:
   """The MFU a step time means for the row, in the baseline's convention (bf16 peak)."""
-  return model_flops(r) / (step_s * r.n_chips * _bf16_peak(r.hardware))
+  return model_flops(r) / (step_s * r.n_chips * P.bf16_peak(r.hardware))
 
 
 def kendall_tau(x, y) -> Optional[float]:
