@@ -148,8 +148,8 @@ def cmd_validate(a, overrides):
     from perfmodel.calib import published_validate  # noqa: PLC0415
     out = published_validate.run(csv=a.csv, limit=a.limit, ids=[x for x in (a.rows or "").split(",") if x] or None,
                                  png=a.png or os.path.join(tempfile.gettempdir(), "perfmodel_published.png"),
-                                 results=not a.no_results, backend=a.backend, log=_log, reprice=a.reprice,
-                                 save_programs=a.save_programs, compile_budget=a.compile_budget)
+                                 record=a.record, backend=a.backend, log=_log, reprice=a.reprice,
+                                 save_programs=a.save_programs, strict=a.strict, compile_budget=a.compile_budget)
     return _print(out)
   from perfmodel import program  # noqa: PLC0415
   _regime(a)
@@ -246,18 +246,26 @@ def _parser():
                   help="default benchmarks/perfmodel_validate.png (--published: perfmodel_published.png in the "
                        "temporary folder)")
   va.add_argument("--published", action="store_true",
-                  help="predict every included bf16 / fp16 row of the published training runs (compiled for their "
+                  help="predict every included bf16 / fp8 / fp16 row of the published training runs (compiled for their "
                        "chips) instead of measuring the suite on this host")
-  va.add_argument("--csv", default=None, help="--published: the rows (default: shared/data/published_training.csv)")
+  va.add_argument("--csv", default=None,
+                  help="--published: the rows (default: benchmarks/data/published_training.csv)")
   va.add_argument("--rows", default=None, help="--published: only these row ids (comma-separated)")
   va.add_argument("--reprice", action="store_true",
                   help="--published: price the committed programs (benchmarks/data/published_programs), no compile")
   va.add_argument("--save-programs", action="store_true",
-                  help="--published: commit each row's compiled program to benchmarks/data/published_programs")
+                  help="--published: commit each row's compiled program to benchmarks/data/published_programs and "
+                       "price the row from it")
+  va.add_argument("--strict", action="store_true",
+                  help="--published: a stale committed program (other mapping, code or compiler) is an error")
+  va.add_argument("--record", action="store_true",
+                  help="--published: write benchmarks/data/published_validation.json and its benchmarks/RESULTS.md "
+                       "row from this run (with --reprice or --save-programs)")
   va.add_argument("--compile-budget", default="75", metavar="SECONDS|full",
                   help="--published: each row's predict --compile-budget (default 75, as predict: the programs a "
                        "user's predict prices; 'full': finished executables, minutes per TPU row)")
-  va.add_argument("--no-results", action="store_true", help="do not append to benchmarks/RESULTS.md")
+  va.add_argument("--no-results", action="store_true",
+                  help="do not append to benchmarks/RESULTS.md (--published appends only with --record)")
   va.add_argument("--limit", type=int, default=0, help="run only the first N configs (smoke)")
   va.add_argument("--measurements", default=None, nargs="+", metavar="FILE",
                   help="JSON of measurements by config name: reused if present, filled if not; several files: their "

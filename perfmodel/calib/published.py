@@ -1,8 +1,9 @@
 """Published, measured LLM training throughput as typed rows with a measured step time in seconds.
 
-``load(path)`` reads ``published_training.csv`` (default: ``../shared/data/published_training.csv`` next to the
-repository root, :func:`default_path`) into :class:`PublishedRun` rows. Each row carries the architecture it ran
-(PrismLLM key names, :meth:`PublishedRun.overrides`), its layout, the hardware profile of its chip, and
+``load(path)`` reads ``benchmarks/data/published_training.csv`` (its sources and caveats:
+``benchmarks/data/published_training.md``) into :class:`PublishedRun` rows. Each row carries the architecture it ran
+(PrismLLM key names, :meth:`PublishedRun.overrides`), its layout, the hardware profile of its chip, its split
+(``design`` or ``heldout``, :func:`heldout_rule`, committed in ``benchmarks/data/published_split.csv``) and
 ``measured_step_s``: the row's metric converted with *that row's* FLOP convention:
 
   seconds / step, seconds / iteration   taken as is
@@ -25,12 +26,15 @@ width d, H query heads of size hd, kv heads K, MLP width f, vocabulary V):
                       64-GPU A100 table's MFUs reproduce with N_all, not with the non-embedding count)
   paxml_6n_full       no formula published with the rows; 6 N_all B S + 12 L H hd S^2 B reproduces the published
                       GPT-5B MFU (tied embedding and learned positions counted)
+  palm                Chowdhery et al. (PaLM, App. B) model FLOPs, the Llama 3 paper's MFU: B S (6 N + 12 L H hd S)
+                      (N_all: the paper does not restate N's scope; the embeddings are ~1% of the 405B model)
 N_all counts every parameter the model holds (embeddings once when tied). Nothing here is fitted to the rows.
 """
 from __future__ import annotations
 
 import csv
 import dataclasses
+import hashlib
 import math
 import os
 import re
@@ -39,23 +43,18 @@ from typing import Optional
 ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 # the config file a row's predict starts from, read as data: the row's overrides set every field that matters
 BASE_CONFIG = "experiments/configs/llama3_70b.py"
-DEFAULT_CSV = os.path.normpath(os.path.join(ROOT, "..", "shared", "data", "published_training.csv"))
+DATA_DIR = os.path.join(ROOT, "benchmarks", "data")
+DEFAULT_CSV = os.path.join(DATA_DIR, "published_training.csv")
+SPLIT_CSV = os.path.join(DATA_DIR, "published_split.csv")
 
 
 def default_path() -> str:
-  """``../shared/data/published_training.csv`` from the repository root; from a git worktree nested deeper
-  (``<top>/wt/<name>``) the first ``shared/data`` found walking up."""
-  d = os.path.dirname(ROOT)
-  while True:
-    cand = os.path.join(d, "shared", "data", "published_training.csv")
-    if os.path.exists(cand):
-      return cand
-    if os.path.dirname(d) == d:
-      return DEFAULT_CSV
-    d = os.path.dirname(d)
+  """The committed rows: ``benchmarks/data/published_training.csv``."""
+  return DEFAULT_CSV
+
 
 REMAT_NAMES = ("full", "minimal", "save_qkv_proj", "save_dot_except_mlp", "none")
-CONVENTIONS = ("maxtext_6n_causal", "megatron", "narayanan_hfu", "llmfoundry", "torchtitan", "paxml_6n_full")
+CONVENTIONS = ("maxtext_6n_causal", "megatron", "narayanan_hfu", "llmfoundry", "torchtitan", "paxml_6n_full", "palm")
 
 
 @dataclasses.dataclass(frozen=True)
@@ -108,6 +107,8 @@ class PublishedRun:
   exclude_reason: str
   caveats: tuple = ()
   notes: str = ""
+  split: str = "heldout"  # design | heldout (heldout_rule, benchmarks/data/published_split.csv)
+  split_why: str = ""
 
   @property
   def tokens_per_step(self) -> int:
@@ -157,7 +158,7 @@ def flops_per_step(r: PublishedRun, convention: Optional[str] = None) -> float:
     return 96.0 * B * S * L * d * d * (1 + S / (6.0 * d) + r.vocab_size / (16.0 * L * d))
   if conv == "llmfoundry":
     return B * (6.0 * n_params(r) * S + 12.0 * L * d * S * S)
-  if conv == "torchtitan":
+  if conv in ("torchtitan", "palm"):
     return B * S * (6.0 * n_params(r) + 12.0 * L * H * hd * S)
   if conv == "paxml_6n_full":
     return 6.0 * n_params(r) * B * S + 12.0 * L * H * hd * S * S * B
@@ -185,6 +186,8 @@ CHIPS = (  # (pattern in the chip column, profile, caveat)
                              "700 W part the h100 profile describes"),
     (r"^H100.*GCP A3", "h100", "GCP A3 VMs: GPUDirect-TCPX between VMs, far below the h100 profile's 400 Gb/s per GPU"),
     (r"^H100", "h100", ""), (r"^H200", "h200", ""),
+    (r"^NVIDIA Ampere \(A100", "a100", "the source says 'NVIDIA Ampere GPUs'; A100 from the peak its MFU and aggregate "
+                                      "FLOP/s imply; HBM size not stated (the a100 profile is the 80 GB part)"),
     (r"^A100.*40GB", "a100", "A100 40 GB (1.555 TB/s HBM2) with 1600 Gb/s RoCE per node, not the 80 GB part"),
     (r"^A100.*RoCE", "a100", "1600 Gb/s RoCE per node between nodes"),
     (r"^A100", "a100", ""),
@@ -246,6 +249,8 @@ def convention_of(row: dict) -> Optional[str]:
     return "torchtitan"
   if fw.startswith("Paxml"):
     return "paxml_6n_full"
+  if "Chowdhery" in d:
+    return "palm"
   if "Megatron" in d or "NeMo" in d or "NeMo" in fw or "Megatron" in fw:
     return "megatron"
   return None
@@ -271,7 +276,7 @@ def _arch(row: dict) -> dict:
           "biases": "biases" in text and "no biases" not in text}
 
 
-def _row(row: dict) -> PublishedRun:
+def _row(row: dict, splits: dict) -> PublishedRun:
   arch = _arch(row)
   n_chips = _int(row["n_chips"])
   tp, pp, cp = (_int(row[k], 1) for k in ("tp", "pp", "cp"))
@@ -318,10 +323,12 @@ def _row(row: dict) -> PublishedRun:
   run = PublishedRun(measured_step_s=None, included=False, exclude_reason="", caveats=tuple(caveats), **kw)
   step, why = _step_seconds(run)
   reason = _exclusion(run, step, why)
-  return dataclasses.replace(run, measured_step_s=step, included=not reason, exclude_reason=reason)
+  split, split_why = splits.get(row["id"], ("heldout", "added after the split was fixed"))
+  return dataclasses.replace(run, measured_step_s=step, included=not reason, exclude_reason=reason, split=split,
+                             split_why=split_why)
 
 
-def _bf16_peak(profile: str) -> float:
+def bf16_peak(profile: str) -> float:
   from perfmodel import hardware  # noqa: PLC0415
   return hardware.load(profile).peak("bf16")
 
@@ -338,18 +345,20 @@ def _step_seconds(r: PublishedRun) -> tuple:
   if "tflop/s" in m or m == "mfu":
     if r.convention is None or not r.global_batch:
       return None, "missing fields: FLOP convention or global batch for a FLOP-rate row"
-    rate = r.value * 1e12 if "tflop/s" in m else r.value * _bf16_peak(r.hardware)
+    rate = r.value * 1e12 if "tflop/s" in m else r.value * bf16_peak(r.hardware)
     return flops_per_step(r) / (rate * r.n_chips), ""
   return None, f"metric '{r.metric}' is not a step time (e.g. includes evaluation)"
 
 
 def _exclusion(r: PublishedRun, step: Optional[float], why: str) -> str:
-  if r.precision in ("fp8", "int8"):
-    return f"{r.precision} precision: not comparable with a bf16 program"
+  if r.precision == "int8":
+    return "int8 precision: no int8 training path"
   if r.hardware is None:
     return f"unknown chip '{r.chip}'"
   if "moe" in (r.model + r.notes).lower() or "experts" in r.notes.lower():
     return "unsupported architecture: mixture of experts"
+  if "sliding window attention" in r.notes.lower():
+    return "unsupported architecture: sliding-window attention (window size not published)"
   if not r.mlp:
     return "unsupported architecture: MLP kind not identified"
   if "CONFLICT" in r.notes:
@@ -371,82 +380,36 @@ def _exclusion(r: PublishedRun, step: Optional[float], why: str) -> str:
 
 
 def load(path: Optional[str] = None) -> list:
-  """All rows of the published CSV (included and excluded), in file order."""
+  """All rows of the published CSV (included and excluded), in file order, each with its split."""
   path = path or default_path()
   if not os.path.exists(path):
-    raise FileNotFoundError(f"published training rows not found at {path}; pass the path of "
-                            f"published_training.csv (shared/data/ next to the repository)")
+    raise FileNotFoundError(f"published training rows not found at {path}; pass the path of a "
+                            f"published_training.csv (the committed one: {os.path.relpath(DEFAULT_CSV, ROOT)})")
+  splits = load_split()
   with open(path, newline="") as f:
-    return [_row(row) for row in csv.DictReader(f)]
+    return [_row(row, splits) for row in csv.DictReader(f)]
 
 
-def included(rows: list, precision: Optional[tuple] = ("bf16", "fp16")) -> list:
+def included(rows: list, precision: Optional[tuple] = ("bf16", "fp16", "fp8")) -> list:
   return [r for r in rows if r.included and (precision is None or r.precision in precision)]
 
 
-# ------------------------------------------------------------------------------------------------ scoring
+# ------------------------------------------------------------------------------------------------ held-out split
 
-def kendall_tau(x, y) -> Optional[float]:
-  """Kendall's tau-b of two equal-length sequences (ties handled); None with fewer than 2 pairs or no variation."""
-  n = len(x)
-  if n != len(y):
-    raise ValueError("kendall_tau needs sequences of equal length")
-  conc = disc = tx = ty = 0
-  for i in range(n):
-    for j in range(i + 1, n):
-      a, b = x[i] - x[j], y[i] - y[j]
-      if a == 0 and b == 0:
-        continue
-      if a == 0:
-        tx += 1
-      elif b == 0:
-        ty += 1
-      elif (a > 0) == (b > 0):
-        conc += 1
-      else:
-        disc += 1
-  denom = math.sqrt((conc + disc + tx) * (conc + disc + ty))
-  return (conc - disc) / denom if denom else None
+def heldout_rule(row_id: str, precision: str) -> str:
+  """Why a row is held out ('' = design row). Fixed before any row was re-scored: every fp8 row (no fp8 program
+  existed, so no error of theirs was ever seen) and the rows whose id hashes to 0 mod 4 (sha256, about a quarter).
+  Rows added to the CSV after ``published_split.csv`` was written are held out too (:func:`load`)."""
+  if precision == "fp8":
+    return "fp8 row"
+  if int(hashlib.sha256(row_id.encode()).hexdigest()[:8], 16) % 4 == 0:
+    return "sha256(id) mod 4 == 0"
+  return ""
 
 
-def _stats(errs: list) -> dict:
-  return {"n": len(errs), "mape_pct": sum(abs(e) for e in errs) / len(errs),
-          "mean_signed_pct": sum(errs) / len(errs)} if errs else {"n": 0, "mape_pct": None, "mean_signed_pct": None}
-
-
-def summarize(rows: list, predictions) -> dict:
-  """Error of predicted step times against the rows' measured ones.
-
-  predictions: {row id: seconds} or a sequence aligned with ``rows``; rows without a prediction or a measured step
-  time are skipped (counted in ``n_skipped``). Returns per-row signed error (pred / measured - 1, in %), MAPE
-  overall / by chip (hardware profile) / by source, and Kendall tau of predicted vs measured step time within each
-  published table (``PublishedRun.table``) plus its row-weighted mean over tables with 2+ rows."""
-  if not isinstance(predictions, dict):
-    predictions = {r.id: p for r, p in zip(rows, predictions)}
-  per_row, skipped = [], 0
-  for r in rows:
-    p = predictions.get(r.id)
-    if p is None or r.measured_step_s is None:
-      skipped += 1
-      continue
-    per_row.append({"id": r.id, "chip": r.hardware, "source": r.source_key, "table": r.table,
-                    "measured_s": r.measured_step_s, "predicted_s": float(p),
-                    "err_pct": 100.0 * (float(p) / r.measured_step_s - 1.0)})
-  out = {"n_rows": len(per_row), "n_skipped": skipped, **_stats([e["err_pct"] for e in per_row]), "rows": per_row}
-  for key, name in (("chip", "by_chip"), ("source", "by_source")):
-    groups = {}
-    for e in per_row:
-      groups.setdefault(e[key], []).append(e["err_pct"])
-    out[name] = {k: _stats(v) for k, v in sorted(groups.items())}
-  taus, weighted, total = {}, 0.0, 0
-  tables = {}
-  for e in per_row:
-    tables.setdefault(e["table"], []).append(e)
-  for t, es in sorted(tables.items()):
-    tau = kendall_tau([e["measured_s"] for e in es], [e["predicted_s"] for e in es]) if len(es) > 1 else None
-    taus[t] = {"n": len(es), "tau": tau}
-    if tau is not None:
-      weighted, total = weighted + tau * len(es), total + len(es)
-  out["kendall_tau"] = taus
-  out["kendall_tau_mean"] = weighted / total if total else None
-  return out
+def load_split(path: str = SPLIT_CSV) -> dict:
+  """{row id: (split, why)} from the committed split (empty when the file is absent: every row held out)."""
+  if not os.path.exists(path):
+    return {}
+  with open(path, newline="") as f:
+    return {row["id"]: (row["split"], row["why"]) for row in csv.DictReader(f)}

@@ -1,26 +1,21 @@
 """`python -m perfmodel validate --published`: every included published training row through ``predict``.
 
-Each row (perfmodel/calib/published.py) becomes the command line of the predict contract,
-``python -m perfmodel predict --config experiments/configs/llama3_70b.py --hardware H [--topology T]
---config.model.*=... --config.data.*=... --config.mesh.*=...``, run in a child process (a compiler abort or a
-memory blow-up costs one row, not the run); the child compiles the step for the target (``target_compile``, its
-program cached in ``$PRISMLLM_CACHE/programs/``, so a re-run only re-prices) and prints its Prediction. Nothing is
-fitted: the rows only score the model.
+Each row (perfmodel/calib/published.py) becomes the command line of the predict contract by the mapping rules of
+perfmodel/calib/published_mapping.py, ``python -m perfmodel predict --config experiments/configs/llama3_70b.py
+--hardware H [--topology T] --config.*=...``, run in a child process (a compiler abort or a memory blow-up costs one
+row, not the run); the child compiles the step for the target (``target_compile``, cached in
+``$PRISMLLM_CACHE/programs/``). ``--save-programs`` commits each compiled program (published_programs.py) and prices
+the row from the committed file, so ``--reprice`` (the committed programs priced in this process, nothing compiled)
+reproduces the run. A row whose features have no path in this checkout is reported ``not compiled``, never
+compiled without them. Nothing is fitted: the rows only score the model.
 
-How a row becomes a PrismLLM config (``row_config``), each choice listed in the row's ``mapping``:
-  * architecture: the row's widths, head_dim, MLP kind, tied embedding; ``model.block=parallel`` for MaxText's 2023
-    parallel block; biases and learned positions are left out (under 0.1% of the FLOPs of these models);
-  * layout: dp/fsdp/tp/pp/cp -> mesh data/fsdp/tensor/pipeline/sequence; pipelined rows run PrismLLM's
-    non-interleaved 1F1B (an interleaved schedule's virtual stages have no equivalent: its smaller bubble is not
-    modelled); a row published on k TPU slices compiles for k slices of its per-slice shape;
-  * attention: ``splash`` on TPU (MaxText ran its flash kernel), ``blockwise`` on TPU where the layout forbids
-    splash (pipeline stages, context parallelism); ``cudnn`` on GPU (cuDNN flash attention), XLA's
-    ``dot_product`` with context parallelism (masked by the tokens' positions);
-  * recompute: the row's policy, or ``minimal`` (matmul outputs kept, the attention core recomputed: Megatron's
-    selective recomputation, its default) where none is published;
-  * micro-batches: ``mesh.microbatches``: pipeline micro-batches on pipelined rows, gradient accumulation steps
-    on the others (one micro-batch's activations live at a time, as in MaxText and Megatron);
-  * precision: bf16 compute, f32 master weights and AdamW moments; fp16 rows run as bf16 and are scored apart.
+Scores (published_score.py), each beside the constant-MFU baseline on the same rows: ``included`` (bf16 + fp8 rows,
+the headline), ``design`` and ``heldout`` (published.heldout_rule), ``fp16`` (scored apart), and, labelled as a
+diagnosis, the included rows whose program fits the chip. Per row: MFU above the chip's best matmul fraction and
+programs that do not fit are flagged, the latter with what is missing (published_checks.py).
+
+``--record`` writes the run's JSON to ``benchmarks/data/published_validation.json`` and its row to
+``benchmarks/RESULTS.md``, both from this one run (same ``run_at``).
 """
 from __future__ import annotations
 
@@ -28,103 +23,46 @@ import datetime
 import json
 import os
 import platform
-import re
 import subprocess
 import sys
 import time
 from typing import Optional
 
 from perfmodel.calib import published as P
+from perfmodel.calib import published_checks as C
+from perfmodel.calib import published_mapping as M
+from perfmodel.calib import published_score as S
 
 ROOT = P.ROOT
 BASE_CONFIG = P.BASE_CONFIG
 TIMEOUT_S = 3600
+JSON_PATH = os.path.join(ROOT, "benchmarks", "data", "published_validation.json")
+RESULTS_PATH = os.path.join(ROOT, "benchmarks", "RESULTS.md")
+INCLUDED = ("bf16", "fp8")  # the headline's precisions; fp16 rows are scored apart
 
 
-def _slices(r: P.PublishedRun) -> int:
-  m = re.search(r"across (\d+) slice", r.notes)
-  return int(m.group(1)) if m else 1
-
-
-def row_config(r: P.PublishedRun) -> tuple:
-  """(override strings, topology or None, mapping notes) of a row: module docstring."""
-  from parallelism import targets  # noqa: PLC0415 (planning only: no compiler is loaded)
-  tpu = r.hardware.startswith("tpu")
-  notes = []
-  pipelined, cp = r.pipeline > 1, r.sequence > 1
-  if tpu and not pipelined and not cp and r.seq_len % 128 == 0:
-    attention = "splash"
-  elif not tpu and not cp and r.head_dim <= 128 and r.head_dim % 8 == 0:
-    attention = "cudnn"
-  elif not tpu and not cp:
-    attention = "dot_product"
-    notes.append(f"attention dot_product (XLA): head dim {r.head_dim} is outside cuDNN flash attention's (<= 128)")
-  elif not tpu:
-    # cuDNN's kernel with a position mask (context parallelism) compiles into a host literal of tens of GB under
-    # gradient accumulation: XLA's own attention, masked by the positions, stands in
-    attention = "dot_product"
-    notes.append("attention dot_product (XLA, masked by positions): context parallelism with cuDNN does not compile")
-  else:
-    attention = "blockwise"
-    notes.append("attention blockwise: the layout (pipeline / context parallel) rules out the splash kernel")
-  remat = r.remat
-  if remat is None:
-    remat = "minimal"
-    notes.append(f"recompute '{r.recompute_raw or 'not published'}': minimal (Megatron's selective default)")
-  elif not r.remat_exact:
-    notes.append(f"recompute '{r.recompute_raw}' as the nearest policy '{remat}'")
-  model = dict(n_layers=r.n_layers, d_model=r.d_model, n_heads=r.n_heads, n_kv_heads=r.n_kv_heads,
-               head_dim=r.head_dim, d_ff=r.d_ff, vocab_size=r.vocab_size, max_seq_len=r.seq_len, remat=remat,
-               mlp=r.mlp, tie_embeddings=r.tie_embeddings, attention=attention, attention_block=512,
-               block="parallel" if r.parallel_block else "sequential", dtype="bfloat16", param_dtype="float32",
-               scan_layers=True)
-  if r.seq_len % 512:
-    model["attention_block"] = r.seq_len
-  micro = r.microbatches or 1
-  if pipelined and r.microbatches == 0:
-    micro = max(1, r.global_batch // max(1, r.data * r.fsdp))
-    notes.append(f"micro-batch size not published: {micro} pipeline micro-batches of one sequence")
-  if pipelined and r.virtual_stages != 1:
-    notes.append("interleaved pipeline run as non-interleaved 1F1B (larger bubble)")
-  mesh = dict(data=r.data, fsdp=r.fsdp, tensor=r.tensor, pipeline=r.pipeline, sequence=r.sequence,
-              microbatches=micro, form="shard_map" if pipelined or cp else "jit",
-              schedule="1f1b")
-  if r.parallel_block:
-    notes.append("parallel attention+MLP block (model.block=parallel)")
-  if r.biases or r.learned_positions:
-    notes.append("biases / learned positions left out")
-  ov = [f"--config.model.{k}={v}" for k, v in model.items()]
-  ov += [f"--config.data.seq_len={r.seq_len}", f"--config.data.global_batch={r.global_batch}"]
-  ov += [f"--config.mesh.{k}={v}" for k, v in mesh.items()]
-  ov.append(f"--config.name={r.id}")
-  k = _slices(r)
-  topology = targets.plan(r.hardware, r.n_chips // k).topology if tpu and k > 1 else None
-  if topology:
-    notes.append(f"{k} slices of {topology} over the data-center network")
-  return ov, topology, notes
-
-
-def predict_row(r: P.PublishedRun, backend: str = "auto", timeout_s: float = TIMEOUT_S,
+def predict_row(r: P.PublishedRun, m: M.RowMapping, backend: str = "auto", timeout_s: float = TIMEOUT_S,
                 compile_budget: str = "75") -> dict:
   """The row's Prediction (JSON) from a ``python -m perfmodel predict`` child, or {'error': ...}."""
-  ov, topology, notes = row_config(r)
+  if m.error:
+    return {"error": m.error}
   argv = [sys.executable, "-m", "perfmodel", "predict", "--config", BASE_CONFIG, "--hardware", r.hardware,
           "--backend", backend, "--compile-budget", str(compile_budget)]
-  argv += (["--topology", topology] if topology else []) + ov
+  argv += (["--topology", m.topology] if m.topology else []) + m.overrides
   env = dict(os.environ)
   env["PYTHONPATH"] = ROOT + os.pathsep + env.get("PYTHONPATH", "")
   t0 = time.perf_counter()
   try:
     p = subprocess.run(argv, cwd=ROOT, env=env, capture_output=True, text=True, timeout=timeout_s)
   except subprocess.TimeoutExpired:
-    return {"error": f"predict timed out after {timeout_s:.0f} s", "mapping": notes}
+    return {"error": f"predict timed out after {timeout_s:.0f} s"}
   wall = time.perf_counter() - t0
   lines = [x for x in p.stdout.strip().splitlines() if x.startswith("{")]
   if p.returncode or not lines:
     err = [x for x in p.stderr.strip().splitlines() if x.strip()]
-    return {"error": (err[-1] if err else f"exit {p.returncode}")[:400], "mapping": notes}
+    return {"error": (err[-1] if err else f"exit {p.returncode}")[:400]}
   out = json.loads(lines[-1])
-  out["mapping"], out["child_wall_s"], out["command"] = notes, wall, " ".join(argv[1:])
+  out["child_wall_s"], out["program_overrides"] = wall, m.overrides
   return out
 
 
@@ -138,13 +76,40 @@ def _terms(pred: dict) -> dict:
           "pipeline_idle_s": (pred.get("conditionals") or {}).get("lockstep_idle_s", 0.0)}
 
 
+def _record(r: P.PublishedRun, m: M.RowMapping, out: dict) -> dict:
+  rec = {"id": r.id, "chip": r.hardware, "precision": r.precision, "split": r.split, "source": r.source_key,
+         "table": r.table, "n_chips": r.n_chips, "measured_s": r.measured_step_s,
+         "baseline_s": S.baseline_step_s(r), "mapping": m.notes,
+         "features": {k: f.value for k, f in m.features.items()}}
+  rec["baseline_err_pct"] = 100.0 * (rec["baseline_s"] / r.measured_step_s - 1)
+  if "error" in out:
+    rec["error"] = out["error"]
+    return rec
+  step = out["step_time_s"]
+  rec.update(predicted_s=step, err_pct=100.0 * (step / r.measured_step_s - 1), mfu=out.get("mfu"),
+             peak_memory_bytes=out.get("peak_memory_bytes"), fits_in_memory=out.get("fits_in_memory"),
+             route=out.get("route"), route_detail=out.get("route_detail"), compile_s=out.get("compile_s"),
+             terms=_terms(out), assumptions=out.get("assumptions"), stale_reasons=out.get("stale_reasons", []),
+             flags=[])
+  flag = C.mfu_flag(r, out)
+  if flag:
+    rec["flags"].append(flag)
+  if out.get("fits_in_memory") is False:
+    rec["memory_diagnosis"] = C.memory_diagnosis(r, m.features, out["program_overrides"], out)
+    rec["flags"].append({"flag": "does_not_fit", "diagnosis": rec["memory_diagnosis"]})
+  return rec
+
+
 def run(csv: Optional[str] = None, limit: int = 0, ids: Optional[list] = None, png: Optional[str] = None,
-        results: bool = True, backend: str = "auto", log=print, reprice: bool = False,
-        save_programs: bool = False, compile_budget: str = "75") -> dict:
-  """``reprice``: price the committed programs (perfmodel/calib/published_programs.py) in this process, nothing
-  compiled; ``save_programs``: after each row, commit its compiled program there."""
+        record: bool = False, backend: str = "auto", log=print, reprice: bool = False, save_programs: bool = False,
+        strict: bool = False, compile_budget: str = "75") -> dict:
+  """``reprice``: price the committed programs in this process, nothing compiled; ``save_programs``: commit each
+  compiled program and price the row from it; ``strict``: a stale program is an error, not a flagged prediction;
+  ``record``: write the JSON and the RESULTS row (needs every priced program committed: reprice or save_programs)."""
   from perfmodel.calib import published_programs as PP  # noqa: PLC0415 (loads jax: only a run needs it)
-  rows = P.included(P.load(csv))
+  if record and not (reprice or save_programs):
+    raise SystemExit("--record writes what --reprice reproduces: add --save-programs (compile) or --reprice")
+  rows = P.included(P.load(csv), precision=None)
   if ids:
     unknown = sorted(set(ids) - {r.id for r in rows})
     if unknown:
@@ -152,89 +117,132 @@ def run(csv: Optional[str] = None, limit: int = 0, ids: Optional[list] = None, p
     rows = [r for r in rows if r.id in ids]
   if limit:
     rows = rows[:limit]
-  per, preds, t0 = [], {}, time.perf_counter()
+  run_at, t0, per = datetime.datetime.now().isoformat(timespec="seconds"), time.perf_counter(), []
   for i, r in enumerate(rows):
-    ov, topology, notes = row_config(r)
-    out = dict(PP.reprice(r, ov, backend), mapping=notes) if reprice else predict_row(r, backend,
-                                                                                      compile_budget=compile_budget)
-    if save_programs and "error" not in out:
-      PP.export(r, ov, topology)
-    rec = {"id": r.id, "chip": r.hardware, "precision": r.precision, "source": r.source_key,
-           "measured_s": r.measured_step_s, "n_chips": r.n_chips, "mapping": out.get("mapping", [])}
-    if "error" in out:
-      rec["error"] = out["error"]
-      log(f"[{i + 1}/{len(rows)}] {r.id}: FAILED {out['error'][:200]}")
+    m = M.row_config(r)
+    if reprice:
+      out = PP.reprice(r, m, backend)
     else:
-      preds[r.id] = out["step_time_s"]
-      rec.update(predicted_s=out["step_time_s"], err_pct=100.0 * (out["step_time_s"] / r.measured_step_s - 1),
-                 mfu=out.get("mfu"), peak_memory_bytes=out.get("peak_memory_bytes"),
-                 fits_in_memory=out.get("fits_in_memory"), capacity_bytes=None, route=out.get("route"),
-                 route_detail=out.get("route_detail"), compile_s=out.get("compile_s"),
-                 child_wall_s=out.get("child_wall_s"), terms=_terms(out), assumptions=out.get("assumptions"),
-                 stale_program=out.get("stale"))
-      log(f"[{i + 1}/{len(rows)}] {r.id}: predicted {out['step_time_s']:.3f} s, published {r.measured_step_s:.3f} s "
-          f"({rec['err_pct']:+.1f}%), peak {out.get('peak_memory_bytes', 0) / 2**30:.1f} GiB, "
-          f"{rec['child_wall_s']:.0f} s")
+      out = predict_row(r, m, backend, compile_budget=compile_budget)
+      if save_programs and "error" not in out:
+        try:
+          PP.export(r, m)
+          out = PP.reprice(r, m, backend)
+        except FileNotFoundError as e:
+          out = {"error": str(e)}
+    if strict and out.get("stale_reasons"):
+      out = {"error": "stale program: " + "; ".join(out["stale_reasons"])}
+    rec = _record(r, m, out)
     per.append(rec)
-  return summarize(rows, per, preds, png=png, results=results, wall_s=time.perf_counter() - t0,
-                   command=_command_tail(csv, limit, ids, backend) + (" --reprice" if reprice else
-                                                                      f" --compile-budget {compile_budget}"))
-
-
-def summarize(rows: list, per: list, preds: dict, png: Optional[str] = None, results: bool = False,
-              wall_s: float = 0.0, command: str = "") -> dict:
-  """Scores (perfmodel.calib.published.summarize) of the bf16 rows, the fp16 rows apart, memory violations, error
-  terms by source; draws the PNG and appends the RESULTS row when asked."""
-  from perfmodel import hardware  # noqa: PLC0415
-  bf16 = [r for r in rows if r.precision == "bf16"]
-  fp16 = [r for r in rows if r.precision == "fp16"]
-  s = P.summarize(bf16, preds)
-  s16 = P.summarize(fp16, preds) if fp16 else None
-  cap = {}
-  for rec in per:
-    if rec.get("peak_memory_bytes") is not None:
-      cap.setdefault(rec["chip"], hardware.load(rec["chip"]).mem_bytes)
-      rec["capacity_bytes"] = cap[rec["chip"]]
-  violations = [{"id": e["id"], "peak_gib": e["peak_memory_bytes"] / 2**30, "capacity_gib": e["capacity_bytes"] / 2**30}
-                for e in per if e.get("peak_memory_bytes") and (e["peak_memory_bytes"] > e["capacity_bytes"]
-                                                                or e.get("fits_in_memory") is False)]
-  tpu = [e for e in per if e["chip"].startswith("tpu") and e.get("peak_memory_bytes") is not None]
-  by_source_terms = {}
-  for e in per:
-    if "terms" in e:
-      t = by_source_terms.setdefault(e["source"], {"n": 0, "mean_signed_pct": 0.0, **{k: 0.0 for k in e["terms"]}})
-      t["n"] += 1
-      t["mean_signed_pct"] += e["err_pct"]
-      for k, v in e["terms"].items():
-        t[k] += v / e["predicted_s"]  # share of the predicted step
-  for t in by_source_terms.values():
-    for k in list(t):
-      if k != "n":
-        t[k] /= t["n"]
-  out = {"mape_pct": s["mape_pct"], "n_rows": s["n_rows"], "n_failed": sum(1 for e in per if "error" in e),
-         "mean_signed_pct": s["mean_signed_pct"], "by_chip": s["by_chip"], "by_source": s["by_source"],
-         "kendall_tau": {t: v["tau"] for t, v in s["kendall_tau"].items()}, "kendall_tau_mean": s["kendall_tau_mean"],
-         "fp16": ({k: s16[k] for k in ("mape_pct", "n_rows", "by_source")} if s16 else None),
-         "jax_xla_mape_pct": _mape([e for e in per if "err_pct" in e and e["precision"] == "bf16"
-                                    and re.search(r"maxtext|paxml", e["source"], re.I)]),
-         # rows whose program fits the chip: where the compiler refuses the program (it does not fit HBM) the
-         # optimised HLO priced is its attempt at rematerialising its way down, not the program the row ran
-         "fitting": {"n_rows": len(fit := [e for e in per if "err_pct" in e and e["precision"] == "bf16"
-                                           and e.get("fits_in_memory") is not False]),
-                     "mape_pct": _mape(fit),
-                     "jax_xla_mape_pct": _mape([e for e in fit if re.search(r"maxtext|paxml", e["source"], re.I)])},
-         "memory": {"tpu_rows_with_compiled_peak": len(tpu), "violations": violations},
-         "terms_by_source": by_source_terms, "rows": per, "wall_s": wall_s}
+    if "error" in rec:
+      log(f"[{i + 1}/{len(rows)}] {r.id}: {rec['error'][:200]}")
+    else:
+      log(f"[{i + 1}/{len(rows)}] {r.id} ({r.split}): predicted {rec['predicted_s']:.3f} s, published "
+          f"{r.measured_step_s:.3f} s ({rec['err_pct']:+.1f}%; baseline {rec['baseline_err_pct']:+.1f}%)"
+          + (", stale" if rec["stale_reasons"] else "") + ("".join(f", {f['flag']}" for f in rec["flags"])))
+  tail = _command_tail(csv, limit, ids, backend) + (" --reprice" if reprice else f" --compile-budget {compile_budget}")
+  tail += (" --save-programs" if save_programs else "") + (" --strict" if strict else "")
+  out = summarize(rows, per, wall_s=time.perf_counter() - t0, command="python -m perfmodel validate" + tail,
+                  run_at=run_at)
+  for line in report_lines(out):
+    log(line)
   if png:
     _plot(per, png)
     out["png"] = png
-  if results:
-    _append_results(out, command)
+  if record:
+    write_record(out)
   return out
 
 
-def _mape(es: list) -> Optional[float]:
-  return sum(abs(e["err_pct"]) for e in es) / len(es) if es else None
+def summarize(rows: list, per: list, wall_s: float = 0.0, command: str = "", run_at: str = "") -> dict:
+  """Scores of the run (the model beside the baseline), counts of what was not priced, stale and flagged."""
+  from perfmodel.calib import published_programs as PP  # noqa: PLC0415
+  preds = {e["id"]: e["predicted_s"] for e in per if "predicted_s" in e}
+  by_id = {e["id"]: e for e in per}
+  inc = [r for r in rows if r.precision in INCLUDED]
+  groups = {"included": inc, "design": [r for r in inc if r.split == "design"],
+            "heldout": [r for r in inc if r.split == "heldout"],
+            "fp16": [r for r in rows if r.precision == "fp16"],
+            "fits_chip_diagnosis": [r for r in inc if by_id[r.id].get("fits_in_memory") is True]}
+  scores = {k: S.score(v, preds) for k, v in groups.items()}
+  priced = [e for e in per if "predicted_s" in e]
+  mem = [e for e in priced if e.get("fits_in_memory") is not None and e["precision"] in INCLUDED]
+  not_compiled, failed = {}, []
+  for e in per:
+    if "error" in e:
+      key = e["error"].split(":", 2)[1].strip() if e["error"].startswith("not compiled") else ""
+      (not_compiled.setdefault(key, []) if key else failed).append(e["id"])
+  return {
+      "run_at": run_at, "command": command, "wall_s": wall_s, "host": f"{platform.machine()} {os.cpu_count()} cores",
+      "code": PP.code_version(), "baseline": f"step = model FLOPs ({S.BASELINE_CONVENTION}) / (chips x bf16 peak "
+                                             f"x {S.BASELINE_MFU})",
+      "n_rows": len(rows), "n_priced": len(priced), "n_failed": len(failed), "failed": failed,
+      "not_compiled": not_compiled, "n_not_compiled": sum(len(v) for v in not_compiled.values()),
+      "stale": {e["id"]: e["stale_reasons"] for e in priced if e["stale_reasons"]},
+      "fits": {"n_fit": sum(1 for e in mem if e["fits_in_memory"]), "n_checked": len(mem),
+               "pct": 100.0 * sum(1 for e in mem if e["fits_in_memory"]) / len(mem) if mem else None,
+               "not_fitting": {e["id"]: e.get("memory_diagnosis", "") for e in mem if not e["fits_in_memory"]}},
+      "flagged_mfu": [e["id"] for e in priced if any(f["flag"] == "mfu_above_best_matmul" for f in e["flags"])],
+      "scores": scores, "terms_by_source": _terms_by_source(priced), "rows": per}
+
+
+def _terms_by_source(priced: list) -> dict:
+  out = {}
+  for e in priced:
+    t = out.setdefault(e["source"], {"n": 0, "mean_signed_pct": 0.0, **{k: 0.0 for k in e["terms"]}})
+    t["n"] += 1
+    t["mean_signed_pct"] += e["err_pct"]
+    for k, v in e["terms"].items():
+      t[k] += v / e["predicted_s"]  # share of the predicted step
+  for t in out.values():
+    for k in list(t):
+      if k != "n":
+        t[k] /= t["n"]
+  return out
+
+
+def report_lines(out: dict) -> list:
+  """What a reader needs first: each score beside the baseline, then what was not priced, stale or flagged."""
+  sc = out["scores"]
+  lines = [f"published rows: {out['n_rows']} included, {out['n_priced']} priced, {out['n_not_compiled']} not "
+           f"compiled, {out['n_failed']} failed; baseline: {out['baseline']}"]
+  lines += S.lines("included (bf16 + fp8, headline)", sc["included"])
+  for k, name in (("design", "design rows"), ("heldout", "held-out rows"), ("fp16", "fp16 rows (scored apart)"),
+                  ("fits_chip_diagnosis", "rows whose program fits the chip (diagnosis, not a headline)")):
+    lines += S.lines(name, sc[k], groups=("by_chip",))
+  f = out["fits"]
+  if f["n_checked"]:
+    lines.append(f"fit the chip: {f['n_fit']} of {f['n_checked']} ({f['pct']:.0f}%; acceptance >= 95%)")
+  for reason, ids in out["not_compiled"].items():
+    lines.append(f"not compiled ({len(ids)}): {reason}")
+  if out["stale"]:
+    lines.append(f"stale programs: {len(out['stale'])} of {out['n_priced']} priced (their scores are not of this "
+                 f"checkout's mapping or code: recompile with --save-programs)")
+  if out["flagged_mfu"]:
+    lines.append(f"MFU above the chip's best matmul fraction: {', '.join(out['flagged_mfu'])}")
+  return lines
+
+
+def write_record(out: dict, json_path: str = JSON_PATH, results_path: str = RESULTS_PATH) -> None:
+  """The run's JSON and its RESULTS row, both from ``out`` (same run_at)."""
+  os.makedirs(os.path.dirname(json_path), exist_ok=True)
+  with open(json_path, "w") as f:
+    json.dump(out, f, indent=1, default=str)
+    f.write("\n")
+  sc = out["scores"]
+  nums = {"json": os.path.relpath(json_path, ROOT), "n_priced": out["n_priced"],
+          "n_not_compiled": out["n_not_compiled"], "n_failed": out["n_failed"], "n_stale": len(out["stale"]),
+          "fits": f"{out['fits']['n_fit']}/{out['fits']['n_checked']}"}
+  for k in ("included", "design", "heldout", "fp16", "fits_chip_diagnosis"):
+    m, b = sc[k]["model"], sc[k]["baseline"]
+    nums[k] = {"n": sc[k]["n"], "mape_pct": [m["mape_pct"], b["mape_pct"]],
+               "tau_global": [m["tau_global"], b["tau_global"]], "tau_tables": [m["tau_tables"], b["tau_tables"]]}
+  nums["by_chip_mape_pct"] = {c: [v["mape_pct"], sc["included"]["baseline"]["by_chip"][c]["mape_pct"]]
+                              for c, v in sc["included"]["model"]["by_chip"].items()}
+  nums = json.loads(json.dumps(nums), parse_float=lambda x: round(float(x), 3))
+  with open(results_path, "a") as f:
+    f.write(f"| {out['run_at']} | {out['command']} (model vs baseline: [model, baseline]) | {out['host']} (shared) "
+            f"| {json.dumps(nums)} |\n")
 
 
 def _plot(per: list, path: str) -> None:
@@ -245,11 +253,12 @@ def _plot(per: list, path: str) -> None:
   ok = [e for e in per if "predicted_s" in e]
   for chip in sorted({e["chip"] for e in ok}):
     es = [e for e in ok if e["chip"] == chip]
-    ax.scatter([e["measured_s"] for e in es], [e["predicted_s"] for e in es], s=14, label=f"{chip} ({len(es)})",
-               marker="o" if all(e["precision"] == "bf16" for e in es) else "s")
+    ax.scatter([e["measured_s"] for e in es], [e["predicted_s"] for e in es], s=14, label=f"{chip} ({len(es)})")
   if ok:
-    lo = min(min(e["measured_s"], e["predicted_s"]) for e in ok) / 1.5
-    hi = max(max(e["measured_s"], e["predicted_s"]) for e in ok) * 1.5
+    ax.scatter([e["measured_s"] for e in ok], [e["baseline_s"] for e in ok], s=8, c="0.6", marker="x",
+               label="constant-MFU baseline")
+    lo = min(min(e["measured_s"], e["predicted_s"], e["baseline_s"]) for e in ok) / 1.5
+    hi = max(max(e["measured_s"], e["predicted_s"], e["baseline_s"]) for e in ok) * 1.5
     ax.plot([lo, hi], [lo, hi], "k--", lw=0.8)
   ax.set_xscale("log"), ax.set_yscale("log")
   ax.set_xlabel("published step time (s)"), ax.set_ylabel("predicted step time (s)")
@@ -265,18 +274,3 @@ def _command_tail(csv, limit, ids, backend) -> str:
   tail += f" --limit {limit}" if limit else ""
   tail += f" --rows {','.join(ids)}" if ids else ""
   return tail + (f" --backend {backend}" if backend != "auto" else "")
-
-
-def _append_results(out: dict, command: str) -> None:
-  path = os.path.join(ROOT, "benchmarks", "RESULTS.md")
-  nums = {"mape_pct": out["mape_pct"], "n_rows": out["n_rows"], "n_failed": out["n_failed"],
-          "jax_xla_mape_pct": out["jax_xla_mape_pct"], "kendall_tau_mean": out["kendall_tau_mean"],
-          "fitting_rows": out["fitting"],
-          "by_chip": {k: v["mape_pct"] for k, v in out["by_chip"].items()},
-          "by_source": {k[:40]: v["mape_pct"] for k, v in out["by_source"].items()},
-          "fp16_mape_pct": (out["fp16"] or {}).get("mape_pct"),
-          "memory_violations": len(out["memory"]["violations"]), "wall_s": out["wall_s"]}
-  nums = json.loads(json.dumps(nums), parse_float=lambda x: round(float(x), 3))
-  with open(path, "a") as f:
-    f.write(f"| {datetime.datetime.now().isoformat(timespec='minutes')} | python -m perfmodel validate{command} | "
-            f"{platform.machine()} {os.cpu_count()} cores (shared) | {json.dumps(nums)} |\n")

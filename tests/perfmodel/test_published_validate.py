@@ -1,0 +1,106 @@
+"""The committed published validation can be re-run and trusted: `validate --published --reprice` reproduces the
+committed JSON from the committed programs, the JSON and its RESULTS row are one run, and a program compiled from
+another config or other code is flagged stale."""
+import json
+import os
+import re
+
+import pytest
+
+from perfmodel.calib import published as P
+from perfmodel.calib import published_mapping as M
+from perfmodel.calib import published_programs as PP
+from perfmodel.calib import published_validate as PV
+
+
+@pytest.fixture(scope="module")
+def committed():
+  with open(PV.JSON_PATH) as f:
+    return json.load(f)
+
+
+@pytest.fixture(scope="module")
+def repriced():
+  return PV.run(reprice=True, log=lambda *_: None)
+
+
+def test_freshness_names_what_changed():
+  r = next(x for x in P.load() if x.id == "maxtext_v5e_16b_1x256")
+  m = M.row_config(r)
+  prov = {"overrides": m.overrides, "topology": m.topology, **PP.code_version()}
+  assert PP.freshness(r, m, prov) == []
+  other = dict(prov, overrides=[o.replace("remat=full", "remat=minimal") for o in m.overrides])
+  (why,) = PP.freshness(r, m, other)
+  assert why.startswith("mapping:") and "model.remat: minimal -> full" in why
+  (why,) = PP.freshness(r, m, dict(prov, sources="0" * 16))
+  assert why.startswith("code:") and "0" * 16 in why
+  (why,) = PP.freshness(r, m, dict(prov, config_fingerprint="f" * 20))  # a stored fingerprint is what counts
+  assert why.startswith("mapping:")
+
+
+def test_committed_programs_are_of_included_rows():
+  rows = {r.id: r for r in P.included(P.load(), precision=None)}
+  files = [f for f in os.listdir(PP.DIR) if f.endswith(".json.xz")]
+  assert files
+  for f in files:
+    row_id = f[:-len(".json.xz")]
+    assert row_id in rows, f"{f}: no included row of that id"
+    _, prov = PP.load(row_id)
+    assert prov["row"] == row_id and prov["hardware"] == rows[row_id].hardware and prov["overrides"]
+
+
+def test_reprice_reproduces_the_committed_json(committed, repriced):
+  assert committed["command"].split(" --reprice")[0] == repriced["command"].split(" --reprice")[0]
+  got = {e["id"]: e for e in repriced["rows"]}
+  assert set(got) == {e["id"] for e in committed["rows"]}
+  for e in committed["rows"]:
+    g = got[e["id"]]
+    assert g.get("error") == e.get("error"), e["id"]
+    if "predicted_s" in e:
+      assert g["predicted_s"] == pytest.approx(e["predicted_s"], rel=1e-9), e["id"]
+      assert (g["fits_in_memory"], g["stale_reasons"]) == (e["fits_in_memory"], e["stale_reasons"]), e["id"]
+      assert [f["flag"] for f in g["flags"]] == [f["flag"] for f in e["flags"]], e["id"]
+  for k in ("n_priced", "n_failed", "n_not_compiled", "fits", "stale", "flagged_mfu", "not_compiled"):
+    assert repriced[k] == committed[k], k
+  for group, s in committed["scores"].items():
+    for who in ("model", "baseline"):
+      for stat in ("mape_pct", "mean_signed_pct", "tau_global", "tau_tables"):
+        assert repriced["scores"][group][who][stat] == pytest.approx(s[who][stat], rel=1e-9, abs=1e-12), (
+            group, who, stat)
+
+
+def test_the_json_and_its_results_row_are_one_run(committed):
+  assert committed["wall_s"] > 0 and committed["run_at"]
+  with open(PV.RESULTS_PATH) as f:
+    ours = [line for line in f if "validate --published" in line and '"json": "benchmarks/data/published_valid' in line]
+  assert ours, "no RESULTS row written by validate --published --record"
+  cells = [c.strip() for c in ours[-1].strip().strip("|").split("|")]
+  assert cells[0] == committed["run_at"] and cells[1].startswith(committed["command"])
+  nums = json.loads(cells[-1])
+  inc = committed["scores"]["included"]
+  assert nums["included"]["n"] == inc["n"]
+  assert nums["included"]["mape_pct"] == [round(inc["model"]["mape_pct"], 3), round(inc["baseline"]["mape_pct"], 3)]
+  assert nums["n_stale"] == len(committed["stale"]) and nums["fits"] == (
+      f"{committed['fits']['n_fit']}/{committed['fits']['n_checked']}")
+
+
+def test_every_included_row_is_accounted_for(committed):
+  rows = P.included(P.load(), precision=None)
+  assert {e["id"] for e in committed["rows"]} == {r.id for r in rows}
+  for e in committed["rows"]:  # priced, or a named reason: never silently dropped
+    assert "predicted_s" in e or re.match(r"(not compiled: \w+ path missing|no committed program|mapping:)",
+                                          e["error"]), e
+    assert e["baseline_s"] > 0
+
+
+def test_record_needs_a_reproducible_run():
+  with pytest.raises(SystemExit, match="--save-programs"):
+    PV.run(record=True, log=lambda *_: None)
+
+
+def test_strict_refuses_a_stale_program(monkeypatch):
+  now = PP.code_version()
+  monkeypatch.setattr(PP, "code_version", lambda: dict(now, sources="0" * 16))  # every program is now stale
+  out = PV.run(reprice=True, strict=True, ids=["maxtext_v5e_16b_1x256"], log=lambda *_: None)
+  (row,) = out["rows"]
+  assert row["error"].startswith("stale program: code:") and out["n_priced"] == 0
