@@ -165,8 +165,8 @@ def cli(argv=None) -> int:
           f"or use another --workdir; then rerun to resume from the last checkpoint", file=sys.stderr)
     return 5
   except KeyboardInterrupt:
-    print("stopped by SIGINT before training started; nothing was saved (run the same command again)",
-          file=sys.stderr)
+    print("stopped by SIGINT outside the training steps (start-up or the final sample); the workdir's complete "
+          "checkpoints are kept: run the same command again to resume", file=sys.stderr)
     return 130
 
 
