@@ -18,6 +18,7 @@ import argparse
 import json
 import logging
 import math
+import os
 import sys
 from typing import Optional
 
@@ -89,7 +90,8 @@ def main(argv=None) -> int:
     return 0
   # The workdir is locked before jax starts (seconds): a second run on it is refused at once. The training
   # loop takes the same lock (process 0 only where several processes train together).
-  early = workdir_lib.lock(args.workdir, "training run") if (args.process_id or 0) == 0 and not _auto_cluster() else None
+  first = (args.process_id or 0) == 0 and not _auto_cluster()
+  early = workdir_lib.lock(args.workdir, "training run") if first else None
   try:
     return _train_main(args, cfg)
   finally:
@@ -99,7 +101,6 @@ def main(argv=None) -> int:
 
 def _auto_cluster() -> bool:
   """A cluster launch whose process ids jax detects itself (SLURM, a TPU pod): process 0 is known later."""
-  import os  # noqa: PLC0415
   return int(os.environ.get("SLURM_NTASKS", "1")) > 1 or os.environ.get("PRISMLLM_DISTRIBUTED") == "1"
 
 

@@ -18,7 +18,10 @@ What a restore does with a bad workdir (every case ends in a restore or in one l
   those step numbers again) with a ``WHY.txt``; the log says which and why;
 * nothing restorable: ``CheckpointError(kind='corrupt')`` listing each step's problem.
 Incomplete saves (a process killed mid-save) stay in orbax's ``*.orbax-checkpoint-tmp-*`` folders,
-which are never listed as steps and are removed when the next manager starts.
+which are never listed as steps and are removed (with a log line) when the next manager starts.
+A save that finds the disk full (ENOSPC / EDQUOT, also as tensorstore's RESOURCE_EXHAUSTED inside orbax's
+error) is ``CheckpointError(kind='io')`` naming the step and the fix; its partial folder is removed at once
+and the complete steps are kept (orbax deletes old steps only after a successful save).
 
 This module imports orbax and jax only inside functions: the step listing, quick checks and the
 quarantine are plain file operations a jax-free controller (resilience/) can use.
@@ -211,7 +214,8 @@ def _install_noise_filters():
     prev(u)
 
   def thread_hook(a):
-    if _from_orbax(a.exc_value) or (isinstance(a.exc_value, RuntimeError) and str(a.exc_value) == "Event loop is closed"):
+    closed_loop = isinstance(a.exc_value, RuntimeError) and str(a.exc_value) == "Event loop is closed"
+    if _from_orbax(a.exc_value) or closed_loop:
       with contextlib.suppress(Exception):
         log.debug("orbax thread %s: %r", getattr(a.thread, "name", "?"), a.exc_value)
       return
@@ -313,8 +317,9 @@ class Checkpointer:
       partial = [os.path.basename(p) for p in partial_saves(self.dir)]
       self._remove_partial()
       kept = sorted(step_dirs(self.dir))
+      which = ", ".join(p.split(".")[0] for p in partial) or step
       raise CheckpointError(
-          f"no space left on device while saving checkpoint step {', '.join(p.split('.')[0] for p in partial) or step} "
+          f"no space left on device while saving checkpoint step {which} "
           f"in {self.dir}: free space there (or use a --workdir on a larger disk) and rerun to resume from "
           f"{'step ' + str(kept[-1]) if kept else 'step 0'}; the partial save was removed, the complete "
           f"checkpoints {kept or '(none)'} are kept", kind="io", step=step) from None
