@@ -4,8 +4,9 @@ Areas are registered in ``AREAS`` (name -> module). An area module provides ``lo
 cases with ``name``, ``klass``, ``timeout_s``), ``Workspace(root)`` (the good files its cases corrupt),
 ``run_case(case, workspace)`` -> an outcome with ``kind`` in recovered | clear_error | unclear_error | crash |
 hang | silent and ``data_lost``, and ``summarise``. ondevice/fault_suite.py is the ondevice area's (GGUF files,
-generation limits, plans, ring peers, export), resilience/fault_suite.py the resilience area's (config,
-checkpoints, hot swap); other areas add their module here.
+generation limits and the trained context, plans, ring peers, export), resilience/fault_suite.py the resilience
+area's (config, checkpoints, hot swap, and a run's life cycle: stop signals, workdir lock, checks before write,
+full disk); other areas add their module here.
 
 Every case runs in its own subprocess (``--run-one``) under a time limit, so a hang is caught and killed,
 and a crash cannot take the others down. Prints one JSON object (counts per area and in total, and every

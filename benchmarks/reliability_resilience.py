@@ -3,12 +3,12 @@
   PYTHONPATH=. python benchmarks/reliability_resilience.py [--class config ...] [--fast] [--workdir DIR]
                                                             [--no-append]
 
-Runs the cases of ``resilience/faults_cases.py`` and ``faults_hotswap_cases.py`` (``resilience.fault_suite``)
-against the real entry point, one subprocess per run, and prints one JSON object: the counts (``bad_inputs_tried``, ``recovered``,
-``clear_errors``, ``unclear_errors``, ``crashes``, ``hangs``, ``silent``, ``data_lost``; the keys the ondevice
-area's registry prints), per class, and every case's outcome. ``--fast`` skips the cases marked slow (the
-multi-minute hot-swap jobs). Appends a row to benchmarks/RESULTS.md unless --no-append.
-``benchmarks/reliability.py`` (all areas) can run this area through the same functions of
+Runs the cases of ``resilience/faults_cases.py``, ``faults_hotswap_cases.py`` and ``faults_lifecycle_cases.py``
+(``resilience.fault_suite``) against the real entry point, one subprocess per run, and prints one JSON object:
+the counts (``bad_inputs_tried``, ``recovered``, ``clear_errors``, ``unclear_errors``, ``crashes``, ``hangs``,
+``silent``, ``data_lost``; the keys the ondevice area's registry prints), per class, and every case's outcome.
+``--fast`` skips the cases marked slow (the multi-minute hot-swap jobs). Appends a row to benchmarks/RESULTS.md
+unless --no-append. ``benchmarks/reliability.py`` (all areas) can run this area through the same functions of
 ``resilience.fault_suite``: ``load_cases``, ``Workspace``, ``run_case``, ``summarise``.
 """
 from __future__ import annotations

@@ -1,11 +1,16 @@
 """The one entry point.
 
   python -m experiments.run --config experiments/configs/quickstart.py --workdir DIR [--config.x=y ...]
-                            [--processes N] [--host-devices N]
+                            [--processes N] [--host-devices N] [--verbose] [--debug]
 
 --processes N starts N processes on localhost (one per emulated host) that train together through
 jax.distributed; on a real cluster run one copy per host with --coordinator/--num-processes/
 --process-id (or none of them under SLURM / a TPU pod, where jax detects them).
+
+Ctrl-C (SIGINT) or SIGTERM stops training after the current step with a checkpoint there and one line saying
+how to resume (exit 130 / 0); a second signal exits at once. A mistake or a machine state a user can fix
+(config, corpus, workdir in use or a file, checkpoint, full disk) ends in one line naming the fix and exit
+code 2 (config), 3 (checkpoint), 4 (hot swap) or 5 (workdir); --debug shows the traceback instead.
 """
 from __future__ import annotations
 
@@ -13,10 +18,12 @@ import argparse
 import json
 import logging
 import math
+import os
 import sys
 from typing import Optional
 
-from framework import config_file, host_memory, xla_flags
+from framework import config_file, host_memory, platforms, xla_flags
+from framework import workdir as workdir_lib
 from framework.config import ConfigError, extras
 
 
@@ -31,6 +38,8 @@ def parse(argv):
   p.add_argument("--coordinator", default=None, help="host:port of process 0 (multi-host)")
   p.add_argument("--num-processes", type=int, default=None)
   p.add_argument("--process-id", type=int, default=None)
+  p.add_argument("--verbose", action="store_true", help="show start-up logs too (the CUDA compile-only plugin's)")
+  p.add_argument("--debug", action="store_true", help="a traceback instead of a one-line error")
   args, rest = p.parse_known_args(argv)
   bad = [a for a in rest if not a.startswith("--config.")]
   if bad:
@@ -73,14 +82,31 @@ def main(argv=None) -> int:
   xla_flags.set_host_device_count(args.host_devices, keep_existing=True)
   logging.basicConfig(level=logging.INFO, format="%(asctime)s %(name)s %(message)s", datefmt="%H:%M:%S")
   for noisy in ("absl", "orbax", "jax._src"):
-    logging.getLogger(noisy).setLevel(logging.WARNING)
+    logging.getLogger(noisy).setLevel(logging.INFO if args.verbose else logging.WARNING)
   cfg = config_file.load(args.config, overrides)
   if extras(cfg, "resilience"):
     import resilience  # noqa: PLC0415 - hot-swap jobs run under their own node agents
     print(json.dumps(resilience.run_hotswap(cfg, args.workdir), default=str))
     return 0
+  # The workdir is locked before jax starts (seconds): a second run on it is refused at once. The training
+  # loop takes the same lock (process 0 only where several processes train together).
+  first = (args.process_id or 0) == 0 and not _auto_cluster()
+  early = workdir_lib.lock(args.workdir, "training run") if first else None
+  try:
+    return _train_main(args, cfg)
+  finally:
+    if early is not None:
+      early.release()
+
+
+def _auto_cluster() -> bool:
+  """A cluster launch whose process ids jax detects itself (SLURM, a TPU pod): process 0 is known later."""
+  return int(os.environ.get("SLURM_NTASKS", "1")) > 1 or os.environ.get("PRISMLLM_DISTRIBUTED") == "1"
+
+
+def _train_main(args, cfg) -> int:
   # jax is imported only now, after XLA_FLAGS.
-  import jax  # noqa: PLC0415
+  jax = platforms.import_jax(verbose=args.verbose)
   from parallelism import distributed  # noqa: PLC0415
   distributed.initialize(args.coordinator, args.num_processes, args.process_id)
   logging.getLogger("prismllm").info("process %d/%d, local devices %s", jax.process_index(), jax.process_count(),
@@ -109,11 +135,18 @@ def _strip(argv, flag):
 
 
 def cli(argv=None) -> int:
-  """``main`` with the errors a user can fix printed as one line (no traceback) and exit codes 2/3/4."""
+  """``main`` with a stop on a signal and the errors a user can fix printed as one line (no traceback): exit
+  codes 130 / 0 (stopped by SIGINT / SIGTERM), 2 (config), 3 (checkpoint), 4 (hot swap), 5 (workdir)."""
+  import errno  # noqa: PLC0415
   from framework.checkpoint import CheckpointError  # noqa: PLC0415 - no jax at import
+  from framework.stop import Stopped  # noqa: PLC0415
+  from framework.workdir import WorkdirError  # noqa: PLC0415
   from resilience.recovery import RunFailed  # noqa: PLC0415
+  args = sys.argv[1:] if argv is None else argv
+  if "--debug" in args:
+    return _stopped_or(main, args, Stopped)
   try:
-    return main(argv)
+    return _stopped_or(main, args, Stopped)
   except ConfigError as e:
     print(f"config error: {e}", file=sys.stderr)
     return 2
@@ -123,6 +156,27 @@ def cli(argv=None) -> int:
   except RunFailed as e:
     print(f"hot-swap run failed: {e}", file=sys.stderr)
     return 4
+  except WorkdirError as e:
+    print(f"workdir error: {e}", file=sys.stderr)
+    return 5
+  except OSError as e:
+    if e.errno not in (errno.ENOSPC, errno.EDQUOT, errno.EACCES, errno.EPERM, errno.EROFS):
+      raise
+    print(f"workdir error: {e.strerror} writing {e.filename or 'a file'}: free space or fix the permissions there, "
+          f"or use another --workdir; then rerun to resume from the last checkpoint", file=sys.stderr)
+    return 5
+  except KeyboardInterrupt:
+    print("stopped by SIGINT outside the training steps (start-up or the final sample); the workdir's complete "
+          "checkpoints are kept: run the same command again to resume", file=sys.stderr)
+    return 130
+
+
+def _stopped_or(fn, args, stopped):
+  try:
+    return fn(args)
+  except stopped as e:
+    print(str(e), file=sys.stderr)
+    return e.exit_code
 
 
 if __name__ == "__main__":

@@ -18,7 +18,10 @@ What a restore does with a bad workdir (every case ends in a restore or in one l
   those step numbers again) with a ``WHY.txt``; the log says which and why;
 * nothing restorable: ``CheckpointError(kind='corrupt')`` listing each step's problem.
 Incomplete saves (a process killed mid-save) stay in orbax's ``*.orbax-checkpoint-tmp-*`` folders,
-which are never listed as steps and are removed when the next manager starts.
+which are never listed as steps and are removed (with a log line) when the next manager starts.
+A save that finds the disk full (ENOSPC / EDQUOT, also as tensorstore's RESOURCE_EXHAUSTED inside orbax's
+error) is ``CheckpointError(kind='io')`` naming the step and the fix; its partial folder is removed at once
+and the complete steps are kept (orbax deletes old steps only after a successful save).
 
 This module imports orbax and jax only inside functions: the step listing, quick checks and the
 quarantine are plain file operations a jax-free controller (resilience/) can use.
@@ -26,6 +29,7 @@ quarantine are plain file operations a jax-free controller (resilience/) can use
 from __future__ import annotations
 
 import contextlib
+import errno
 import gc
 import json
 import logging
@@ -176,27 +180,89 @@ _FILTER_INSTALLED = False
 
 
 def _orbax_noise(u) -> bool:
-  """Leftovers of a failed orbax read: its coroutines, and tensorstore callbacks into the closed event loop."""
+  """Leftovers of a failed orbax read or write: its coroutines, and tensorstore callbacks into the closed event loop."""
   mod = getattr(getattr(u.object, "cr_code", None), "co_filename", "") or ""
   return "orbax" in mod or (isinstance(u.exc_value, RuntimeError) and str(u.exc_value) == "Event loop is closed")
 
 
+def _from_orbax(exc) -> bool:
+  tb = getattr(exc, "__traceback__", None)
+  while tb is not None:
+    if "orbax" in tb.tb_frame.f_code.co_filename:
+      return True
+    tb = tb.tb_next
+  return False
+
+
+def _install_noise_filters():
+  """A failed orbax read or write leaves coroutines, tensorstore callbacks and its writer thread's exception,
+  which Python reports later as tracebacks ('Exception ignored ...', 'Exception in thread ...'); the failure
+  itself reaches the caller (restore, ``save`` / ``wait`` of the next step) and is reported by us in one line.
+  Those leftovers (and only they) are logged at debug level instead, once a Checkpointer exists."""
+  global _FILTER_INSTALLED
+  if _FILTER_INSTALLED:
+    return
+  _FILTER_INSTALLED = True
+  import threading  # noqa: PLC0415
+  prev, prev_thread = sys.unraisablehook, threading.excepthook
+
+  def unraisable(u):
+    if _orbax_noise(u):
+      with contextlib.suppress(Exception):
+        log.debug("orbax leftover: %r", u.exc_value)
+      return
+    prev(u)
+
+  def thread_hook(a):
+    closed_loop = isinstance(a.exc_value, RuntimeError) and str(a.exc_value) == "Event loop is closed"
+    if _from_orbax(a.exc_value) or closed_loop:
+      with contextlib.suppress(Exception):
+        log.debug("orbax thread %s: %r", getattr(a.thread, "name", "?"), a.exc_value)
+      return
+    prev_thread(a)
+  sys.unraisablehook, threading.excepthook = unraisable, thread_hook
+  logging.getLogger("absl").addFilter(_DiskFullLogFilter())  # orbax logs each failed writer thread's traceback
+  warnings.filterwarnings("ignore", message=r"coroutine '.*' was never awaited", category=RuntimeWarning,
+                          module=r"(orbax|framework\.checkpoint|asyncio).*")
+
+
+class _DiskFullLogFilter(logging.Filter):
+  """Drops orbax's error records of a write that found the disk full (the caller reports it in one line)."""
+
+  def filter(self, record) -> bool:
+    exc = record.exc_info[1] if record.exc_info else None
+    return not (exc is not None and disk_full(exc))
+
+
 @contextlib.contextmanager
 def _quiet_orbax_failures():
-  """A failed orbax read leaves coroutines and tensorstore callbacks that Python reports later as 'Exception
-  ignored ...' tracebacks; the failure itself is reported by us in one line. Those leftovers (and only they)
-  are logged at debug level instead, from the first restore on."""
-  global _FILTER_INSTALLED
-  if not _FILTER_INSTALLED:
-    _FILTER_INSTALLED = True
-    prev = sys.unraisablehook
-    sys.unraisablehook = lambda u: log.debug("orbax leftover: %r", u.exc_value) if _orbax_noise(u) else prev(u)
-    warnings.filterwarnings("ignore", message=r"coroutine '.*' was never awaited", category=RuntimeWarning,
-                            module=r"(orbax|framework\.checkpoint|asyncio).*")
+  """Around an orbax read that may fail: the noise filters, then collect its leftovers now."""
+  _install_noise_filters()
   try:
     yield
   finally:
     gc.collect()
+
+
+def disk_full(exc: BaseException) -> bool:
+  """True if ``exc`` (or its cause) is a write that found no space: ENOSPC / EDQUOT, also as tensorstore's
+  RESOURCE_EXHAUSTED text inside orbax's ValueError."""
+  seen = 0
+  while exc is not None and seen < 8:
+    if isinstance(exc, OSError) and exc.errno in (errno.ENOSPC, errno.EDQUOT):
+      return True
+    text = str(exc)
+    if "No space left on device" in text or "Disk quota exceeded" in text or "os_error_code='28'" in text:
+      return True
+    exc, seen = exc.__cause__ or exc.__context__, seen + 1
+  return False
+
+
+def partial_saves(ckpt_dir: str) -> List[str]:
+  """Folders of saves that never finished (orbax's ``<step>.orbax-checkpoint-tmp*``)."""
+  if not os.path.isdir(ckpt_dir):
+    return []
+  return sorted(os.path.join(ckpt_dir, x) for x in os.listdir(ckpt_dir) if ".orbax-checkpoint-tmp" in x)
 
 
 # ------------------------------------------------------------------------------ manager
@@ -209,6 +275,11 @@ class Checkpointer:
     if os.path.exists(self.dir) and not os.path.isdir(self.dir):
       raise CheckpointError(f"{self.dir} exists but is not a directory, so checkpoints cannot be written there: "
                             f"move it away or use another --workdir", kind="io")
+    _install_noise_filters()
+    self.incomplete = [os.path.basename(p).split(".")[0] for p in partial_saves(self.dir)]
+    if self.incomplete:  # removed by the manager below; say so, or a rerun would start over without a word
+      log.warning("removing incomplete save(s) of step %s in %s (a run stopped while writing them)",
+                  ", ".join(self.incomplete), self.dir)
     opts = ocp.CheckpointManagerOptions(max_to_keep=cfg.keep, enable_async_checkpointing=cfg.async_save,
                                         create=True, cleanup_tmp_directories=True)
     try:
@@ -218,18 +289,49 @@ class Checkpointer:
       raise CheckpointError(f"cannot open checkpoint folder {self.dir} ({type(e).__name__}: {e}): check its "
                             f"permissions or use another --workdir", kind="io") from e
     self.save_s: List[float] = []  # blocking part of each save (checksum + device-to-host copy + dispatch)
+    self._failed = False
 
   def latest_step(self) -> Optional[int]:
     return self.mgr.latest_step()
 
   def save(self, step: int, state: Any, data_state: dict, force: bool = False) -> bool:
+    """Starts an (async) save of ``step``; an earlier save's failure surfaces here or in ``wait``. A full disk
+    is a CheckpointError(kind='io'), with the partial save removed and the complete steps kept."""
     ocp = self._ocp
     t0 = time.perf_counter()
     data = dict(data_state, **{INTEGRITY_KEY: {"checksum": state_checksum(state)}})
-    ok = self.mgr.save(step, args=ocp.args.Composite(state=ocp.args.StandardSave(state),
-                                                     data=ocp.args.JsonSave(data)), force=force)
+    with self._write_errors(step):
+      ok = self.mgr.save(step, args=ocp.args.Composite(state=ocp.args.StandardSave(state),
+                                                       data=ocp.args.JsonSave(data)), force=force)
     self.save_s.append(time.perf_counter() - t0)
     return ok
+
+  @contextlib.contextmanager
+  def _write_errors(self, step: Optional[int]):
+    try:
+      yield
+    except Exception as e:  # noqa: BLE001 - orbax reports a failed write as ValueError / OSError / others
+      if not disk_full(e):
+        raise
+      self._failed = True
+      partial = [os.path.basename(p) for p in partial_saves(self.dir)]
+      self._remove_partial()
+      kept = sorted(step_dirs(self.dir))
+      which = ", ".join(p.split(".")[0] for p in partial) or step
+      raise CheckpointError(
+          f"no space left on device while saving checkpoint step {which} "
+          f"in {self.dir}: free space there (or use a --workdir on a larger disk) and rerun to resume from "
+          f"{'step ' + str(kept[-1]) if kept else 'step 0'}; the partial save was removed, the complete "
+          f"checkpoints {kept or '(none)'} are kept", kind="io", step=step) from None
+
+  def _remove_partial(self):
+    import jax  # noqa: PLC0415
+    if jax.process_index() != 0:
+      return  # shared storage: process 0 removes
+    for _ in range(2):  # a writer coroutine may still create a file right after the first pass
+      for p in partial_saves(self.dir):
+        shutil.rmtree(p, ignore_errors=True)
+      time.sleep(0.2)
 
   # -- restore ---------------------------------------------------------------------------------------
   def check_compatible(self, step: int, abstract_state: Any) -> Optional[str]:
@@ -326,8 +428,19 @@ class Checkpointer:
     self.mgr.reload()
 
   def wait(self):
-    self.mgr.wait_until_finished()
+    with self._write_errors(None):
+      self.mgr.wait_until_finished()
 
   def close(self):
-    self.mgr.wait_until_finished()
-    self.mgr.close()
+    """Waits for the last save (its failure raised, once) and closes the manager."""
+    if not self._failed:
+      try:
+        self.wait()
+      except BaseException:
+        with contextlib.suppress(Exception):  # after a failed write the manager re-raises the same error
+          self.mgr.close()
+        raise
+      self.mgr.close()
+      return
+    with contextlib.suppress(Exception):
+      self.mgr.close()

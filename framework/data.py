@@ -29,6 +29,26 @@ def _files(root: pathlib.Path, extensions) -> list:
                 and not (skip & set(f.relative_to(root).parts)))
 
 
+# A corpus file is text if at most these fractions of its bytes are NUL or lie outside valid UTF-8 (a byte-level
+# model trains on anything, so a binary file would train without a word; latin-1 prose, a few % accented
+# bytes, or a stray bad byte is fine).
+MAX_NUL_FRACTION = 0.001
+MAX_INVALID_UTF8_FRACTION = 0.10
+
+
+def text_problem(raw: bytes) -> Optional[str]:
+  """Why ``raw`` is not text (its NUL / invalid UTF-8 share above the limits), or None."""
+  if not raw:
+    return None
+  nul = raw.count(0) / len(raw)
+  bad = (len(raw) - len(raw.decode("utf-8", errors="ignore").encode("utf-8"))) / len(raw)  # bytes dropped
+  if nul > MAX_NUL_FRACTION or bad > MAX_INVALID_UTF8_FRACTION:
+    return (f"{nul:.1%} NUL bytes and {bad:.1%} invalid UTF-8 (text allows {MAX_NUL_FRACTION:.1%} and "
+            f"{MAX_INVALID_UTF8_FRACTION:.0%})")
+  return None
+
+
+
 def corpus_path(cfg: DataConfig) -> pathlib.Path:
   if cfg.corpus == "stdlib":
     return pathlib.Path(sysconfig.get_paths()["stdlib"])
@@ -36,7 +56,8 @@ def corpus_path(cfg: DataConfig) -> pathlib.Path:
 
 
 def load_corpus(cfg: DataConfig) -> np.ndarray:
-  """Reads the corpus into one uint8 array (files in sorted order, each preceded by its name)."""
+  """Reads the corpus into one uint8 array (files in sorted order, each preceded by its name); a file that is
+  not text (:func:`text_problem`) is refused by name."""
   root = corpus_path(cfg)
   if not root.exists():
     raise ConfigError(f"data.corpus={cfg.corpus!r}: {root} does not exist; pass a text file or folder "
@@ -50,6 +71,11 @@ def load_corpus(cfg: DataConfig) -> np.ndarray:
       raw = f.read_bytes()
     except OSError as e:
       raise ConfigError(f"data.corpus: cannot read {f}: {e}") from e
+    raw = raw[: max(cfg.max_bytes - total, 0)]
+    why = text_problem(raw)
+    if why is not None:
+      raise ConfigError(f"data.corpus={cfg.corpus!r}: {f} is not text ({why}): pass a text file or folder "
+                        f"(--config.data.corpus=/path) or 'stdlib'")
     header = f"\n# file: {f.relative_to(root) if root.is_dir() else f.name}\n".encode()
     chunks += [header, raw]
     total += len(header) + len(raw)

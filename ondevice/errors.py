@@ -23,8 +23,13 @@ class PeerError(RuntimeError):
     self.rank, self.hung = rank, hung
 
 
-def check_generation(prompt: list, max_tokens: int, ctx: int, vocab: int, gamma: int = 0) -> None:
-  """Everything about the token budget that is knowable before the first token."""
+LONG_CONTEXT_FLAG = "--allow-long-context"
+
+
+def check_generation(prompt: list, max_tokens: int, ctx: int, vocab: int, gamma: int = 0,
+                     trained_ctx: int = 0, allow_long: bool = False) -> None:
+  """Everything about the token budget that is knowable before the first token. ``trained_ctx``: the model's
+  trained context (the GGUF's context_length); positions past it need ``allow_long`` (LONG_CONTEXT_FLAG)."""
   if ctx < 1:
     raise InputError(f"--ctx {ctx}: the context must hold at least one token; pass --ctx >= 1")
   if max_tokens < 1:
@@ -35,6 +40,13 @@ def check_generation(prompt: list, max_tokens: int, ctx: int, vocab: int, gamma:
   if bad:
     raise InputError(f"prompt token ids {bad[:4]} are outside this model's vocabulary [0, {vocab}); fix --prompt-ids")
   need = len(prompt) + max_tokens
+  if trained_ctx and need > trained_ctx and not allow_long:
+    room = trained_ctx - len(prompt)
+    lower = f"lower --max-tokens to {room}" if room >= 1 else "shorten the prompt"
+    raise InputError(f"a {len(prompt)}-token prompt plus --max-tokens {max_tokens} reaches position {need}, past the "
+                     f"model's trained context of {trained_ctx} tokens: positions beyond it are untrained and RoPE "
+                     f"scaling is not implemented, so the output there is unreliable; {lower}, or pass "
+                     f"{LONG_CONTEXT_FLAG} (with --ctx >= {need}) to generate past it anyway")
   if need > ctx:
     room = ctx - len(prompt)
     lower = f"or lower --max-tokens to {room}" if room >= 1 else "or shorten the prompt"

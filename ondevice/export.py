@@ -39,6 +39,9 @@ def main(argv=None) -> int:
   bad = [o for o in overrides if not o.startswith("--config.")]
   if bad:
     ap.error(f"unrecognized arguments {bad}")
+  if not args.from_gguf:  # these read weights through jax: start it without the compile-only plugins' noise
+    from framework import platforms
+    platforms.import_jax()
   from ondevice.errors import cli
   return cli(_export, ap, args, overrides)
 

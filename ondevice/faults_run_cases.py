@@ -33,6 +33,15 @@ def _max_tokens_beyond_context(ws):
 
 
 @case("generation")
+def _past_the_trained_context(ws):
+  """--ctx large enough, but the positions run past the model's 256-token trained context: needs the flag."""
+  o = _run(ws, "--prompt", "def f(x):", "--max-tokens", "300", "--ctx", "400")
+  if o.kind == "clear_error" and "--allow-long-context" not in o.detail:
+    o.kind = "unclear_error"
+  return o
+
+
+@case("generation")
 def _prompt_longer_than_context(ws):
   return _run(ws, "--prompt", "x" * 300, "--max-tokens", "4", "--ctx", "256")
 
@@ -268,6 +277,30 @@ def _export_from_corrupt_file(ws):
   bad = ws.copy_with("e-bad.gguf", lambda d: d[: len(d) // 2])
   o = run_cli("ondevice.export", ["--from-gguf", bad, "--out", dst, "--quant", "q8_0"])
   o.data_lost = _digest(dst) != before
+  return o
+
+
+@case("export", timeout_s=300)
+def _export_workdir_whose_config_does_not_match(ws):
+  """A training workdir whose config.json was rewritten for another width than its checkpoint: refused in one
+  line, and no GGUF written (its header would claim one width over weights of another)."""
+  import dataclasses
+  import jax
+  from framework import checkpoint as ckpt_lib
+  from framework import config as config_lib
+  from ondevice import sources
+  wd, out = ws.path("wd-mismatch"), ws.path("mismatch.gguf")
+  cfg = sources.config_from_file(os.path.join(ROOT, "experiments/configs/quickstart.py:runlocal=True"))
+  from flax.core import meta
+  params = meta.unbox(sources.random_params(cfg))
+  ck = ckpt_lib.Checkpointer(wd, config_lib.CheckpointConfig(every=1, keep=2, async_save=False))
+  ck.save(2, {"params": params, "step": jax.numpy.int32(2)}, {"step": 2}, force=True)
+  ck.close()
+  other = dataclasses.replace(cfg, model=dataclasses.replace(cfg.model, d_model=2 * cfg.model.d_model))
+  with open(os.path.join(wd, "config.json"), "w") as f:
+    json.dump(config_lib.to_dict(other), f, default=str)
+  o = run_cli("ondevice.export", ["--workdir", wd, "--out", out, "--quant", "q8_0"])
+  o.data_lost = os.path.exists(out)
   return o
 
 

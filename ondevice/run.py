@@ -14,7 +14,7 @@ import json
 import os
 import sys
 
-from ondevice.errors import InputError, PeerError, check_generation, cli
+from ondevice.errors import LONG_CONTEXT_FLAG, InputError, PeerError, check_generation, cli
 
 
 def load_devices_checked(path: str) -> dict:
@@ -108,7 +108,12 @@ def _main(args) -> int:
     prompt = ([info.bos_id] if info.bos_id is not None else []) + ByteTokenizer(info.cfg.vocab_size).encode(args.prompt)
   else:
     raise InputError("this file's vocabulary is not PrismLLM's byte tokenizer; pass --prompt-ids")
-  check_generation(prompt, args.max_tokens, args.ctx, info.cfg.vocab_size, args.gamma)
+  check_generation(prompt, args.max_tokens, args.ctx, info.cfg.vocab_size, args.gamma,
+                   trained_ctx=info.cfg.max_seq_len, allow_long=args.allow_long_context)
+  if len(prompt) + args.max_tokens > info.cfg.max_seq_len:
+    print(f"warning: generating up to position {len(prompt) + args.max_tokens}, past the model's trained context of "
+          f"{info.cfg.max_seq_len} tokens ({LONG_CONTEXT_FLAG}): untrained positions, no RoPE scaling",
+          file=sys.stderr)
   if args.draft:
     check_draft(args.model, args.draft, args.gamma)
   if args.peer_timeout <= 0:
@@ -194,7 +199,10 @@ def main(argv=None) -> int:
   ap.add_argument("--gamma", type=int, default=4)
   ap.add_argument("--plan", default="halda", choices=["halda", "memory", "equal", "single"])
   ap.add_argument("--k", default="auto")
-  ap.add_argument("--ctx", type=int, default=256)
+  ap.add_argument("--ctx", type=int, default=256, help="context (KV cache) length in tokens")
+  ap.add_argument(LONG_CONTEXT_FLAG, action="store_true",
+                  help="allow a prompt plus --max-tokens longer than the model's trained context (the GGUF's "
+                       "context_length): positions past it are untrained, and RoPE scaling is not implemented")
   ap.add_argument("--no-prefetch", action="store_true")
   ap.add_argument("--policy", default="plan", choices=["plan", "os"])
   ap.add_argument("--real-io", action="store_true", help="issue real madvise/fadvise prefetch/release")

@@ -39,7 +39,30 @@ def workdir_params(workdir: str, step: Optional[int] = None):
   step = steps[-1] if step is None else step
   if step not in steps:
     raise FileNotFoundError(f"no checkpoint step {step} under {ck}; steps present: {steps}")
-  return _restore_params(os.path.join(ck, str(step), "state")), cfg, step
+  params = _restore_params(os.path.join(ck, str(step), "state"))
+  check_params_match(params, cfg, f"checkpoint step {step} in {ck}")
+  return params, cfg, step
+
+
+def check_params_match(params, cfg: Config, where: str) -> None:
+  """Refuses weights whose shapes are not the ones ``cfg.model`` builds (a config.json that describes another
+  model than its checkpoint): the GGUF header would claim one shape over weights of another."""
+  import jax
+  from flax.core import meta
+  from framework import model as fm
+  from ondevice.errors import InputError
+  with jax.numpy_rank_promotion("allow"):
+    want = meta.unbox(jax.eval_shape(lambda: fm.init_params(fm.build(cfg.model), jax.random.key(0))))
+  shapes = lambda tree: {jax.tree_util.keystr(p): tuple(np.shape(x))  # noqa: E731
+                         for p, x in jax.tree_util.tree_flatten_with_path(tree)[0]}
+  w, g = shapes(want), shapes(params)
+  if w == g:
+    return
+  k = next((k for k in sorted(w) if g.get(k) != w[k]), None) or sorted(set(g) - set(w))[0]
+  raise InputError(f"config.json does not describe {where}: params{k} is {g.get(k, 'absent')} there, the config's "
+                   f"model needs {w.get(k, 'nothing')} (config.json was rewritten for another model); rerun the "
+                   f"training command that wrote the checkpoint to restore config.json, or export from another "
+                   f"--workdir")
 
 
 def _restore_params(path: str):

@@ -9,6 +9,7 @@ import socket
 import subprocess
 import sys
 import tempfile
+import threading
 import time
 from typing import Optional, Sequence
 
@@ -45,7 +46,11 @@ def launch_local(argv: Sequence[str], processes: int, host_devices: int, timeout
                  env: Optional[dict] = None) -> int:
   """Starts ``processes`` copies of ``python -m experiments.run argv`` on localhost that train together
   (each with host_devices/processes emulated CPU devices). Child 0's output is shown; every child is
-  killed if one fails or on exit. Returns the first non-zero exit code, or 0."""
+  killed if one fails or on exit. Returns the first non-zero exit code, or 0.
+
+  SIGINT / SIGTERM to this launcher is forwarded to every child (they stop together with a checkpoint,
+  framework/stop.py) and child 0's exit code is returned once all have exited; a second signal kills them
+  at once."""
   if host_devices % processes:
     raise ValueError(f"--host-devices {host_devices} is not divisible by --processes {processes}")
   port = free_port()
@@ -53,6 +58,20 @@ def launch_local(argv: Sequence[str], processes: int, host_devices: int, timeout
   base_env = dict(os.environ if env is None else env)
   xla_flags.set_host_device_count(host_devices // processes, base_env)
   base_env.setdefault("JAX_PLATFORMS", "cpu")
+  stop = {}
+
+  def forward(signum, _frame):
+    if stop:  # a second signal: end now (the last complete checkpoint stays; a save in flight is a temp folder)
+      for p in procs:
+        _killpg(p)
+      raise SystemExit(128 + signum)
+    stop["sig"] = signum
+    for p in procs:
+      if p.poll() is None:
+        os.kill(p.pid, signum)
+  old = {}
+  if threading.current_thread() is threading.main_thread():
+    old = {sig: signal.signal(sig, forward) for sig in (signal.SIGINT, signal.SIGTERM)}
   try:
     for pid in range(processes):
       cmd = [sys.executable, "-m", "experiments.run", *argv, "--coordinator", f"127.0.0.1:{port}",
@@ -65,6 +84,13 @@ def launch_local(argv: Sequence[str], processes: int, host_devices: int, timeout
     deadline = time.time() + timeout_s
     while True:
       codes = [p.poll() for p in procs]
+      if stop:  # stopping together: wait for every child's save, then report child 0's outcome
+        if all(c is not None for c in codes):
+          return codes[0]
+        if time.time() > deadline:
+          return 124
+        time.sleep(0.2)
+        continue
       bad = [c for c in codes if c not in (None, 0)]
       if bad:
         for i, p in enumerate(procs):
@@ -78,13 +104,19 @@ def launch_local(argv: Sequence[str], processes: int, host_devices: int, timeout
         return 124
       time.sleep(0.2)
   finally:
+    for sig, h in old.items():
+      signal.signal(sig, h)
     for p in procs:
-      if p.poll() is None:
-        try:
-          os.killpg(p.pid, signal.SIGKILL)  # gloo peers can hang after a failure: SIGTERM is not enough
-        except ProcessLookupError:
-          pass
+      _killpg(p)  # gloo peers can hang after a failure: SIGTERM is not enough
       p.wait()
     for f in errs:
       if f is not None:
         f.close()
+
+
+def _killpg(p: subprocess.Popen) -> None:
+  if p.poll() is None:
+    try:
+      os.killpg(p.pid, signal.SIGKILL)
+    except ProcessLookupError:
+      pass

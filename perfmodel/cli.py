@@ -184,13 +184,21 @@ def cmd_search(a, overrides):
   _print(out)
 
 
+def _hardware_help() -> str:
+  from perfmodel import hardware  # noqa: PLC0415 - no jax
+  return f"target hardware profile: {' | '.join(hardware.available())} (perfmodel/profiles/), or a .json path"
+
+
+_HARDWARE_HELP = _hardware_help()
+
+
 def _parser():
   p = argparse.ArgumentParser(prog="python -m perfmodel")
   sub = p.add_subparsers(dest="cmd", required=True)
   sub.add_parser("emulate", help="emulate a step at the target scale (see perfmodel/emulate/README.md)")
   pr = sub.add_parser("predict", help="predict step time / tokens/s / MFU / memory (or TTFT/TPOT)")
   pr.add_argument("--config", required=True)
-  pr.add_argument("--hardware", default="cpu")
+  pr.add_argument("--hardware", default="cpu", help=_HARDWARE_HELP)
   pr.add_argument("--mesh", default="", help="e.g. data=2,tensor=4 (axes not named are 1)")
   pr.add_argument("--devices", type=int, default=0, help="device count when the mesh has a -1 axis")
   pr.add_argument("--mode", choices=("train", "infer"), default="train")
@@ -280,7 +288,7 @@ def _parser():
   fl.add_argument("--statistic", choices=("median", "p10"), default="p10")
   se = sub.add_parser("search", help="rank layouts for a model on N devices under memory limits")
   se.add_argument("--config", required=True)
-  se.add_argument("--hardware", default="cpu")
+  se.add_argument("--hardware", default="cpu", help=_HARDWARE_HELP)
   se.add_argument("--devices", type=int, required=True)
   se.add_argument("--top", type=int, default=10)
   se.add_argument("--backend", default="auto")

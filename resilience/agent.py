@@ -379,7 +379,9 @@ def main(argv=None):
   def on_term(signum, _frame):  # the launcher died (PR_SET_PDEATHSIG) or someone asked us to stop
     raise SystemExit(128 + signum)
   signal.signal(signal.SIGTERM, on_term)
-  signal.signal(signal.SIGINT, on_term)
+  # Ctrl-C reaches the whole process group; the launcher turns it into a stop with a checkpoint, so the agent
+  # (and the zygote and workers it starts, which inherit this) must not die of it first
+  signal.signal(signal.SIGINT, signal.SIG_IGN)
   agent = None
   try:
     agent = Agent(args.name, args.controller, args.run_id, args.workdir)

@@ -17,6 +17,7 @@ from __future__ import annotations
 import json
 import logging
 import os
+import signal
 import subprocess
 import sys
 import time
@@ -26,6 +27,7 @@ import zmq
 
 from resilience import injection, wire
 from framework import checkpoint as ckpt_lib
+from framework.stop import Stopped
 from resilience.deathsig import term_with_parent
 from resilience.injection import InjectorMixin
 from resilience.recovery import RecoveryMixin, RunFailed
@@ -89,6 +91,9 @@ class Controller(RecoveryMixin, InjectorMixin, ReportMixin):
     self.spare_counter = 0
     self.cache_dir = s.compile_cache_dir or os.path.join(workdir, "jax_cache")
     self.start_timings: Dict[int, dict] = {}
+    self.stop_signal: Optional[int] = None  # SIGINT / SIGTERM to the launcher (on_stop_signal)
+    self.stop_forwarded: Optional[float] = None
+    self.stopped: Dict[int, int] = {}  # rank -> the step it saved and stopped after
     self.events_f = open(os.path.join(workdir, "hotswap_events.jsonl"), "a")
     self.metrics_f = open(os.path.join(workdir, "metrics.jsonl"), "a")  # one line per step (rank 0's loss)
     self.t0 = time.time()
@@ -295,6 +300,9 @@ class Controller(RecoveryMixin, InjectorMixin, ReportMixin):
         self.rec.setdefault("first_step_t", {})[rank] = time.time()
         if len(self.rec["first_step_t"]) == self.s.nodes:
           self.finish_recovery()
+    elif kind == "stopped":  # saved its checkpoint at the agreed step (advance_stop)
+      self.stopped[rank] = msg["step"]
+      self.done[rank] = msg
     elif kind == "restore_failed":
       self.on_restore_failed(msg)
     elif kind == "error":
@@ -416,10 +424,56 @@ class Controller(RecoveryMixin, InjectorMixin, ReportMixin):
         raise RunFailed(f"hot-swap run exceeded wall_timeout_s={self.s.wall_timeout_s}; events in "
                         f"{self.workdir}/hotswap_events.jsonl")
       self.poll_once(10)
+      if self.stop_signal is not None:
+        self.advance_stop()
       self.tick()
+    if self.stopped:
+      self.finish_stop()
     self.state = "done"
     self.event("finished", steps=self.total)
     return self.summary()
+
+  # -- stop on a signal -------------------------------------------------------------------------------------
+  def on_stop_signal(self, signum, _frame):
+    """SIGINT / SIGTERM to the launcher: stop with a checkpoint (advance_stop); a second one exits at once."""
+    name = signal.Signals(signum).name
+    if self.stop_signal is not None:
+      print(f"second {name}: exiting at once without saving; the last complete checkpoint (step "
+            f"{ckpt_lib.latest_usable_step(ckpt_lib.checkpoint_dir(self.workdir))}) is intact", file=sys.stderr,
+            flush=True)
+      raise SystemExit(128 + signum)  # unwinds through run_hotswap's `finally`: agents, shared memory
+    self.stop_signal = signum
+    print(f"{name} received: the workers save a checkpoint at the next step they all reach (send it again to "
+          f"exit at once without saving)", file=sys.stderr, flush=True)
+
+  def advance_stop(self):
+    """Forwards the stop to every worker as SIGTERM (jax's preemption sync point picks the step they all save
+    at); a job that is starting or recovering has no step to save and stops at once."""
+    if self.stop_forwarded is None:
+      training = self.state == "running" and self.rec is None and len(self.gen_first_steps) == self.s.nodes
+      if not training:
+        self.stop_now("the job was starting or recovering, so no worker could save")
+      self.stop_forwarded = time.time()
+      self.event("stop_forwarded", signal=signal.Signals(self.stop_signal).name)
+      for name in self.members:
+        self._kill(self.nodes[name].worker_pid, signal.SIGTERM)
+    elif self.state != "running" or time.time() - self.stop_forwarded > self.s.step_timeout_s + 60:
+      self.stop_now("a worker failed or did not save in time")
+
+  def stop_now(self, why: str):
+    step = ckpt_lib.latest_usable_step(ckpt_lib.checkpoint_dir(self.workdir)) or 0
+    self.event("stopped", saved=False, why=why)
+    raise Stopped(self.stop_signal, step, None, note=f" ({why}; the rerun resumes from the last complete "
+                                                     f"checkpoint, step {step})")
+
+  def finish_stop(self):
+    steps = set(self.stopped.values())
+    if len(steps) != 1 or len(self.stopped) != self.s.nodes:
+      raise RunFailed(f"workers stopped at different steps {self.stopped}: this is a bug; the rerun resumes from "
+                      f"the last complete checkpoint")
+    step = steps.pop()
+    self.event("stopped", saved=True, step=step)
+    raise Stopped(self.stop_signal, step, os.path.join(ckpt_lib.checkpoint_dir(self.workdir), str(step)))
 
   def close(self):
     for node in self.nodes.values():

@@ -3,7 +3,8 @@
 ``tests/resilience/test_faults.py`` load. Same interface as the ondevice area's registry: ``AREA``,
 ``load_cases()``, ``classes()``, ``Workspace``, ``run_case``, ``summarise``.
 """
-from resilience import faults_cases, faults_hotswap_cases  # noqa: F401 - importing registers the cases
+# importing registers the cases
+from resilience import faults_cases, faults_hotswap_cases, faults_lifecycle_cases  # noqa: F401
 from resilience.faults import AREA, CASES, Workspace, classes, run_case, summarise  # noqa: F401 - the interface
 
 

@@ -7,8 +7,8 @@ subprocess in its own session) and classifies what happened, with the same outco
 area's registry (``ondevice/faults.py``):
 * ``recovered``: it did the job anyway, and the result was checked (the final loss, or every rank's final
   state bytes, equal an uninterrupted run's; it resumed from the step it should have);
-* ``clear_error``: exit code 2/3/4, no traceback, and the last stderr line is exactly one
-  ``config error: / checkpoint error: / hot-swap run failed: ...`` line that names a fix;
+* ``clear_error``: exit code 2/3/4/5, no traceback, and the last stderr line is exactly one
+  ``config error: / checkpoint error: / hot-swap run failed: / workdir error: ...`` line that names a fix;
 * ``unclear_error``: it failed, but not like that; ``crash``: a traceback or a signal; ``hang``: not done in
   its time limit; ``silent``: it ran and the result is wrong or unchecked;
 * ``data_lost`` (a flag on any outcome): a committed checkpoint file is gone or changed (moved aside intact
@@ -34,9 +34,9 @@ from typing import Callable, Dict, List, Optional
 
 AREA = "resilience"
 REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
-ERROR_LINE = re.compile(r"^(config error|checkpoint error|hot-swap run failed): ")
+ERROR_LINE = re.compile(r"^(config error|checkpoint error|hot-swap run failed|workdir error): ")
 FIX_WORDS = re.compile(r"must be|must exceed|use |pass |move |rerun|resume with|choose|fix |set |raise |wait |add |"
-                       r"stop |give |known|try |lower |delete |check ", re.I)
+                       r"stop |give |known|try |lower |delete |check |free ", re.I)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -234,7 +234,7 @@ def classify(r: Run, ok: Optional[Callable[[Run], bool]] = None) -> Outcome:
     return Outcome("silent", f"exit 0 but the result is wrong or unchecked: {_last(r.out)[:160]}" + leak, lost)
   lines = [ln for ln in r.err.strip().splitlines() if ln.strip()]
   errors = [ln for ln in lines if ERROR_LINE.match(ln)]
-  if r.rc in (2, 3, 4) and len(errors) == 1 and lines[-1] == errors[0] and FIX_WORDS.search(errors[0]):
+  if r.rc in (2, 3, 4, 5) and len(errors) == 1 and lines[-1] == errors[0] and FIX_WORDS.search(errors[0]):
     return Outcome("clear_error", errors[0][:400] + leak, lost)
   return Outcome("unclear_error", " | ".join(lines[-3:])[:400] + leak, lost)
 

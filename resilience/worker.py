@@ -313,6 +313,8 @@ def _train(start, agent, push, ctx, t_start, name, warm):
   t_prev = time.perf_counter()
   first = True
   after_save = False
+  stopped_at = None
+  from jax.experimental import multihost_utils
   for step in range(start_step, total):
     on = s["snapshot"] and (not probe or ((step - start_step) // block) % 2 == 0)
     transition = prev_on is not None and on != prev_on
@@ -335,6 +337,23 @@ def _train(start, agent, push, ctx, t_start, name, warm):
         jax.block_until_ready(state)
       ckpt = ckpt or ckpt_lib.Checkpointer(workdir, cfg.checkpoint)
       after_save = ckpt.save(version, state, {"step": version, "seed": cfg.data.seed})  # dt of the next step
+    # The controller forwards a stop (SIGINT / SIGTERM to the launcher) as SIGTERM to every worker; jax's
+    # preemption notifier catches it and all ranks agree here on the first step each can reach.
+    if multihost_utils.reached_preemption_sync_point(version):
+      ckpt = ckpt or ckpt_lib.Checkpointer(workdir, cfg.checkpoint)
+      if ckpt.latest_step() != version:
+        ckpt.save(version, state, {"step": version, "seed": cfg.data.seed}, force=True)
+      stopped_at = version
+      break
+
+  if stopped_at is not None:
+    ckpt.wait()
+    if snap is not None:
+      snap.close()
+    wire.send(push, {"type": "stopped", **base, "step": stopped_at})
+    ckpt.close()
+    jax.distributed.shutdown()
+    return
 
   if s["persist_every"] > 0:
     ckpt = ckpt or ckpt_lib.Checkpointer(workdir, cfg.checkpoint)

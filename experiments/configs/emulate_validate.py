@@ -1,6 +1,6 @@
 """Emulation validation: real 2-process localhost runs vs one real rank with virtual peers.
 
-A 3.1M-parameter Llama (the quickstart model) trained with explicit collectives (form=shard_map) on
+A 3.28M-parameter Llama (the quickstart model) trained with explicit collectives (form=shard_map) on
 2 ranks in one of three layouts; the variant argument picks it:
   layout=data      data=2                      (gradient all-reduce per step)
   layout=tensor    tensor=2                    (Megatron TP: all-reduces per layer, fwd and bwd)

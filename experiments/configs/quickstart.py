@@ -1,4 +1,4 @@
-"""Quickstart: a 3.1M-parameter Llama trained on the Python standard library's source, bytes as tokens.
+"""Quickstart: a 3.28M-parameter Llama trained on the Python standard library's source, bytes as tokens.
 
 Command (the README's first command runs exactly this on 8 emulated CPU devices, data=2 x tensor=4):
   python -m experiments.run --config experiments/configs/quickstart.py --workdir /tmp/prismllm/quickstart

@@ -22,7 +22,8 @@ def parse(argv):
   p.add_argument("--config", required=True, help="experiments/configs/x.py[:arg]")
   p.add_argument("--mesh", default="", help="target mesh, e.g. data=64,tensor=8,pipeline=16 (default: the config's)")
   p.add_argument("--ranks", default="auto", help="'auto' (one per distinct program) or comma-separated rank ids")
-  p.add_argument("--hardware", default="cpu", help="target hardware profile (perfmodel/profiles) or a .json path")
+  p.add_argument("--hardware", default="cpu", help=f"target hardware profile: {' | '.join(hw_lib.available())} "
+                                                    f"(perfmodel/profiles/), or a .json path")
   p.add_argument("--local-hardware", default="cpu", help="profile of the device the real rank runs on")
   p.add_argument("--out", default=None, help="directory for trace files and emulation.json")
   p.add_argument("--repeats", type=int, default=5)
@@ -70,6 +71,21 @@ def _colocated(spec: str, n: int, hardware: str, local_hardware: str) -> int:
   return 1
 
 
+def _ranks(spec: str, n: int):
+  """--ranks: None for 'auto', else distinct rank ids in [0, n); anything else exits with one line."""
+  if spec.strip() in ("auto", ""):
+    return None
+  try:
+    ranks = [int(x) for x in spec.split(",") if x.strip()]
+  except ValueError:
+    raise SystemExit(f"--ranks {spec!r}: give comma-separated rank ids in 0..{n - 1} or 'auto'") from None
+  bad = [r for r in ranks if not 0 <= r < n]
+  if bad or not ranks:
+    raise SystemExit(f"--ranks {spec!r}: this mesh has {n} ranks, so ids run 0..{n - 1}; pass ids in that range "
+                     f"or 'auto'")
+  return list(dict.fromkeys(ranks))
+
+
 def main(argv=None) -> int:
   args, overrides = parse(sys.argv[1:] if argv is None else argv)
   host_memory.apply()  # the real job's allocator regime (experiments.run applies it too), before jax starts
@@ -86,7 +102,7 @@ def main(argv=None) -> int:
   for a in config_lib.MESH_AXES:
     n *= max(1, getattr(cfg.mesh, a))
   cfg = config_lib.validate(cfg, n)
-  ranks = None if args.ranks in ("auto", "") else [int(x) for x in args.ranks.split(",") if x.strip()]
+  ranks = _ranks(args.ranks, n)
   notes = list(config_lib.extras(cfg, "emulate").get("notes", ()))
   colocated = _colocated(args.colocated, n, args.hardware, args.local_hardware)
   res = emulator.emulate(cfg, ranks=ranks, colocated=colocated, hardware=args.hardware, local_hardware=args.local_hardware,

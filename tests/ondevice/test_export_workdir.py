@@ -61,6 +61,25 @@ def test_export_workdir_matches_framework_logits(tiny, tmp_path):
     sources.workdir_params(wd, step=7)
 
 
+def test_export_refuses_a_config_that_does_not_match_the_checkpoint(tiny, tmp_path):
+  """config.json rewritten for another width over a checkpoint of this one: one error line, no GGUF written."""
+  cfg_model, params, _ = tiny
+  wd = str(tmp_path / "wd")
+  cfg = _write_workdir(wd, cfg_model, params, step=2)
+  wrong = config_lib.to_dict(dataclasses.replace(cfg, model=dataclasses.replace(cfg_model, d_model=32, n_heads=2)))
+  with open(os.path.join(wd, "config.json"), "w") as f:
+    json.dump(wrong, f, default=str)
+  from ondevice import export
+  from ondevice.errors import InputError
+  from ondevice.faults import classify, invoke
+  with pytest.raises(InputError, match=r"config.json does not describe checkpoint step 2 .*params\['embed'\]"):
+    sources.workdir_params(wd)
+  out = str(tmp_path / "x.gguf")
+  rc, o, err, exc = invoke(export.main, ["--workdir", wd, "--out", out])
+  assert classify(rc, o, err, exc).kind == "clear_error", err
+  assert "is (256, 64) there, the config's model needs (256, 32)" in err and not os.path.exists(out)
+
+
 def test_export_workdir_errors_name_the_fix(tmp_path):
   with pytest.raises(FileNotFoundError, match="experiments.run --workdir"):
     sources.workdir_params(str(tmp_path))

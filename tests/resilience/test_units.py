@@ -132,8 +132,9 @@ def test_settings_reject_wrong_types_and_ranges(d, match):
 
 
 def test_workdir_lock_and_sweep_touch_only_this_workdir(tmp_path, monkeypatch):
+  from framework.workdir import WorkdirError
   from resilience import launch
-  from resilience.recovery import RunFailed
+  from tests.framework.test_workdir import hold_lock
   shm = tmp_path / "shm"
   shm.mkdir()
   monkeypatch.setattr(slots, "shm_dir", lambda: str(shm))
@@ -143,16 +144,16 @@ def test_workdir_lock_and_sweep_touch_only_this_workdir(tmp_path, monkeypatch):
   (wd / "run_id").write_text("aaaa1\n")
   for name in ("prismllm-aaaa1-node0-own", "prismllm-aaaa1-node1-rep0", "prismllm-bbbb2-node0-own"):
     (shm / name).write_bytes(b"x")
-  fd = launch.lock_workdir(str(wd))
-  try:
-    with pytest.raises(RunFailed, match="in use by another hot-swap run .*another --workdir"):
+  with hold_lock(str(wd)) as holder:  # another launcher, alive
+    with pytest.raises(WorkdirError, match=f"in use by another hot-swap run: pid {holder.pid} .*another --workdir"):
       launch.lock_workdir(str(wd))
+  lock = launch.lock_workdir(str(wd))  # free again once the holder is gone
+  try:
     removed = launch.sweep_stale(str(wd))
   finally:
-    os.close(fd)
+    lock.release()
   assert sorted(os.path.basename(p) for p in removed) == ["prismllm-aaaa1-node0-own", "prismllm-aaaa1-node1-rep0"]
   assert os.listdir(shm) == ["prismllm-bbbb2-node0-own"]  # another job's segment is never touched
-  os.close(launch.lock_workdir(str(wd)))  # free again once the holder closed it
 
 
 def test_goodput_schedule_prediction_adds_measured_costs():
