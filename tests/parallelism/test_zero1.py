@@ -13,6 +13,7 @@ The compiled step's per-device optimizer state shrinks by the data size (memory_
 step), and a checkpoint written by one layout restores into the other.
 """
 import collections
+import importlib.util
 import math
 import re
 
@@ -178,12 +179,8 @@ def test_optimizer_state_bytes_shrink_by_the_data_size(form):
     assert hlo["reduce-scatter"] > 0  # the gradients' psum_scatter, as written
 
 
-HAS_CUDA = False
-try:
-  import importlib.util
-  HAS_CUDA = importlib.util.find_spec("jax_plugins.xla_cuda12") is not None
-except ModuleNotFoundError:
-  pass
+HAS_CUDA = importlib.util.find_spec("jax_plugins") is not None and \
+    importlib.util.find_spec("jax_plugins.xla_cuda12") is not None
 
 
 @pytest.mark.skipif(not HAS_CUDA, reason='the tpu-aot extra is not installed (pip install -e ".[tpu-aot]")')
@@ -235,3 +232,56 @@ def test_checkpoint_restores_across_zero1(reference, tmp_path, save_zero1):
   next_a, _ = a(state, a.put_batch(batches[1]))
   next_b, _ = b(restored, b.put_batch(batches[1]))
   harness.assert_trees_close(jax.tree.map(np.asarray, next_b), jax.tree.map(np.asarray, next_a), **STATE_TOL)
+
+
+# ------------------------------------------------------------------------------ a published-scale example
+
+LLAMA2_7B = [
+    "--config.model.vocab_size=32000", "--config.model.d_model=4096", "--config.model.n_heads=32",
+    "--config.model.n_kv_heads=32", "--config.model.d_ff=11008", "--config.model.n_layers=32",
+    "--config.model.max_seq_len=4096", "--config.model.dtype=bfloat16", "--config.model.remat=full",
+    "--config.data.seq_len=4096", "--config.data.global_batch=8", "--config.mesh.data=8", "--config.mesh.fsdp=1",
+    "--config.mesh.tensor=1"]
+BF16_MASTER = ["--config.model.param_dtype=bfloat16", "--config.optim.master_weights=True"]
+ZERO1 = ["--config.optim.shard_optimizer_state=True"]
+VARIANTS = {"f32 params": [], "f32 params, ZeRO-1": ZERO1, "bf16 params + f32 masters": BF16_MASTER,
+            "bf16 params + f32 masters, ZeRO-1": BF16_MASTER + ZERO1}
+HAS_TPU = importlib.util.find_spec("libtpu") is not None
+HBM_GIB = {"h100": 80 * 10**9 / 2**30, "tpu_v5p": 95.74}  # H100 SXM datasheet (80 GB); what libtpu reports for v5p
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("hardware,form", [
+    pytest.param("h100", "jit", marks=pytest.mark.skipif(not HAS_CUDA, reason="tpu-aot extra")),
+    pytest.param("h100", "shard_map", marks=pytest.mark.skipif(not HAS_CUDA, reason="tpu-aot extra")),
+    pytest.param("tpu_v5p", "jit", marks=pytest.mark.skipif(not HAS_TPU, reason="tpu-aot extra"))])
+def test_llama2_7b_on_8_chips_fits_only_with_zero1(hardware, form):
+  """Llama-2-7B, pure data parallelism on 8 chips, compiled for the target: per-chip memory of each variant
+  (printed; run with -s). Replicated AdamW state does not fit the chip; ZeRO-1 with bf16 params does."""
+  from framework import config as config_lib
+  from framework import config_file
+  from parallelism import step as step_lib
+  from parallelism import targets
+  old = jax.config.values["jax_disable_most_optimizations"]
+  jax.config.update("jax_disable_most_optimizations", False)
+  rows = {}
+  try:
+    for name, overrides in VARIANTS.items():
+      cfg = config_file.load("experiments/configs/quickstart.py", LLAMA2_7B + overrides + [f"--config.mesh.form={form}"])
+      mesh = targets.target_mesh(cfg.mesh, hardware)
+      cfg = config_lib.validate(cfg, mesh.size)
+      try:
+        mem = targets.compiled_memory(step_lib.build_step(cfg, mesh).lower().compile())
+        rows[name] = (mem["argument"] / 2**30, mem["needed"] / 2**30)
+      except jax.errors.JaxRuntimeError as e:  # the TPU compiler refuses a program that does not fit
+        assert "RESOURCE_EXHAUSTED" in str(e)
+        rows[name] = (None, float(re.search(r"\(([\d.]+)G\) exceeds", str(e)).group(1)))
+  finally:
+    jax.config.update("jax_disable_most_optimizations", old)
+  for name, (arg, needed) in rows.items():
+    print(f"{hardware} {form} Llama-2-7B x8 data-parallel, {name}: arguments "
+          f"{'-' if arg is None else f'{arg:.1f}'} GiB, needed {needed:.1f} GiB (HBM {HBM_GIB[hardware]:.1f} GiB)")
+  assert rows["f32 params"][1] > HBM_GIB[hardware]
+  assert rows["bf16 params + f32 masters"][1] > HBM_GIB[hardware]
+  assert rows["bf16 params + f32 masters, ZeRO-1"][1] < HBM_GIB[hardware]
+  assert rows["f32 params, ZeRO-1"][1] < rows["f32 params"][1] / 1.5
