@@ -26,7 +26,10 @@ so the jaxpr holds only collectives that move data.
 
 Structure: the ``shard_map`` computes (loss, grads) with grads sharded like the params; the optax
 update runs outside it under the same ``jax.jit`` (element-wise AdamW plus one global-norm
-reduction, which GSPMD partitions without help), with in/out shardings and state donation.
+reduction, which GSPMD partitions without help), with in/out shardings and state donation. With
+ZeRO-1 (``optim.shard_optimizer_state``) the gradients leave the shard_map reduce-scattered onto the
+optimizer state's shards and a second shard_map runs the update there and all-gathers the parameters
+(parallelism/zero.py).
 
 Loss normalisation: every device divides its *sum* of token losses by the *global* token count
 and the partial losses are ``psum``-ed, so the loss (and hence every gradient) equals the
@@ -141,7 +144,9 @@ def build(cfg: Config, mesh: Mesh, donate: bool = True) -> compiled.CompiledStep
                              batch_axes=batch_axes, reduce=reduce)
   loss_and_grads = shard_map(body, mesh=mesh, in_specs=(param_specs, batch_spec, batch_spec),
                              out_specs=(P(), grad_specs), axis_names=manual_axes, check_vma=True)
-  update = zero.sharded_update(tx, mesh, param_specs, grad_specs, strip(state_sh.opt_state)) if explicit_zero1 else None
+  update = None
+  if explicit_zero1:
+    update = zero.sharded_update(tx, mesh, param_specs, grad_specs, strip(state_sh.opt_state))
 
   def step(state: ts.TrainState, batch):
     params = optim.grad_params(state.params, state.opt_state, cfg.model.dtype)

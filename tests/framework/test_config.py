@@ -205,7 +205,8 @@ def test_model_kind_errors_name_the_fix():
             mesh=dict(data=4, sequence=2)), r"splash' does not support mesh.sequence > 1"),
       (dict(model=dict(attention="cudnn")), r"'cudnn' needs 16-bit compute, got model.dtype='float32': set "
                                             r"model.dtype=bfloat16"),
-      (dict(model=dict(matmul_precision="int8")), r"model.matmul_precision='int8'; choose one of \('default', 'fp8'\)"),
+      (dict(model=dict(matmul_precision="int8")),
+       r"model.matmul_precision='int8'; choose one of \('default', 'fp8'\)"),
       (dict(optim=dict(master_weights=True)), r"model.param_dtype is float32 \(the parameters are their own "
                                               r"masters\): set model.param_dtype=bfloat16, or optim.master_weights"),
   ]:

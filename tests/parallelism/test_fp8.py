@@ -75,7 +75,8 @@ def test_fp8_layout_matches_single_device(reference, fp8_reference, mesh, form):
 
 
 def _micro_batch_reference(state, batch, n_micro: int, blocks: int):
-  """Mean loss and gradients of one-device fp8 runs, one per pipeline micro-batch (rows as the pipeline takes them)."""
+  """Mean loss and gradients of one-device fp8 runs, one per pipeline micro-batch (its rows as the pipeline
+  takes them)."""
   rows_total = batch["inputs"].shape[0]
   block = rows_total // blocks
   mb = block // n_micro
@@ -94,7 +95,8 @@ def test_fp8_pipeline_matches_single_device_on_its_micro_batches(reference, mesh
   st = harness.build(mesh, form, FP8)
   loss, grads = harness.loss_and_grads(st, reference["state"], reference["batch"])
   blocks = mesh.get("data", 1) if form == "shard_map" else 1
-  want_loss, want_grads = _micro_batch_reference(reference["state"], reference["batch"], mesh["microbatches"], blocks)
+  want_loss, want_grads = _micro_batch_reference(reference["state"], reference["batch"], mesh["microbatches"],
+                                                 blocks)
   _assert_close(loss, grads, want_loss, want_grads)
 
 

@@ -61,7 +61,13 @@ def _id(mesh, form):
   return form + "-" + "x".join(f"{k}{v}" for k, v in mesh.items())
 
 
-CASES = [pytest.param(m, f, marks=marks, id=_id(m, f)) for m, f, marks in _cases()]
+# Default run: every data-parallel axis and the tensor axis in each form, ZeRO-3 under ZeRO-1, both pipeline
+# forms; the other layouts of the list (the same code paths in more combinations) are marked slow.
+DEFAULT = {"jit-data2xtensor4", "shard_map-data2xtensor4", "jit-data4xsequence2", "shard_map-fsdp4xtensor2",
+           "shard_map-fsdp8xruleszero3", "shard_map-pipeline2xtensor4xmicrobatches2xschedule1f1b",
+           "jit-pipeline2xdata4xmicrobatches2xschedule1f1b"}
+CASES = [pytest.param(m, f, marks=() if _id(m, f) in DEFAULT else pytest.mark.slow, id=_id(m, f))
+         for m, f, _ in _cases()]
 # Master weights: the default run covers the gradient dtype and the explicit update in each form and the
 # pipeline's reduction; the rest of the layouts are marked slow.
 MASTER_DEFAULT = {"jit-data4xsequence2", "shard_map-fsdp2xsequence2xtensor2",
@@ -209,7 +215,8 @@ def test_jit_form_reduce_scatters_on_h100():
 # ------------------------------------------------------------------------------------------- checkpoints
 
 
-@pytest.mark.parametrize("save_zero1", [False, True], ids=["plain-to-zero1", "zero1-to-plain"])
+@pytest.mark.parametrize("save_zero1", [False, pytest.param(True, marks=pytest.mark.slow)],
+                         ids=["plain-to-zero1", "zero1-to-plain"])
 def test_checkpoint_restores_across_zero1(reference, tmp_path, save_zero1):
   """A state saved by one layout restores into the other's shardings with the same values, and the next
   step from it equals the next step of the layout that saved it."""
@@ -267,7 +274,8 @@ def test_llama2_7b_on_8_chips_fits_only_with_zero1(hardware, form):
   rows = {}
   try:
     for name, overrides in VARIANTS.items():
-      cfg = config_file.load("experiments/configs/quickstart.py", LLAMA2_7B + overrides + [f"--config.mesh.form={form}"])
+      cfg = config_file.load("experiments/configs/quickstart.py",
+                             LLAMA2_7B + overrides + [f"--config.mesh.form={form}"])
       mesh = targets.target_mesh(cfg.mesh, hardware)
       cfg = config_lib.validate(cfg, mesh.size)
       try:
