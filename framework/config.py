@@ -17,6 +17,7 @@ REMAT_POLICIES = ("none", "full", "dots", "dots_no_batch", "minimal", "save_qkv_
 ATTENTION_KINDS = ("dense", "blockwise", "dot_product", "cudnn", "splash")
 MLP_KINDS = ("swiglu", "gelu", "relu")
 BLOCK_KINDS = ("sequential", "parallel")
+MATMUL_PRECISIONS = ("default", "fp8")  # what each does: framework/fp8.py
 
 
 class ConfigError(ValueError):
@@ -65,6 +66,15 @@ class ModelConfig:
   of them), ``save_qkv_proj``, ``save_dot_except_mlp`` (q/k/v/out), ``save_out_proj``; and
   ``qkv_proj_offloaded`` / ``minimal_offloaded``, which move the same values to pinned host memory
   instead of keeping them on the device.
+
+  ``dtype`` is the compute dtype (activations, matmul inputs); ``param_dtype`` the stored parameters' dtype.
+  ``param_dtype=bfloat16`` with ``optim.master_weights=True`` is Megatron's mixed precision: bf16 weights in
+  compute, float32 master copies and moments in the optimizer state.
+
+  ``matmul_precision``: ``default`` runs every matmul in ``dtype``; ``fp8`` runs the layers' projections
+  (q/k/v/out and the MLP) as scaled fp8 matmuls, e4m3 inputs forward and e5m2 gradients backward, each tensor
+  scaled by its current absolute maximum (torchtitan's dynamic tensorwise scaling; framework/fp8.py). The LM
+  head and attention's score / value products stay in ``dtype``.
   """
   vocab_size: int = 256  # byte-level tokenizer
   d_model: int = 256
@@ -84,6 +94,7 @@ class ModelConfig:
   dtype: str = "float32"  # activation / compute dtype
   param_dtype: str = "float32"
   remat: str = "none"  # one of REMAT_POLICIES
+  matmul_precision: str = "default"  # one of MATMUL_PRECISIONS
   scan_layers: bool = True
   init_std: float = 0.02
 
@@ -133,6 +144,19 @@ class DataConfig:
 
 @dataclasses.dataclass(frozen=True)
 class OptimConfig:
+  """AdamW (framework/optim.py). Two keys decide where its state lives and in what precision:
+
+  ``shard_optimizer_state``: ZeRO-1, Megatron's distributed optimizer (``--use-distributed-optimizer``),
+  MaxText's ``shard_optimizer_over_data``: the optimizer state (moments, and the masters below) is sharded over
+  the data-parallel mesh axes (``data``, ``fsdp``, ``sequence``) a parameter is replicated on; gradients are
+  reduce-scattered onto those shards, each device updates its shard, and the updated parameters are
+  all-gathered (parallelism/zero.py). Parameters themselves keep the layout of ``mesh.rules``.
+
+  ``master_weights``: float32 master copies of lower-precision parameters (``model.param_dtype=bfloat16``) in
+  the optimizer state; the update runs on the masters (float32 moments too), and the parameters are their
+  cast. Gradients are taken with respect to the parameters in the compute dtype (``model.dtype``) and the
+  optimizer sees them as float32.
+  """
   lr: float = 3e-3
   warmup_steps: int = 20
   decay_steps: int = 0  # 0 -> train.steps
@@ -142,6 +166,8 @@ class OptimConfig:
   weight_decay: float = 0.1
   grad_clip: float = 1.0
   eps: float = 1e-8
+  shard_optimizer_state: bool = False  # ZeRO-1: optimizer state sharded over the data-parallel axes
+  master_weights: bool = False  # float32 masters of lower-precision params (model.param_dtype) in the state
 
 
 @dataclasses.dataclass(frozen=True)
@@ -325,6 +351,10 @@ def validate(cfg: Config, n_devices: int, n_processes: int = 1) -> Config:
     if per % mesh.microbatches:
       raise ConfigError(f"per-replica batch {per} is not divisible by mesh.microbatches={mesh.microbatches}")
   validate_attention(m, cfg.data.seq_len, mesh)
+  if cfg.optim.master_weights and m.param_dtype == "float32":
+    raise ConfigError("optim.master_weights=True keeps float32 masters of lower-precision parameters, but "
+                      "model.param_dtype is float32 (the parameters are their own masters): set "
+                      "model.param_dtype=bfloat16, or optim.master_weights=False")
   if cfg.data.seq_len % mesh.sequence:
     raise ConfigError(f"data.seq_len={cfg.data.seq_len} is not divisible by mesh.sequence={mesh.sequence}")
   if cfg.data.seq_len > m.max_seq_len:
@@ -337,7 +367,8 @@ def validate(cfg: Config, n_devices: int, n_processes: int = 1) -> Config:
 def validate_model(m: ModelConfig) -> None:
   """Checks of the model section alone (names, widths); :func:`validate` calls it."""
   for key, value, choices in (("remat", m.remat, REMAT_POLICIES), ("attention", m.attention, ATTENTION_KINDS),
-                              ("mlp", m.mlp, MLP_KINDS), ("block", m.block, BLOCK_KINDS)):
+                              ("mlp", m.mlp, MLP_KINDS), ("block", m.block, BLOCK_KINDS),
+                              ("matmul_precision", m.matmul_precision, MATMUL_PRECISIONS)):
     if value not in choices:
       raise ConfigError(f"model.{key}={value!r}; choose one of {choices}")
   if m.head_dim < 0:

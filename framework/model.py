@@ -49,6 +49,7 @@ import jax.numpy as jnp
 from jax.ad_checkpoint import checkpoint_name
 
 from framework import attention
+from framework import fp8
 from framework import remat as remat_lib
 from framework.config import ModelConfig
 
@@ -123,6 +124,12 @@ class _Base(nn.Module):
       w = self.param(name, nn.with_logical_partitioning(init, logical), shape, _dtype(self.cfg.param_dtype))
     return w.astype(_dtype(self.cfg.dtype))
 
+  def project(self, subscripts: str, x, w):
+    """A projection matmul (q/k/v/out, MLP): in ``dtype``, or scaled fp8 (``matmul_precision``, framework/fp8.py)."""
+    if self.cfg.matmul_precision == "fp8":
+      return fp8.einsum(subscripts, x, w)
+    return jnp.einsum(subscripts, x, w)
+
   def tp_reduce(self, y):
     """Row-parallel matmul epilogue: sum partial results across the tensor axis."""
     if self.ctx.manual and self.ctx.tensor_axis and self.ctx.size((self.ctx.tensor_axis,)) > 1:
@@ -174,9 +181,9 @@ class Attention(_Base):
     wk = self.weight("wk", (D, K, E))
     wv = self.weight("wv", (D, K, E))
     wo = self.weight("wo", (H, E, D))
-    q_BxTxHxE = rope(self.tag(jnp.einsum("btd,dhe->bthe", x_BxTxD, wq), remat_lib.QUERY), pos_BxT, c.rope_theta)
-    k_BxTxKxE = rope(self.tag(jnp.einsum("btd,dke->btke", x_BxTxD, wk), remat_lib.KEY), pos_BxT, c.rope_theta)
-    v_BxTxKxE = self.tag(jnp.einsum("btd,dke->btke", x_BxTxD, wv), remat_lib.VALUE)
+    q_BxTxHxE = rope(self.tag(self.project("btd,dhe->bthe", x_BxTxD, wq), remat_lib.QUERY), pos_BxT, c.rope_theta)
+    k_BxTxKxE = rope(self.tag(self.project("btd,dke->btke", x_BxTxD, wk), remat_lib.KEY), pos_BxT, c.rope_theta)
+    v_BxTxKxE = self.tag(self.project("btd,dke->btke", x_BxTxD, wv), remat_lib.VALUE)
     kpos_BxS = pos_BxT
     new_cache = valid_BxS = None
     sequence_parallel = self.ctx.manual and self.ctx.sequence_axis and self.ctx.size((self.ctx.sequence_axis,)) > 1
@@ -202,7 +209,7 @@ class Attention(_Base):
     else:
       o_BxTxHxE = attention.attend(c.attention, q_BxTxHxE, k_BxTxKxE, v_BxTxKxE, pos_BxT, kpos_BxS,
                                    block=c.attention_block, aligned=not sequence_parallel)
-    out_BxTxD = self.tp_reduce(jnp.einsum("bthe,hed->btd", o_BxTxHxE, wo))
+    out_BxTxD = self.tp_reduce(self.project("bthe,hed->btd", o_BxTxHxE, wo))
     return self.tag(out_BxTxD, remat_lib.OUT), new_cache
 
 
@@ -215,14 +222,14 @@ class MLP(_Base):
     D, F = c.d_model, c.ff
     if c.gated:
       w_gate, w_up, w_down = self.weight("w_gate", (D, F)), self.weight("w_up", (D, F)), self.weight("w_down", (F, D))
-      h_BxTxF = (nn.silu(self.tag(jnp.einsum("btd,df->btf", x_BxTxD, w_gate), remat_lib.MLP_IN_GATE))
-                 * self.tag(jnp.einsum("btd,df->btf", x_BxTxD, w_up), remat_lib.MLP_IN_UP))
+      h_BxTxF = (nn.silu(self.tag(self.project("btd,df->btf", x_BxTxD, w_gate), remat_lib.MLP_IN_GATE))
+                 * self.tag(self.project("btd,df->btf", x_BxTxD, w_up), remat_lib.MLP_IN_UP))
     else:
       w_up, w_down = self.weight("w_up", (D, F)), self.weight("w_down", (F, D))
       act = {"gelu": functools.partial(nn.gelu, approximate=True), "relu": nn.relu}[c.mlp]
-      h_BxTxF = act(self.tag(jnp.einsum("btd,df->btf", x_BxTxD, w_up), remat_lib.MLP_IN))
+      h_BxTxF = act(self.tag(self.project("btd,df->btf", x_BxTxD, w_up), remat_lib.MLP_IN))
     h_BxTxF = self.constrain(h_BxTxF, ("batch", "seq", "act_mlp"))
-    return self.tag(self.tp_reduce(jnp.einsum("btf,fd->btd", h_BxTxF, w_down)), remat_lib.MLP_OUT)
+    return self.tag(self.tp_reduce(self.project("btf,fd->btd", h_BxTxF, w_down)), remat_lib.MLP_OUT)
 
 
 class Block(_Base):

@@ -13,6 +13,8 @@ import jax
 import jax.numpy as jnp
 import optax
 
+from framework import optim
+
 
 @flax.struct.dataclass
 class TrainState:
@@ -47,8 +49,8 @@ def init_state(rng, model: nn.Module, tx: optax.GradientTransformation, seq: int
 
 
 def apply_grads(state: TrainState, grads, tx: optax.GradientTransformation) -> TrainState:
-  updates, opt_state = tx.update(grads, state.opt_state, state.params)
-  return TrainState(step=state.step + 1, params=optax.apply_updates(state.params, updates), opt_state=opt_state)
+  params, opt_state = optim.apply(tx, grads, state.opt_state, state.params)
+  return TrainState(step=state.step + 1, params=params, opt_state=opt_state)
 
 
 def accumulate(loss_and_grads, params, batch, n: int):
@@ -73,9 +75,19 @@ def accumulate(loss_and_grads, params, batch, n: int):
 
 
 def train_step(state: TrainState, batch, *, model: nn.Module, tx: optax.GradientTransformation,
-               microbatches: int = 1):
-  loss, grads = accumulate(lambda p, b: jax.value_and_grad(loss_fn)(p, b, model), state.params, batch,
-                           microbatches)
+               microbatches: int = 1, grad_shardings=None):
+  """``grad_shardings`` (a tree of shardings like the params, or None): where the summed gradients should live
+  before the update; the jit form's ZeRO-1 passes the optimizer state's shardings, so GSPMD reduce-scatters
+  the gradients onto them instead of all-reducing (parallelism/zero.py)."""
+  params = optim.grad_params(state.params, state.opt_state, model.cfg.dtype)
+  gdt = optim.grad_dtype(state.opt_state)
+
+  def loss_and_grads(p, b):
+    loss, grads = jax.value_and_grad(loss_fn)(p, b, model)
+    return loss, grads if gdt is None else jax.tree.map(lambda g: g.astype(gdt), grads)
+  loss, grads = accumulate(loss_and_grads, params, batch, microbatches)
+  if grad_shardings is not None:
+    grads = jax.lax.with_sharding_constraint(grads, grad_shardings)
   metrics = StepMetrics(loss=loss, grad_norm=optax.tree.norm(grads),
                         n_tokens=jnp.asarray(batch["targets"].size, jnp.int32))
   return apply_grads(state, grads, tx), metrics

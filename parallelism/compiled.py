@@ -18,6 +18,7 @@ from jax.sharding import Mesh, NamedSharding, PartitionSpec as P
 
 from framework import train_step as ts
 from framework.config import Config
+from parallelism import zero
 
 BATCH_SPEC = P(("data", "fsdp"), "sequence")
 
@@ -46,11 +47,23 @@ class Context:
       self._stack.pop().__exit__(*exc)
 
 
-def state_shardings(model: nn.Module, tx, mesh: Mesh, rules: tuple) -> ts.TrainState:
-  """The TrainState's shardings (a tree of NamedSharding) from the model's logical axes and ``rules``."""
+def state_shardings(model: nn.Module, tx, mesh: Mesh, rules: tuple, shard_optimizer: bool = False) -> ts.TrainState:
+  """The TrainState's shardings (a tree of NamedSharding) from the model's logical axes and ``rules``;
+  ``shard_optimizer``: the optimizer state also split over the data-parallel axes (ZeRO-1, parallelism/zero.py)."""
   with Context(mesh, rules):
     boxed = jax.eval_shape(functools.partial(ts.init_state, model=model, tx=tx), abstract_key())
-    return nn.logical_to_mesh_sharding(nn.get_partition_spec(boxed), mesh, rules)
+    sh = nn.logical_to_mesh_sharding(nn.get_partition_spec(boxed), mesh, rules)
+  if shard_optimizer:
+    sh = sh.replace(opt_state=zero.shard_tree(sh.opt_state, nn.unbox(boxed.opt_state), mesh))
+  return sh
+
+
+def grad_shardings(model: nn.Module, state_sh: ts.TrainState, mesh: Mesh, shard_optimizer: bool):
+  """Where a step's summed gradients live: like the params, or (ZeRO-1) like their optimizer state."""
+  if not shard_optimizer:
+    return state_sh.params
+  shapes = nn.unbox(jax.eval_shape(lambda: model.init(jax.random.key(0), jnp.zeros((1, 8), jnp.int32))["params"]))
+  return zero.shard_tree(state_sh.params, shapes, mesh)
 
 
 @dataclasses.dataclass
@@ -65,7 +78,9 @@ class CompiledStep:
   step_fn: Callable  # jitted (state, batch) -> (state, metrics)
   init_fn: Callable  # jitted rng -> state (sharded)
   # The step's (params, inputs, targets) -> (loss, grads), not jitted: for tests and the performance model,
-  # called under jit in the mesh context (``with st.context(): jax.jit(st.loss_and_grads)(...)``).
+  # called under jit in the mesh context (``with st.context(): jax.jit(st.loss_and_grads)(...)``). ``params``
+  # are the ones the step differentiates (``framework.optim.grad_params``); the shard_map form with ZeRO-1
+  # returns the gradients reduce-scattered (sharded like the optimizer state).
   loss_and_grads: Callable
 
   @functools.cached_property

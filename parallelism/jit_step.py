@@ -9,6 +9,7 @@ from __future__ import annotations
 import functools
 
 import jax
+import jax.numpy as jnp
 from jax.sharding import Mesh
 
 from framework import model as model_lib
@@ -25,13 +26,19 @@ def build(cfg: Config, mesh: Mesh, donate: bool = True) -> compiled.CompiledStep
   rules = rules_lib.without(rules_lib.get(cfg.mesh.rules), "pipeline")
   model = model_lib.build(cfg.model)
   tx = optim.make(cfg.optim, cfg.train.steps)
-  state_sh = compiled.state_shardings(model, tx, mesh, rules)
+  zero1 = cfg.optim.shard_optimizer_state
+  state_sh = compiled.state_shardings(model, tx, mesh, rules, zero1)
   # mesh.microbatches without a pipeline = gradient accumulation (MaxText's gradient_accumulation_steps)
-  step = functools.partial(ts.train_step, model=model, tx=tx, microbatches=cfg.mesh.microbatches)
+  # ZeRO-1: gradients constrained to the optimizer state's shardings (reduce-scatter; parallelism/zero.py)
+  grad_sh = compiled.grad_shardings(model, state_sh, mesh, zero1) if zero1 else None
+  step = functools.partial(ts.train_step, model=model, tx=tx, microbatches=cfg.mesh.microbatches,
+                           grad_shardings=grad_sh)
+  gdt = jnp.float32 if cfg.optim.master_weights else None
   return compiled.assemble(cfg, mesh, model, tx, rules, state_sh, step,
-                           functools.partial(_loss_and_grads, model=model), donate)
+                           functools.partial(_loss_and_grads, model=model, grad_dtype=gdt), donate)
 
 
-def _loss_and_grads(params, inputs_BxT, targets_BxT, *, model):
+def _loss_and_grads(params, inputs_BxT, targets_BxT, *, model, grad_dtype=None):
   """The pure step's loss and gradients; GSPMD partitions them from the inputs' shardings."""
-  return jax.value_and_grad(ts.loss_fn)(params, {"inputs": inputs_BxT, "targets": targets_BxT}, model)
+  loss, grads = jax.value_and_grad(ts.loss_fn)(params, {"inputs": inputs_BxT, "targets": targets_BxT}, model)
+  return loss, grads if grad_dtype is None else jax.tree.map(lambda g: g.astype(grad_dtype), grads)

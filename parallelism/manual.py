@@ -96,12 +96,32 @@ def localize_params(params, specs, candidate_axes: Sequence[str]):
   return jax.tree.map(lambda p, s: vary(p, reduce_axes_for(s, candidate_axes)), params, specs)
 
 
-def reduce_grads(grads, specs, candidate_axes: Sequence[str]):
-  """Data-parallel gradient all-reduce: psum each gradient over the axes its param is replicated on."""
-  def red(g, s):
-    axes = reduce_axes_for(s, candidate_axes)
-    return jax.lax.psum(g, axes) if axes else g
-  return jax.tree.map(red, grads, specs)
+def added_axes(spec: P, wider: P):
+  """(dim, axes): the one dim where ``wider`` shards over more mesh axes than ``spec``, and those axes in
+  ``wider``'s order; (None, ()) when the two are the same (ZeRO-1 specs, parallelism/zero.py)."""
+  for dim in range(max(len(spec), len(wider))):
+    have = spec_axes(P(spec[dim])) if dim < len(spec) else ()
+    want = spec_axes(P(wider[dim])) if dim < len(wider) else ()
+    if have != want:
+      if want[:len(have)] != have:
+        raise ValueError(f"{wider} does not extend {spec} on dim {dim}")
+      return dim, want[len(have):]
+  return None, ()
+
+
+def reduce_grads(grads, specs, candidate_axes: Sequence[str], grad_specs=None, dtype=None):
+  """Data-parallel gradient reduction: sum each gradient over the axes its param is replicated on.
+
+  Plain: a ``psum`` (all-reduce). With ``grad_specs`` (ZeRO-1: the params' specs with data-parallel axes added
+  to one dim), the sum over the added axes is a ``psum_scatter`` (reduce-scatter) onto that dim, so each
+  device keeps only its shard. ``dtype``: cast before summing (float32 gradients of bf16 parameters)."""
+  def red(g, s, gs):
+    g = g if dtype is None else g.astype(dtype)
+    dim, scatter = added_axes(s, gs)
+    rest = tuple(a for a in reduce_axes_for(s, candidate_axes) if a not in scatter)
+    g = jax.lax.psum(g, rest) if rest else g
+    return jax.lax.psum_scatter(g, scatter, scatter_dimension=dim, tiled=True) if scatter else g
+  return jax.tree.map(red, grads, specs, specs if grad_specs is None else grad_specs)
 
 
 def positions(shape_BxT, sequence_size: int, sequence_axis: str = SEQUENCE_AXIS):

@@ -178,7 +178,8 @@ def _select(pred, true_fn, false_fn, *args):
   return jax.tree.map(lambda a, b: jnp.where(pred, a, b), t, f)
 
 
-def loss_and_grads_body(cfg: Config, model, specs, n_tokens: int, batch_axes: tuple, masked: bool = False):
+def loss_and_grads_body(cfg: Config, model, specs, n_tokens: int, batch_axes: tuple, masked: bool = False,
+                        reduce=manual.reduce_grads):
   """Per-device (params, inputs, targets) -> (loss, grads) running the pipeline; goes inside shard_map.
 
   ``model`` is either the manual-mode model (all axes manual: explicit DP/FSDP/TP/SP collectives,
@@ -189,16 +190,19 @@ def loss_and_grads_body(cfg: Config, model, specs, n_tokens: int, batch_axes: tu
   ``masked=True`` replaces every ``lax.cond`` by compute-both-and-select. The jit form needs it: GSPMD
   inserts its own collectives inside the branches, and in XLA 0.10 those can span the manual
   'pipeline' axis, so devices taking different branches deadlock (observed on CPU). Masking costs
-  compute: every tick runs a forward and a backward on every stage, idle or not."""
+  compute: every tick runs a forward and a backward on every stage, idle or not.
+
+  ``reduce``: how the summed gradients are reduced over devices after the loop, ``(grads, specs, axes)``
+  (ZeRO-1 passes a reduce-scatter, parallelism/zero.py)."""
   sched = make_schedule(cfg.mesh.schedule, cfg.mesh.pipeline, cfg.mesh.microbatches)
   reduce_over = tuple(batch_axes) + (manual.PIPELINE_AXIS,)
   return functools.partial(_body, model=model, specs=specs, sched=sched, n_tokens=n_tokens,
                            batch_axes=tuple(batch_axes), reduce_over=reduce_over,
-                           branch=_select if masked else _cond)
+                           branch=_select if masked else _cond, reduce=reduce)
 
 
 def _body(params, inputs_BxT, targets_BxT, *, model, specs, sched: Schedule, n_tokens: int,
-          batch_axes: tuple, reduce_over: tuple, branch):
+          batch_axes: tuple, reduce_over: tuple, branch, reduce=manual.reduce_grads):
   p, m, k = sched.n_stages, sched.n_micro, sched.n_slots
   stage = jax.lax.axis_index(manual.PIPELINE_AXIS)
   is_first, is_last = stage == 0, stage == p - 1
@@ -266,5 +270,5 @@ def _body(params, inputs_BxT, targets_BxT, *, model, specs, sched: Schedule, n_t
   carry = (x_proto, x_proto, stash, gacc, loss_proto)
   rows = (jnp.asarray(sched.fwd_TxP), jnp.asarray(sched.bwd_TxP))
   (_, _, _, gacc, loss_acc), _ = jax.lax.scan(tick, carry, rows)
-  grads = manual.reduce_grads(gacc, specs, reduce_over)
+  grads = reduce(gacc, specs, reduce_over)
   return jax.lax.psum(loss_acc, reduce_over), grads

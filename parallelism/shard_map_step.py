@@ -26,7 +26,10 @@ so the jaxpr holds only collectives that move data.
 
 Structure: the ``shard_map`` computes (loss, grads) with grads sharded like the params; the optax
 update runs outside it under the same ``jax.jit`` (element-wise AdamW plus one global-norm
-reduction, which GSPMD partitions without help), with in/out shardings and state donation.
+reduction, which GSPMD partitions without help), with in/out shardings and state donation. With
+ZeRO-1 (``optim.shard_optimizer_state``) the gradients leave the shard_map reduce-scattered onto the
+optimizer state's shards and a second shard_map runs the update there and all-gathers the parameters
+(parallelism/zero.py).
 
 Loss normalisation: every device divides its *sum* of token losses by the *global* token count
 and the partial losses are ``psum``-ed, so the loss (and hence every gradient) equals the
@@ -52,11 +55,13 @@ from framework.config import Config, ConfigError
 from parallelism import compiled
 from parallelism import pipeline
 from parallelism import rules as rules_lib
+from parallelism import zero
 from parallelism.manual import (BATCH_AXES, PIPELINE_AXIS, SEQUENCE_AXIS, active, localize_params, manual_ctx,
                                 positions, reduce_grads, strip_trivial, token_loss_sum)
 
 
-def _loss_and_grads_body(params, inputs_BxT, targets_BxT, *, model, specs, n_tokens: int, batch_axes: tuple):
+def _loss_and_grads_body(params, inputs_BxT, targets_BxT, *, model, specs, n_tokens: int, batch_axes: tuple,
+                         reduce=reduce_grads):
   """Per-device (loss, grads) for the non-pipelined layouts. Runs inside shard_map."""
   local = localize_params(params, specs, batch_axes)
   pos_BxT = positions(inputs_BxT.shape, model.ctx.size((SEQUENCE_AXIS,)))
@@ -67,7 +72,7 @@ def _loss_and_grads_body(params, inputs_BxT, targets_BxT, *, model, specs, n_tok
 
   loss, grads = jax.value_and_grad(local_loss)(local)
   loss = jax.lax.psum(loss, batch_axes) if batch_axes else loss
-  return loss, reduce_grads(grads, specs, batch_axes)
+  return loss, reduce(grads, specs, batch_axes)
 
 
 def check(cfg: Config, mesh: Mesh):
@@ -105,7 +110,9 @@ def build(cfg: Config, mesh: Mesh, donate: bool = True) -> compiled.CompiledStep
     rules = rules_lib.without(rules, PIPELINE_AXIS)
   model = model_lib.build(cfg.model)  # auto mode, full shapes: init / eval / sampling
   tx = optim.make(cfg.optim, cfg.train.steps)
-  state_sh = compiled.state_shardings(model, tx, mesh, rules)
+  zero1 = cfg.optim.shard_optimizer_state
+  state_sh = compiled.state_shardings(model, tx, mesh, rules, zero1)
+  grad_sh = compiled.grad_shardings(model, state_sh, mesh, zero1)
   n_tokens = cfg.data.global_batch * cfg.data.seq_len
   accum = 1 if pipelined else cfg.mesh.microbatches
   if all_manual:
@@ -118,22 +125,39 @@ def build(cfg: Config, mesh: Mesh, donate: bool = True) -> compiled.CompiledStep
     inner = model_lib.build(dataclasses.replace(cfg.model, n_layers=cfg.model.n_layers // cfg.mesh.pipeline))
     batch_axes = ()
   # shard_map specs: the same logical rules restricted to the manual axes, minus size-1 axes.
-  param_specs = jax.tree.map(lambda s: strip_trivial(s.spec, mesh, manual_axes), state_sh.params)
+  strip = lambda tree: jax.tree.map(lambda s: strip_trivial(s.spec, mesh, manual_axes), tree)  # noqa: E731
+  param_specs = strip(state_sh.params)
   batch_spec = strip_trivial(compiled.BATCH_SPEC, mesh, manual_axes)
+  # ZeRO-1 written out (all axes manual): gradients leave the shard_map reduce-scattered onto the optimizer
+  # state's shards, and zero.sharded_update runs the optimizer there. The jit form's pipeline leaves the
+  # data axes to GSPMD: its gradients are constrained to those shardings instead (as in parallelism/jit_step.py).
+  explicit_zero1 = zero1 and all_manual
+  grad_specs = strip(grad_sh) if explicit_zero1 else param_specs
+  reduce = functools.partial(reduce_grads, grad_specs=grad_specs, dtype=jnp.float32 if cfg.optim.master_weights
+                             else None)
 
   if pipelined:
-    body = pipeline.loss_and_grads_body(cfg, inner, param_specs, n_tokens, batch_axes, masked=not all_manual)
+    body = pipeline.loss_and_grads_body(cfg, inner, param_specs, n_tokens, batch_axes, masked=not all_manual,
+                                        reduce=reduce)
   else:
     body = functools.partial(_loss_and_grads_body, model=inner, specs=param_specs, n_tokens=n_tokens // accum,
-                             batch_axes=batch_axes)
+                             batch_axes=batch_axes, reduce=reduce)
   loss_and_grads = shard_map(body, mesh=mesh, in_specs=(param_specs, batch_spec, batch_spec),
-                             out_specs=(P(), param_specs), axis_names=manual_axes, check_vma=True)
+                             out_specs=(P(), grad_specs), axis_names=manual_axes, check_vma=True)
+  update = None
+  if explicit_zero1:
+    update = zero.sharded_update(tx, mesh, param_specs, grad_specs, strip(state_sh.opt_state))
 
   def step(state: ts.TrainState, batch):
-    loss, grads = ts.accumulate(lambda p, b: loss_and_grads(p, b["inputs"], b["targets"]), state.params, batch,
-                                accum)
-    metrics = ts.StepMetrics(loss=loss, grad_norm=optax.tree.norm(grads),
-                             n_tokens=jnp.asarray(n_tokens, jnp.int32))
-    return ts.apply_grads(state, grads, tx), metrics
+    params = optim.grad_params(state.params, state.opt_state, cfg.model.dtype)
+    loss, grads = ts.accumulate(lambda p, b: loss_and_grads(p, b["inputs"], b["targets"]), params, batch, accum)
+    if update is not None:
+      new_params, opt_state, norm = update(state.params, state.opt_state, grads)
+      new_state = ts.TrainState(step=state.step + 1, params=new_params, opt_state=opt_state)
+    else:
+      if zero1:
+        grads = jax.lax.with_sharding_constraint(grads, grad_sh)
+      norm, new_state = optax.tree.norm(grads), ts.apply_grads(state, grads, tx)
+    return new_state, ts.StepMetrics(loss=loss, grad_norm=norm, n_tokens=jnp.asarray(n_tokens, jnp.int32))
 
   return compiled.assemble(cfg, mesh, model, tx, rules, state_sh, step, loss_and_grads, donate)

@@ -205,14 +205,20 @@ def test_model_kind_errors_name_the_fix():
             mesh=dict(data=4, sequence=2)), r"splash' does not support mesh.sequence > 1"),
       (dict(model=dict(attention="cudnn")), r"'cudnn' needs 16-bit compute, got model.dtype='float32': set "
                                             r"model.dtype=bfloat16"),
+      (dict(model=dict(matmul_precision="int8")),
+       r"model.matmul_precision='int8'; choose one of \('default', 'fp8'\)"),
+      (dict(optim=dict(master_weights=True)), r"model.param_dtype is float32 \(the parameters are their own "
+                                              r"masters\): set model.param_dtype=bfloat16, or optim.master_weights"),
   ]:
     with pytest.raises(ConfigError, match=fix):
       config_lib.validate(tiny_config(**sections), 8)
   # the same choices, valid
   for model in (dict(attention="blockwise", attention_block=8), dict(attention="blockwise", attention_block=512),
                 dict(mlp="relu", head_dim=24), dict(attention="cudnn", dtype="bfloat16"),
-                dict(remat="minimal_offloaded", attention="dot_product")):
+                dict(remat="minimal_offloaded", attention="dot_product"), dict(matmul_precision="fp8")):
     config_lib.validate(tiny_config(model=model), 8)
+  config_lib.validate(tiny_config(model=dict(param_dtype="bfloat16"), optim=dict(master_weights=True,
+                                                                                 shard_optimizer_state=True)), 8)
 
 
 def test_kind_overrides_from_the_command_line():

@@ -21,17 +21,20 @@ BASE = {
 SCHEDULE_KEYS = ("microbatches", "schedule", "rules")
 
 
-def make_cfg(mesh: dict, form: str, model: dict | None = None, data: dict | None = None) -> config_lib.Config:
+def make_cfg(mesh: dict, form: str, model: dict | None = None, data: dict | None = None,
+             optim: dict | None = None) -> config_lib.Config:
   d = {k: dict(v) for k, v in BASE.items()}
   d["mesh"] = dict(mesh, form=form)
   d["model"].update(model or {})
   d["data"].update(data or {})
+  d["optim"].update(optim or {})
   n = math.prod(v for k, v in mesh.items() if k not in SCHEDULE_KEYS)
   return config_lib.validate(config_lib.from_dict(d), n)
 
 
-def build(mesh: dict, form: str, model: dict | None = None, data: dict | None = None) -> step_lib.CompiledStep:
-  cfg = make_cfg(mesh, form, model, data)
+def build(mesh: dict, form: str, model: dict | None = None, data: dict | None = None,
+          optim: dict | None = None) -> step_lib.CompiledStep:
+  cfg = make_cfg(mesh, form, model, data, optim)
   n = math.prod(cfg.mesh.sizes().values())
   return step_lib.build_step(cfg, mesh_lib.make_mesh(cfg.mesh, jax.devices()[:n]))
 
