@@ -155,7 +155,11 @@ class MeshConfig:
   rules: str = "default"  # named logical-axis rule preset (parallelism/rules.py)
   form: str = "jit"  # "jit" (GSPMD auto-sharding) or "shard_map" (explicit collectives)
   microbatches: int = 1  # pipeline micro-batches; without a pipeline (jit form): gradient accumulation steps
-  schedule: str = "gpipe"  # "gpipe" or "1f1b"
+  schedule: str = "gpipe"  # "gpipe" or "1f1b" (parallelism/schedules.py)
+  # Layer chunks per pipeline stage, placed round-robin: with schedule=1f1b Megatron's interleaved 1F1B (vpp), with
+  # schedule=gpipe MaxText's circular pipeline (num_pipeline_repeats). The layer stack is stored as
+  # virtual_stages x n_layers/virtual_stages.
+  virtual_stages: int = 1
 
   def sizes(self) -> dict:
     return {a: getattr(self, a) for a in MESH_AXES}
@@ -314,6 +318,7 @@ def validate(cfg: Config, n_devices: int, n_processes: int = 1) -> Config:
   if m.n_layers % mesh.pipeline:
     raise ConfigError(f"model.n_layers={m.n_layers} is not divisible by mesh.pipeline={mesh.pipeline} stages: "
                       f"use a pipeline size that divides {m.n_layers}")
+  validate_virtual_stages(m, mesh)
   batch_shards = mesh.data * mesh.fsdp
   if cfg.data.global_batch % batch_shards:
     raise ConfigError(f"data.global_batch={cfg.data.global_batch} is not divisible by the batch axes "
@@ -332,6 +337,25 @@ def validate(cfg: Config, n_devices: int, n_processes: int = 1) -> Config:
   if cfg.model.vocab_size < 256:
     raise ConfigError("model.vocab_size must be >= 256 for the byte-level tokenizer")
   return dataclasses.replace(cfg, mesh=mesh)
+
+
+def validate_virtual_stages(m: ModelConfig, mesh: MeshConfig) -> None:
+  """Interleaved / circular pipelines: v chunks per stage, micro-batches in groups of the stages."""
+  v = mesh.virtual_stages
+  if v < 1:
+    raise ConfigError(f"mesh.virtual_stages={v} must be >= 1 (1 = one chunk of layers per pipeline stage)")
+  if v == 1:
+    return
+  if mesh.pipeline == 1:
+    raise ConfigError(f"mesh.virtual_stages={v} needs pipeline stages: set mesh.pipeline > 1 or virtual_stages=1")
+  if m.n_layers % (mesh.pipeline * v):
+    raise ConfigError(f"model.n_layers={m.n_layers} does not split into mesh.pipeline={mesh.pipeline} x "
+                      f"virtual_stages={v} equal chunks: use virtual_stages dividing {m.n_layers // mesh.pipeline}")
+  if mesh.microbatches % mesh.pipeline:
+    raise ConfigError(f"mesh.virtual_stages={v} runs micro-batches in groups of mesh.pipeline={mesh.pipeline}: set "
+                      f"mesh.microbatches to a multiple of {mesh.pipeline} (got {mesh.microbatches})")
+  if not m.scan_layers:
+    raise ConfigError("mesh.virtual_stages > 1 stores the scanned layer stack in chunks: set model.scan_layers=True")
 
 
 def validate_model(m: ModelConfig) -> None:

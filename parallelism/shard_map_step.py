@@ -17,7 +17,7 @@ communication: here every collective is in our code, visible in the jaxpr:
   the LM head is vocab-sharded, so full-vocab logits never exist on one device.
 * **SP** (``sequence``): each device holds a slice of the sequence; attention ``all_gather``-s K/V
   (and their positions) along ``sequence``.
-* **PP** (``pipeline`` > 1): parallelism/pipeline.py (GPipe / 1F1B over ``ppermute``). The jit form
+* **PP** (``pipeline`` > 1): parallelism/pipeline.py (GPipe / 1F1B, interleaved or circular, over ``ppermute``). The jit form
   with ``pipeline > 1`` is built here too: a shard_map manual over 'pipeline' only.
 
 ``mesh.microbatches`` are the pipeline's micro-batches with ``pipeline > 1``; without a pipeline they are
@@ -103,19 +103,21 @@ def build(cfg: Config, mesh: Mesh, donate: bool = True) -> compiled.CompiledStep
   if not pipelined:
     # 'layers' -> 'pipeline' is a no-op at size 1; dropping it keeps shardings identical to the jit form.
     rules = rules_lib.without(rules, PIPELINE_AXIS)
-  model = model_lib.build(cfg.model)  # auto mode, full shapes: init / eval / sampling
+  # auto mode, full shapes: init / eval / sampling; the stack in virtual-stage chunks when pipelined
+  model = model_lib.build(cfg.model, model_lib.ParallelCtx(layer_repeats=pipeline.layer_repeats(cfg)))
   tx = optim.make(cfg.optim, cfg.train.steps)
   state_sh = compiled.state_shardings(model, tx, mesh, rules)
   n_tokens = cfg.data.global_batch * cfg.data.seq_len
   accum = 1 if pipelined else cfg.mesh.microbatches
   if all_manual:
     manual_axes = frozenset(mesh.axis_names)
-    inner = model_lib.build(cfg.model, manual_ctx(mesh, rules))
+    inner = model_lib.build(cfg.model, manual_ctx(mesh, rules, pipeline.layer_repeats(cfg)))
     batch_axes = active(BATCH_AXES, mesh)
   else:
     # Manual over 'pipeline' only; the stage model is an ordinary auto-mode model of L/P layers.
     manual_axes = frozenset({PIPELINE_AXIS})
-    inner = model_lib.build(dataclasses.replace(cfg.model, n_layers=cfg.model.n_layers // cfg.mesh.pipeline))
+    inner = model_lib.build(dataclasses.replace(cfg.model, n_layers=cfg.model.n_layers // cfg.mesh.pipeline),
+                            model_lib.ParallelCtx(layer_repeats=pipeline.layer_repeats(cfg)))
     batch_axes = ()
   # shard_map specs: the same logical rules restricted to the manual axes, minus size-1 axes.
   param_specs = jax.tree.map(lambda s: strip_trivial(s.spec, mesh, manual_axes), state_sh.params)
