@@ -14,7 +14,7 @@ MESH_AXES = ("pipeline", "data", "fsdp", "sequence", "tensor")
 # What each name does: framework/remat.py (policies), framework/attention.py (kernels), MLP below.
 REMAT_POLICIES = ("none", "full", "dots", "dots_no_batch", "minimal", "save_qkv_proj", "save_dot_except_mlp",
                   "save_out_proj", "qkv_proj_offloaded", "minimal_offloaded")
-ATTENTION_KINDS = ("dense", "blockwise", "dot_product", "cudnn", "splash")
+ATTENTION_KINDS = ("dense", "blockwise", "dot_product", "cudnn", "splash", "ring")
 MLP_KINDS = ("swiglu", "gelu", "relu")
 BLOCK_KINDS = ("sequential", "parallel")
 
@@ -48,13 +48,19 @@ class ModelConfig:
   * ``dot_product``: ``jax.nn.dot_product_attention`` with the implementation left to XLA.
   * ``cudnn``: the same with ``implementation='cudnn'`` (fused flash attention); GPU only, needs
     ``dtype`` bfloat16 or float16.
+  * ``ring``: context parallelism as Llama 3 / NeMo run it: with ``mesh.sequence = C > 1`` in the shard_map forms,
+    K/V blocks go around the ``sequence`` ring (C-1 ``ppermute`` hops, no all-gather), each folded into the
+    blockwise online softmax, over the zig-zag layout (a device holds sequence chunks ``i`` and ``2C-1-i``) that
+    gives every device the same causal work; needs ``seq_len`` divisible by ``2C``, and no pipeline stages (their
+    idle slots would not join the ring's collectives). Elsewhere (``sequence = 1``, or ``mesh.form='jit'``,
+    where GSPMD all-gathers K/V) it computes as ``blockwise``.
   * ``splash``: Pallas splash attention (``jax.experimental.pallas.ops.tpu.splash_attention``); TPU only,
     decided by the platform of the mesh the program is built for (a compile-only TPU target lowers from any
     host). Block size ``min(attention_block, seq)``, multiples of 128; ``mesh.form='jit'`` without pipeline
     stages and without sequence parallelism.
   The KV-cached decode path always uses ``dense``: its queries are a few new tokens against the cache.
 
-  ``attention_block``: keys per block for ``blockwise`` and the splash block size; must divide
+  ``attention_block``: keys per block for ``blockwise`` / ``ring`` and the splash block size; must divide
   ``data.seq_len`` when smaller than it.
 
   ``remat``: what the backward pass may keep from the forward of each layer (framework/remat.py):
@@ -376,7 +382,16 @@ def validate_model(m: ModelConfig) -> None:
 
 def validate_attention(m: ModelConfig, seq_len: int, mesh: MeshConfig) -> None:
   """Sequence-length and layout constraints of the attention kernel (seq_len: training length)."""
-  if m.attention in ("blockwise", "splash") and seq_len > m.attention_block and seq_len % m.attention_block:
+  if m.attention == "ring" and mesh.sequence > 1 and seq_len % (2 * mesh.sequence):
+    raise ConfigError(f"model.attention='ring' splits the sequence into 2 x mesh.sequence = {2 * mesh.sequence} "
+                      f"zig-zag chunks: data.seq_len={seq_len} must be a multiple of {2 * mesh.sequence}")
+  if m.attention == "ring" and mesh.sequence > 1 and mesh.pipeline > 1 and mesh.form == "shard_map":
+    # A ppermute over 'sequence' is one collective-permute over every device; inside a pipeline slot only the
+    # busy stage runs it, and XLA waits for all (observed: a hang or garbage on CPU).
+    raise ConfigError("model.attention='ring' cannot run inside pipeline stages (its K/V ppermute would wait for "
+                      "idle stages): use model.attention='blockwise' (all-gathered K/V) with mesh.pipeline > 1, "
+                      "or mesh.pipeline=1")
+  if m.attention in ("blockwise", "splash", "ring") and seq_len > m.attention_block and seq_len % m.attention_block:
     raise ConfigError(f"model.attention_block={m.attention_block} does not divide data.seq_len={seq_len}: "
                       f"use a divisor of {seq_len} (e.g. {_largest_divisor(seq_len, m.attention_block)})")
   if m.attention == "splash" and (seq_len % 128 or min(m.attention_block, seq_len) % 128):

@@ -13,7 +13,7 @@ The same module runs in two modes, chosen by :class:`ParallelCtx`:
   *local* (per-device) shape; dimensions sharded over FSDP-style axes are all-gathered right
   before use (their transpose is the reduce-scatter of the gradients), tensor-parallel dimensions
   stay local and the row-parallel matmuls end in an explicit ``psum`` (Megatron). Sequence
-  (context) parallelism all-gathers K/V along the sequence.
+  (context) parallelism all-gathers K/V along the sequence, or passes them around it (``attention='ring'``).
 
 Shapes are in names: B batch, T query length, S key length, D d_model, H query heads,
 K kv heads, G = H // K, E head_dim, F d_ff, V vocab, L layers.
@@ -194,7 +194,7 @@ class Attention(_Base):
       kpos_BxS = jnp.broadcast_to(jnp.arange(k_cache.shape[1]), k_cache.shape[:2])
       # Slots past the written prefix hold zeros; mask them by position.
       valid_BxS = kpos_BxS < cache_index + x_BxTxD.shape[1]
-    elif sequence_parallel:
+    elif sequence_parallel and c.attention != "ring":  # ring attention passes K/V around instead
       ax = self.ctx.sequence_axis
       k_BxTxKxE = jax.lax.all_gather(k_BxTxKxE, ax, axis=1, tiled=True)
       v_BxTxKxE = jax.lax.all_gather(v_BxTxKxE, ax, axis=1, tiled=True)
@@ -203,6 +203,9 @@ class Attention(_Base):
     # so init traces dense too (its dummy 1 x 8 batch need not fit a kernel's block constraints).
     if c.attention == "dense" or kv_cache is not None or self.is_initializing():
       o_BxTxHxE = attention.dense(q_BxTxHxE, k_BxTxKxE, v_BxTxKxE, pos_BxT, kpos_BxS, valid_BxS)
+    elif sequence_parallel and c.attention == "ring":
+      o_BxTxHxE = attention.ring(q_BxTxHxE, k_BxTxKxE, v_BxTxKxE, pos_BxT, kpos_BxS, axis=self.ctx.sequence_axis,
+                                 size=self.ctx.size((self.ctx.sequence_axis,)), block=c.attention_block)
     else:
       o_BxTxHxE = attention.attend(c.attention, q_BxTxHxE, k_BxTxKxE, v_BxTxKxE, pos_BxT, kpos_BxS,
                                    block=c.attention_block, aligned=not sequence_parallel)

@@ -113,11 +113,12 @@ def _body(params, inputs_BxT, targets_BxT, *, model, specs, sched: Schedule, n_t
   p, m, v = sched.n_stages, sched.n_micro, sched.n_chunks
   stage = jax.lax.axis_index(manual.PIPELINE_AXIS)
   is_first, is_last = stage == 0, stage == p - 1
+  inputs_BxT, targets_BxT, pos_BxT = manual.sequence_layout(model, inputs_BxT, targets_BxT)
   b_local, t_local = inputs_BxT.shape
   mb = b_local // m
   tok_MxBxT = inputs_BxT.reshape(m, mb, t_local)
   tgt_MxBxT = targets_BxT.reshape(m, mb, t_local)
-  pos_BxT = manual.positions((mb, t_local), model.ctx.size((manual.SEQUENCE_AXIS,)))
+  pos_BxT = pos_BxT[:mb]
   local = manual.localize_params(params, specs, reduce_over)
   layers = local["layers"]
   rest = {k: x for k, x in local.items() if k != "layers"}

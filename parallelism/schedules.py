@@ -169,8 +169,18 @@ def check_schedule(s: Schedule) -> None:
   for (mb, q), t in where_b.items():
     if q < v * p - 1:
       assert where_b[(mb, q + 1)] == t - 1, f"backward {mb} on virtual stage {q} must follow virtual stage {q + 1} by one tick"
-    elif s.n_head_slots == 1:
-      assert where_f[(mb, q)] == t, f"head input of micro-batch {mb} overwritten: its backward is not in its forward's tick"
+  # Head input: every forward on the last stage writes its output to head slot fk (or 0 when there is one); the
+  # last virtual stage's backward reads it.
+  head, last = {}, p - 1
+  for t in range(s.n_ticks):
+    if s.fwd_TxP[t, last] >= 0:
+      slot = int(s.fwd_slot_TxP[t, last]) if s.n_head_slots > 1 else 0
+      assert slot < s.n_head_slots, f"head slot {slot} out of range at tick {t}"
+      head[slot] = (int(s.fwd_TxP[t, last]), int(s.fwd_chunk_TxP[t, last]))
+    if s.bwd_TxP[t, last] >= 0 and s.bwd_chunk_TxP[t, last] == v - 1:
+      unit = (int(s.bwd_TxP[t, last]), v - 1)
+      slot = int(s.bwd_slot_TxP[t, last]) if s.n_head_slots > 1 else 0
+      assert head.get(slot) == unit, f"head input of micro-batch {unit[0]} overwritten before its backward at tick {t}"
   for st in range(p):  # stash: a slot is never overwritten while its unit awaits its backward
     holder = {}
     for t in range(s.n_ticks):

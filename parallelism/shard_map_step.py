@@ -15,8 +15,9 @@ communication: here every collective is in our code, visible in the jaxpr:
 * **Megatron TP** (``tensor``): column/row-parallel matmuls, ``psum`` after the row-parallel ones
   (framework/model.py), and a vocab-parallel cross-entropy (``pmax``/``psum`` over ``tensor``) when
   the LM head is vocab-sharded, so full-vocab logits never exist on one device.
-* **SP** (``sequence``): each device holds a slice of the sequence; attention ``all_gather``-s K/V
-  (and their positions) along ``sequence``.
+* **SP / CP** (``sequence``): each device holds a slice of the sequence; attention ``all_gather``-s K/V
+  (and their positions) along ``sequence``, or with ``model.attention='ring'`` passes K/V blocks around the
+  ``sequence`` ring over zig-zag chunks (framework/attention.py ``ring``, parallelism/manual.py ``sequence_layout``).
 * **PP** (``pipeline`` > 1): parallelism/pipeline.py (GPipe / 1F1B, interleaved or circular, over ``ppermute``). The jit form
   with ``pipeline > 1`` is built here too: a shard_map manual over 'pipeline' only.
 
@@ -52,14 +53,14 @@ from framework.config import Config, ConfigError
 from parallelism import compiled
 from parallelism import pipeline
 from parallelism import rules as rules_lib
-from parallelism.manual import (BATCH_AXES, PIPELINE_AXIS, SEQUENCE_AXIS, active, localize_params, manual_ctx,
-                                positions, reduce_grads, strip_trivial, token_loss_sum)
+from parallelism.manual import (BATCH_AXES, PIPELINE_AXIS, active, localize_params, manual_ctx, reduce_grads,
+                                sequence_layout, strip_trivial, token_loss_sum)
 
 
 def _loss_and_grads_body(params, inputs_BxT, targets_BxT, *, model, specs, n_tokens: int, batch_axes: tuple):
   """Per-device (loss, grads) for the non-pipelined layouts. Runs inside shard_map."""
   local = localize_params(params, specs, batch_axes)
-  pos_BxT = positions(inputs_BxT.shape, model.ctx.size((SEQUENCE_AXIS,)))
+  inputs_BxT, targets_BxT, pos_BxT = sequence_layout(model, inputs_BxT, targets_BxT)
 
   def local_loss(p):
     logits = model.apply({"params": p}, inputs_BxT, pos_BxT)
