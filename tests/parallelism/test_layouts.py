@@ -66,6 +66,8 @@ REMAT = [
     ({"pipeline": 2, "tensor": 2, "data": 2, "microbatches": 2}, "1f1b", {"remat": "full"}),
     pytest.param({"pipeline": 2, "fsdp": 4, "microbatches": 2, "virtual_stages": 2}, "gpipe",
                  {"remat": "minimal", "attention": "blockwise", "attention_block": 8}, marks=S),
+    # residuals offloaded to pinned host memory are stashed there
+    pytest.param({"pipeline": 2, "tensor": 2, "microbatches": 2}, "1f1b", {"remat": "qkv_proj_offloaded"}, marks=S),
 ]
 # The jit form runs the pipeline as a shard_map manual over 'pipeline' only, which XLA supports
 # with at most one other axis of size > 1 (see parallelism/shard_map_step.check).
