@@ -20,7 +20,7 @@ Megatron's interleaved 1F1B; parallelism/schedules.py). Every tick, each stage, 
 
 **Compute.** A unit's forward runs once and its backward once: ``F + B`` per micro-batch and stage. Recomputation
 happens only inside the layers, as ``model.remat`` says (``full``: the backward re-runs each layer's forward from
-its input, ``2F + B``; the published rows that used full recompute say so). The head's forward runs in the
+its input: ``2F + B``). The head's forward runs in the
 backward slot of the last virtual stage, once per micro-batch.
 
 **Memory.** Stash = ``n_slots x R`` per stage, ``R`` = the residuals of one micro-batch through one chunk (for
