@@ -12,6 +12,8 @@ sequence while its keys (all-gathered) are the whole of it.
   T x block scores. It executes every block, masked ones included: the FLOPs are those of dense.
 * :func:`dot_product`: ``jax.nn.dot_product_attention`` (``implementation`` None lets XLA choose,
   ``'cudnn'`` asks for the cuDNN fused kernel).
+* :func:`ring`: context parallelism without gathering K/V: key/value blocks travel around the ``sequence`` ring,
+  each folded into an online softmax, with the zig-zag layout that balances causal work (Llama 3, NeMo).
 * :func:`splash`: the Pallas TPU splash-attention kernel, per (batch, kv head) as multi-query attention
   over the G query heads of the group; under a mesh it runs in a ``shard_map`` over the batch and head
   axes, because GSPMD cannot partition a Mosaic custom call and would gather its operands.
@@ -97,9 +99,27 @@ def _scores(q_BxKxGxTxE, k_BxCxKxE, qpos_BxT, kpos_BxC):
   return s, mask_Bx1x1xTxC
 
 
-def _flash_forward(q, k, v, qpos, kpos, blk):
-  kb, vb, pb = _blocks(k, v, kpos, blk)
+def _init_stats(q):
+  """Online-softmax state before any key: running max (-inf), sum and accumulator (f32)."""
   stats = jnp.zeros_like(q[..., 0], dtype=jnp.float32)  # zeros_like keeps shard_map's varying-axes type
+  return stats - jnp.inf, stats, jnp.zeros_like(q, dtype=jnp.float32)
+
+
+def _finish(m, l, acc, dtype):
+  """(output, log-sum-exp) from the online-softmax state; rows without a visible key give 0."""
+  l = jnp.where(l > 0, l, 1.0)
+  o = (acc / l[..., None]).astype(dtype)
+  lse = jnp.where(jnp.isfinite(m), m, 0.0) + jnp.log(l)
+  return o, lse
+
+
+def _flash_forward(q, k, v, qpos, kpos, blk):
+  return _finish(*_flash_stats(q, k, v, qpos, kpos, blk, _init_stats(q)), q.dtype)
+
+
+def _flash_stats(q, k, v, qpos, kpos, blk, init):
+  """The online-softmax state ``init`` (m, l, acc) advanced over the keys ``k``/``v`` in blocks of ``blk``."""
+  kb, vb, pb = _blocks(k, v, kpos, blk)
 
   def step(carry, xs):
     m, l, acc = carry
@@ -115,12 +135,7 @@ def _flash_forward(q, k, v, qpos, kpos, blk):
     pv = jnp.einsum("bkgtc,bcke->bkgte", p.astype(vj.dtype), vj, preferred_element_type=jnp.float32)
     return (m_new, l, acc * corr[..., None] + pv), None
 
-  init = (stats - jnp.inf, stats, jnp.zeros_like(q, dtype=jnp.float32))
-  (m, l, acc), _ = jax.lax.scan(step, init, (kb, vb, pb))
-  l = jnp.where(l > 0, l, 1.0)
-  o = (acc / l[..., None]).astype(q.dtype)
-  lse = jnp.where(jnp.isfinite(m), m, 0.0) + jnp.log(l)
-  return o, lse
+  return jax.lax.scan(step, init, (kb, vb, pb))[0]
 
 
 @functools.partial(jax.custom_vjp, nondiff_argnums=(5,))
@@ -135,10 +150,17 @@ def _flash_fwd(q, k, v, qpos, kpos, blk):
 
 def _flash_bwd(blk, res, do_BxKxGxTxE):
   q, k, v, qpos, kpos, o, lse = res
-  kb, vb, pb = _blocks(k, v, kpos, blk)
   do = do_BxKxGxTxE.astype(q.dtype)
   # d softmax: dS = P * (dP - rowsum(dO * O)), the row sum taken once for all blocks.
   delta = jnp.sum(do.astype(jnp.float32) * o.astype(jnp.float32), axis=-1)
+  dq, dk, dv = _flash_grads(q, k, v, qpos, kpos, do, lse, delta, blk, k.dtype)
+  return dq.astype(q.dtype), dk, dv, None, None
+
+
+def _flash_grads(q, k, v, qpos, kpos, do, lse, delta, blk, kv_dtype):
+  """(dq in f32, dk and dv in ``kv_dtype``) of the keys ``k``/``v`` from the final log-sum-exp and
+  ``delta`` = rowsum(dO * O)."""
+  kb, vb, pb = _blocks(k, v, kpos, blk)
   scale = 1.0 / math.sqrt(q.shape[-1])
 
   def step(dq, xs):
@@ -150,14 +172,125 @@ def _flash_bwd(blk, res, do_BxKxGxTxE):
     ds = (p * (dp - delta[..., None]) * scale).astype(q.dtype)
     dq = dq + jnp.einsum("bkgtc,bcke->bkgte", ds, kj, preferred_element_type=jnp.float32)
     dk = jnp.einsum("bkgtc,bkgte->bcke", ds, q, preferred_element_type=jnp.float32)
-    return dq, (dk.astype(k.dtype), dv.astype(v.dtype))
+    return dq, (dk.astype(kv_dtype), dv.astype(kv_dtype))
 
   dq, (dkb, dvb) = jax.lax.scan(step, jnp.zeros_like(q, dtype=jnp.float32), (kb, vb, pb))
   unblock = lambda x: x.transpose(1, 0, 2, 3, 4).reshape(k.shape)  # noqa: E731
-  return dq.astype(q.dtype), unblock(dkb), unblock(dvb), None, None
+  return dq, unblock(dkb), unblock(dvb)
 
 
 _flash.defvjp(_flash_fwd, _flash_bwd)
+
+
+# ---------------------------------------------------------------------------------------------- ring
+
+def ring(q_BxTxHxE, k_BxSxKxE, v_BxSxKxE, qpos_BxT, kpos_BxS, *, axis: str, size: int, block: int):
+  """Ring attention over the manual mesh axis ``axis`` (context parallelism; inside ``shard_map`` only).
+
+  Each of the ``size`` devices holds its queries, keys and values in the zig-zag layout
+  (parallelism/manual.py ``zigzag``): sequence chunks ``i`` and ``2C-1-i`` of ``T/(2C)`` tokens, with their global
+  positions. Key/value blocks travel around the ring (``ppermute``, C-1 hops) and every device folds each visiting
+  block into its online-softmax state (the blockwise kernel's, blocks of ``gcd(block, T_local/2)`` keys). The
+  layout balances causal work: on the first step a device attends its own block (causal), on every later step
+  either all its queries see the visiting block's first chunk only (it comes from an earlier device) or its second
+  query chunk sees the whole block (a later device), so every device computes half a block per step, and no
+  scores are built for pairs the mask would remove (the first step's masked half excepted).
+
+  Backward (``custom_vjp``, flash-style): residuals are q, k, v, the output and the log-sum-exp; the blocks go
+  around the ring again, carrying the key/value gradients every device adds to, and one last hop brings those home.
+  """
+  B, T, H, E = q_BxTxHxE.shape
+  K = k_BxSxKxE.shape[2]
+  blk = math.gcd(block, T // 2)
+  q_BxKxGxTxE = q_BxTxHxE.reshape(B, T, K, H // K, E).transpose(0, 2, 3, 1, 4)
+  o_BxKxGxTxE = _ring(q_BxKxGxTxE, k_BxSxKxE, v_BxSxKxE, qpos_BxT, kpos_BxS, axis, size, blk)
+  return o_BxKxGxTxE.transpose(0, 3, 1, 2, 4).reshape(B, T, H, E)
+
+
+def _ring_perm(size: int) -> list:
+  return [(j, (j + 1) % size) for j in range(size)]
+
+
+def _varying(tree, axis: str):
+  """``tree`` typed as varying over ``axis`` (shard_map's vma): what ``ppermute`` returns, so the ring's scan
+  carries keep one type even where a value's type does not say so yet (flax traces its scan body abstractly)."""
+  def one(x):
+    aval = jax.typeof(x)
+    have = aval.vma if hasattr(aval, "vma") else aval.manual_axis_type.varying
+    return x if axis in have else jax.lax.pcast(x, (axis,), to="varying")
+  return jax.tree.map(one, tree)
+
+
+def _halves(x, axis: int):
+  n = x.shape[axis] // 2
+  return jax.lax.slice_in_dim(x, 0, n, axis=axis), jax.lax.slice_in_dim(x, n, 2 * n, axis=axis)
+
+
+def _ring_forward(q, k, v, qpos, kpos, axis, size, blk):
+  me = jax.lax.axis_index(axis)
+  stats = _flash_stats(q, k, v, qpos, kpos, blk, _init_stats(q))  # own block: causal by positions
+
+  def step(carry, r):
+    stats, k, v, kpos = carry
+    k, v, kpos = jax.lax.ppermute((k, v, kpos), axis, _ring_perm(size))
+    src = (me - r) % size
+
+    def earlier(stats):  # block of an earlier device: every query sees its first chunk, none its second
+      return _flash_stats(q, _halves(k, 1)[0], _halves(v, 1)[0], qpos, _halves(kpos, 1)[0], blk, stats)
+
+    def later(stats):  # block of a later device: only the second query chunk sees it, all of it
+      m, l, acc = stats
+      late = _flash_stats(_halves(q, 3)[1], k, v, _halves(qpos, 1)[1], kpos, blk,
+                          (_halves(m, 3)[1], _halves(l, 3)[1], _halves(acc, 3)[1]))
+      return tuple(jnp.concatenate([_halves(a, 3)[0], b], axis=3) for a, b in zip(stats, late))
+    return (jax.lax.cond(src < me, earlier, later, stats), k, v, kpos), None
+
+  (stats, _, _, _), _ = jax.lax.scan(step, _varying((stats, k, v, kpos), axis), jnp.arange(1, size))
+  return _finish(*stats, q.dtype)
+
+
+@functools.partial(jax.custom_vjp, nondiff_argnums=(5, 6, 7))
+def _ring(q_BxKxGxTxE, k_BxSxKxE, v_BxSxKxE, qpos_BxT, kpos_BxS, axis: str, size: int, blk: int):
+  return _ring_forward(q_BxKxGxTxE, k_BxSxKxE, v_BxSxKxE, qpos_BxT, kpos_BxS, axis, size, blk)[0]
+
+
+def _ring_fwd(q, k, v, qpos, kpos, axis, size, blk):
+  o, lse = _ring_forward(q, k, v, qpos, kpos, axis, size, blk)
+  return o, (q, k, v, qpos, kpos, o, lse)
+
+
+def _ring_bwd(axis, size, blk, res, do_BxKxGxTxE):
+  q, k, v, qpos, kpos, o, lse = res
+  me = jax.lax.axis_index(axis)
+  do = do_BxKxGxTxE.astype(q.dtype)
+  delta = jnp.sum(do.astype(jnp.float32) * o.astype(jnp.float32), axis=-1)
+  grads = functools.partial(_flash_grads, blk=blk, kv_dtype=jnp.float32)
+  dq, dk, dv = grads(q, k, v, qpos, kpos, do, lse, delta)  # own block
+
+  def step(carry, r):
+    dq, k, v, kpos, dk, dv = carry
+    k, v, kpos, dk, dv = jax.lax.ppermute((k, v, kpos, dk, dv), axis, _ring_perm(size))
+    src = (me - r) % size
+
+    def earlier(dq, dk, dv):
+      (k0, _), (v0, _), (p0, _) = _halves(k, 1), _halves(v, 1), _halves(kpos, 1)
+      gq, gk, gv = grads(q, k0, v0, qpos, p0, do, lse, delta)
+      pad = lambda g: jnp.concatenate([g, jnp.zeros_like(g)], axis=1)  # noqa: E731
+      return dq + gq, dk + pad(gk), dv + pad(gv)
+
+    def later(dq, dk, dv):
+      gq, gk, gv = grads(_halves(q, 3)[1], k, v, _halves(qpos, 1)[1], kpos, _halves(do, 3)[1],
+                         _halves(lse, 3)[1], _halves(delta, 3)[1])
+      return dq + jnp.concatenate([jnp.zeros_like(gq), gq], axis=3), dk + gk, dv + gv
+    dq, dk, dv = jax.lax.cond(src < me, earlier, later, dq, dk, dv)
+    return (dq, k, v, kpos, dk, dv), None
+
+  (dq, _, _, _, dk, dv), _ = jax.lax.scan(step, _varying((dq, k, v, kpos, dk, dv), axis), jnp.arange(1, size))
+  dk, dv = jax.lax.ppermute((dk, dv), axis, _ring_perm(size))  # the last hop: each block's gradient comes home
+  return dq.astype(q.dtype), dk.astype(k.dtype), dv.astype(v.dtype), None, None
+
+
+_ring.defvjp(_ring_fwd, _ring_bwd)
 
 
 # ---------------------------------------------------------------------------------------------- library kernels
@@ -239,7 +372,7 @@ def _auto_spec(logical, mesh):
 
 def attend(kind: str, q_BxTxHxE, k_BxSxKxE, v_BxSxKxE, qpos_BxT, kpos_BxS, *, block: int, aligned: bool):
   """Dispatches on ``model.attention`` (dense handled by the caller, which keeps its exact program)."""
-  if kind == "blockwise":
+  if kind in ("blockwise", "ring"):  # ring outside a manual sequence axis: the same online softmax on one device
     return blockwise(q_BxTxHxE, k_BxSxKxE, v_BxSxKxE, qpos_BxT, kpos_BxS, block)
   if kind in ("dot_product", "cudnn"):
     return dot_product(q_BxTxHxE, k_BxSxKxE, v_BxSxKxE, qpos_BxT, kpos_BxS, aligned=aligned,

@@ -14,7 +14,7 @@ MESH_AXES = ("pipeline", "data", "fsdp", "sequence", "tensor")
 # What each name does: framework/remat.py (policies), framework/attention.py (kernels), MLP below.
 REMAT_POLICIES = ("none", "full", "dots", "dots_no_batch", "minimal", "save_qkv_proj", "save_dot_except_mlp",
                   "save_out_proj", "qkv_proj_offloaded", "minimal_offloaded")
-ATTENTION_KINDS = ("dense", "blockwise", "dot_product", "cudnn", "splash")
+ATTENTION_KINDS = ("dense", "blockwise", "dot_product", "cudnn", "splash", "ring")
 MLP_KINDS = ("swiglu", "gelu", "relu")
 BLOCK_KINDS = ("sequential", "parallel")
 MATMUL_PRECISIONS = ("default", "fp8")  # what each does: framework/fp8.py
@@ -49,13 +49,19 @@ class ModelConfig:
   * ``dot_product``: ``jax.nn.dot_product_attention`` with the implementation left to XLA.
   * ``cudnn``: the same with ``implementation='cudnn'`` (fused flash attention); GPU only, needs
     ``dtype`` bfloat16 or float16.
+  * ``ring``: context parallelism as Llama 3 / NeMo run it: with ``mesh.sequence = C > 1`` in the shard_map forms,
+    K/V blocks go around the ``sequence`` ring (C-1 ``ppermute`` hops, no all-gather), each folded into the
+    blockwise online softmax, over the zig-zag layout (a device holds sequence chunks ``i`` and ``2C-1-i``) that
+    gives every device the same causal work; needs ``seq_len`` divisible by ``2C``, and no pipeline stages (their
+    idle slots would not join the ring's collectives). Elsewhere (``sequence = 1``, or ``mesh.form='jit'``,
+    where GSPMD all-gathers K/V) it computes as ``blockwise``.
   * ``splash``: Pallas splash attention (``jax.experimental.pallas.ops.tpu.splash_attention``); TPU only,
     decided by the platform of the mesh the program is built for (a compile-only TPU target lowers from any
     host). Block size ``min(attention_block, seq)``, multiples of 128; ``mesh.form='jit'`` without pipeline
     stages and without sequence parallelism.
   The KV-cached decode path always uses ``dense``: its queries are a few new tokens against the cache.
 
-  ``attention_block``: keys per block for ``blockwise`` and the splash block size; must divide
+  ``attention_block``: keys per block for ``blockwise`` / ``ring`` and the splash block size; must divide
   ``data.seq_len`` when smaller than it.
 
   ``remat``: what the backward pass may keep from the forward of each layer (framework/remat.py):
@@ -181,7 +187,11 @@ class MeshConfig:
   rules: str = "default"  # named logical-axis rule preset (parallelism/rules.py)
   form: str = "jit"  # "jit" (GSPMD auto-sharding) or "shard_map" (explicit collectives)
   microbatches: int = 1  # pipeline micro-batches; without a pipeline (jit form): gradient accumulation steps
-  schedule: str = "gpipe"  # "gpipe" or "1f1b"
+  schedule: str = "gpipe"  # "gpipe" or "1f1b" (parallelism/schedules.py)
+  # Layer chunks per pipeline stage, placed round-robin: with schedule=1f1b Megatron's interleaved 1F1B (vpp), with
+  # schedule=gpipe MaxText's circular pipeline (num_pipeline_repeats). The layer stack is stored as
+  # virtual_stages x n_layers/virtual_stages.
+  virtual_stages: int = 1
 
   def sizes(self) -> dict:
     return {a: getattr(self, a) for a in MESH_AXES}
@@ -340,6 +350,7 @@ def validate(cfg: Config, n_devices: int, n_processes: int = 1) -> Config:
   if m.n_layers % mesh.pipeline:
     raise ConfigError(f"model.n_layers={m.n_layers} is not divisible by mesh.pipeline={mesh.pipeline} stages: "
                       f"use a pipeline size that divides {m.n_layers}")
+  validate_virtual_stages(m, mesh)
   batch_shards = mesh.data * mesh.fsdp
   if cfg.data.global_batch % batch_shards:
     raise ConfigError(f"data.global_batch={cfg.data.global_batch} is not divisible by the batch axes "
@@ -364,6 +375,25 @@ def validate(cfg: Config, n_devices: int, n_processes: int = 1) -> Config:
   return dataclasses.replace(cfg, mesh=mesh)
 
 
+def validate_virtual_stages(m: ModelConfig, mesh: MeshConfig) -> None:
+  """Interleaved / circular pipelines: v chunks per stage, micro-batches in groups of the stages."""
+  v = mesh.virtual_stages
+  if v < 1:
+    raise ConfigError(f"mesh.virtual_stages={v} must be >= 1 (1 = one chunk of layers per pipeline stage)")
+  if v == 1:
+    return
+  if mesh.pipeline == 1:
+    raise ConfigError(f"mesh.virtual_stages={v} needs pipeline stages: set mesh.pipeline > 1 or virtual_stages=1")
+  if m.n_layers % (mesh.pipeline * v):
+    raise ConfigError(f"model.n_layers={m.n_layers} does not split into mesh.pipeline={mesh.pipeline} x "
+                      f"virtual_stages={v} equal chunks: use virtual_stages dividing {m.n_layers // mesh.pipeline}")
+  if mesh.microbatches % mesh.pipeline:
+    raise ConfigError(f"mesh.virtual_stages={v} runs micro-batches in groups of mesh.pipeline={mesh.pipeline}: set "
+                      f"mesh.microbatches to a multiple of {mesh.pipeline} (got {mesh.microbatches})")
+  if not m.scan_layers:
+    raise ConfigError("mesh.virtual_stages > 1 stores the scanned layer stack in chunks: set model.scan_layers=True")
+
+
 def validate_model(m: ModelConfig) -> None:
   """Checks of the model section alone (names, widths); :func:`validate` calls it."""
   for key, value, choices in (("remat", m.remat, REMAT_POLICIES), ("attention", m.attention, ATTENTION_KINDS),
@@ -383,7 +413,16 @@ def validate_model(m: ModelConfig) -> None:
 
 def validate_attention(m: ModelConfig, seq_len: int, mesh: MeshConfig) -> None:
   """Sequence-length and layout constraints of the attention kernel (seq_len: training length)."""
-  if m.attention in ("blockwise", "splash") and seq_len > m.attention_block and seq_len % m.attention_block:
+  if m.attention == "ring" and mesh.sequence > 1 and seq_len % (2 * mesh.sequence):
+    raise ConfigError(f"model.attention='ring' splits the sequence into 2 x mesh.sequence = {2 * mesh.sequence} "
+                      f"zig-zag chunks: data.seq_len={seq_len} must be a multiple of {2 * mesh.sequence}")
+  if m.attention == "ring" and mesh.sequence > 1 and mesh.pipeline > 1 and mesh.form == "shard_map":
+    # A ppermute over 'sequence' is one collective-permute over every device; inside a pipeline slot only the
+    # busy stage runs it, and XLA waits for all (observed: a hang or garbage on CPU).
+    raise ConfigError("model.attention='ring' cannot run inside pipeline stages (its K/V ppermute would wait for "
+                      "idle stages): use model.attention='blockwise' (all-gathered K/V) with mesh.pipeline > 1, "
+                      "or mesh.pipeline=1")
+  if m.attention in ("blockwise", "splash", "ring") and seq_len > m.attention_block and seq_len % m.attention_block:
     raise ConfigError(f"model.attention_block={m.attention_block} does not divide data.seq_len={seq_len}: "
                       f"use a divisor of {seq_len} (e.g. {_largest_divisor(seq_len, m.attention_block)})")
   if m.attention == "splash" and (seq_len % 128 or min(m.attention_block, seq_len) % 128):

@@ -161,7 +161,7 @@ RANGES = (
     ("optim", "lr", 0, False), ("optim", "warmup_steps", 0, False), ("optim", "decay_steps", 0, False),
     ("optim", "min_lr_ratio", 0, False), ("optim", "weight_decay", 0, False), ("optim", "grad_clip", 0, False),
     ("optim", "eps", 0, True),
-    ("mesh", "microbatches", 1, False),
+    ("mesh", "microbatches", 1, False), ("mesh", "virtual_stages", 1, False),
     ("checkpoint", "every", 0, False), ("checkpoint", "keep", 1, False),
     ("train", "steps", 0, False), ("train", "log_every", 1, False), ("train", "eval_every", 0, False),
     ("train", "eval_batches", 1, False), ("train", "sample_tokens", 0, False),

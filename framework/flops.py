@@ -36,7 +36,8 @@ CONVENTION = "v1: 6*N_matmul + 12*L*H*E*T (full attention, as executed)"
 RECOMPUTE_CONVENTIONS = {"full_forward": remat_lib.GROUPS, "selective": ("attn",)}
 # Fraction of the attention forward that a kernel's backward recomputes by design: flash-style kernels keep
 # only the log-sum-exp and recompute QK^T (one of the two attention products) block by block.
-KERNEL_RECOMPUTE = {"dense": 0.0, "dot_product": 0.0, "blockwise": 0.5, "splash": 0.5, "cudnn": 0.5}
+KERNEL_RECOMPUTE = {"dense": 0.0, "dot_product": 0.0, "blockwise": 0.5, "splash": 0.5, "cudnn": 0.5,
+                    "ring": 0.5}
 
 # Dense peak FLOP/s per device, from vendor datasheets (bf16 unless noted).
 PEAK_FLOPS = {

@@ -13,7 +13,7 @@ The same module runs in two modes, chosen by :class:`ParallelCtx`:
   *local* (per-device) shape; dimensions sharded over FSDP-style axes are all-gathered right
   before use (their transpose is the reduce-scatter of the gradients), tensor-parallel dimensions
   stay local and the row-parallel matmuls end in an explicit ``psum`` (Megatron). Sequence
-  (context) parallelism all-gathers K/V along the sequence.
+  (context) parallelism all-gathers K/V along the sequence, or passes them around it (``attention='ring'``).
 
 Shapes are in names: B batch, T query length, S key length, D d_model, H query heads,
 K kv heads, G = H // K, E head_dim, F d_ff, V vocab, L layers.
@@ -78,6 +78,10 @@ class ParallelCtx:
   axis_sizes: tuple = ()  # ((mesh_axis, size), ...)
   tensor_axis: Optional[str] = None  # axis of Megatron TP inside shard_map
   sequence_axis: Optional[str] = None  # axis of sequence/context parallelism inside shard_map
+  # The scanned layer stack is stored as layer_repeats x (n_layers / layer_repeats) (logical axes 'layer_repeats',
+  # 'layers'): sharding 'layers' over P pipeline stages then places chunks round-robin, layer order unchanged
+  # (virtual pipeline stages, parallelism/schedules.py).
+  layer_repeats: int = 1
 
   def mesh_axes(self, logical: str) -> tuple:
     for name, axes in self.rules:
@@ -197,7 +201,7 @@ class Attention(_Base):
       kpos_BxS = jnp.broadcast_to(jnp.arange(k_cache.shape[1]), k_cache.shape[:2])
       # Slots past the written prefix hold zeros; mask them by position.
       valid_BxS = kpos_BxS < cache_index + x_BxTxD.shape[1]
-    elif sequence_parallel:
+    elif sequence_parallel and c.attention != "ring":  # ring attention passes K/V around instead
       ax = self.ctx.sequence_axis
       k_BxTxKxE = jax.lax.all_gather(k_BxTxKxE, ax, axis=1, tiled=True)
       v_BxTxKxE = jax.lax.all_gather(v_BxTxKxE, ax, axis=1, tiled=True)
@@ -206,6 +210,9 @@ class Attention(_Base):
     # so init traces dense too (its dummy 1 x 8 batch need not fit a kernel's block constraints).
     if c.attention == "dense" or kv_cache is not None or self.is_initializing():
       o_BxTxHxE = attention.dense(q_BxTxHxE, k_BxTxKxE, v_BxTxKxE, pos_BxT, kpos_BxS, valid_BxS)
+    elif sequence_parallel and c.attention == "ring":
+      o_BxTxHxE = attention.ring(q_BxTxHxE, k_BxTxKxE, v_BxTxKxE, pos_BxT, kpos_BxS, axis=self.ctx.sequence_axis,
+                                 size=self.ctx.size((self.ctx.sequence_axis,)), block=c.attention_block)
     else:
       o_BxTxHxE = attention.attend(c.attention, q_BxTxHxE, k_BxTxKxE, v_BxTxKxE, pos_BxT, kpos_BxS,
                                    block=c.attention_block, aligned=not sequence_parallel)
@@ -260,10 +267,14 @@ class Transformer(_Base):
       remat_lib.check_host_offload(c.remat, attention.platform())
       block = nn.remat(Block, policy=remat_lib.policy(c.remat), prevent_cse=not c.scan_layers)
     if c.scan_layers:
-      self.layers = nn.scan(
-          block, variable_axes={"params": 0}, split_rngs={"params": True},
-          in_axes=(nn.broadcast, 0, nn.broadcast), length=self.n_local_layers,
-          metadata_params={nn.PARTITION_NAME: "layers"})(c, self.ctx, name="layers")
+      def scan(cls, length, axis):
+        return nn.scan(cls, variable_axes={"params": 0}, split_rngs={"params": True},
+                       in_axes=(nn.broadcast, 0, nn.broadcast), length=length,
+                       metadata_params={nn.PARTITION_NAME: axis})
+      stack = scan(block, self.n_local_layers, "layers")
+      if self.ctx.layer_repeats > 1:
+        stack = scan(stack, self.ctx.layer_repeats, "layer_repeats")
+      self.layers = stack(c, self.ctx, name="layers")
     else:
       self.layer_list = [block(c, self.ctx, name=f"layers_{i}") for i in range(self.n_local_layers)]
     self.final_norm = RMSNorm(c, self.ctx, name="final_norm")
@@ -279,8 +290,9 @@ class Transformer(_Base):
 
   @property
   def n_local_layers(self):
+    """Layers of one scanned chunk on this device: n_layers / (pipeline stages x layer repeats)."""
     pipe = dict(self.ctx.axis_sizes).get("pipeline", 1) if self.ctx.manual else 1
-    return self.cfg.n_layers // pipe
+    return self.cfg.n_layers // (pipe * self.ctx.layer_repeats)
 
   def embed(self, tokens_BxT):
     # Embedding is a gather, not a matmul: it is replicated over the tensor axis (its vocab dim
@@ -290,6 +302,11 @@ class Transformer(_Base):
 
   def blocks(self, x_BxTxD, pos_BxT, kv_cache=None, cache_index=None):
     if self.cfg.scan_layers:
+      r = self.ctx.layer_repeats
+      if r > 1 and kv_cache is not None:  # the cache keeps its L x ... layout; the stack is r x L/r
+        split = lambda a: a.reshape((r, a.shape[0] // r) + a.shape[1:])  # noqa: E731
+        x_BxTxD, new = self.layers(x_BxTxD, pos_BxT, jax.tree.map(split, kv_cache), cache_index)
+        return x_BxTxD, jax.tree.map(lambda a: a.reshape((-1,) + a.shape[2:]), new)
       return self.layers(x_BxTxD, pos_BxT, kv_cache, cache_index)
     new = []
     for i, layer in enumerate(self.layer_list):

@@ -29,10 +29,11 @@ SEQUENCE_AXIS = "sequence"
 PIPELINE_AXIS = "pipeline"
 
 
-def manual_ctx(mesh: Mesh, rules: tuple) -> model_lib.ParallelCtx:
-  """The model's view of a mesh all of whose axes are manual (it writes its own TP/SP collectives)."""
+def manual_ctx(mesh: Mesh, rules: tuple, layer_repeats: int = 1) -> model_lib.ParallelCtx:
+  """The model's view of a mesh all of whose axes are manual (it writes its own TP/SP collectives);
+  ``layer_repeats``: the layer stack's virtual-stage chunks (parallelism.pipeline.layer_repeats)."""
   return model_lib.ParallelCtx(manual=True, rules=rules, axis_sizes=tuple(mesh.shape.items()),
-                               tensor_axis=TENSOR_AXIS, sequence_axis=SEQUENCE_AXIS)
+                               tensor_axis=TENSOR_AXIS, sequence_axis=SEQUENCE_AXIS, layer_repeats=layer_repeats)
 
 
 def spec_axes(spec: P) -> tuple:
@@ -124,13 +125,39 @@ def reduce_grads(grads, specs, candidate_axes: Sequence[str], grad_specs=None, d
   return jax.tree.map(red, grads, specs, specs if grad_specs is None else grad_specs)
 
 
-def positions(shape_BxT, sequence_size: int, sequence_axis: str = SEQUENCE_AXIS):
-  """Global token positions of this device's sequence slice (sequence parallelism offsets them)."""
+def positions(shape_BxT, sequence_size: int, sequence_axis: str = SEQUENCE_AXIS, zigzag: bool = False):
+  """Global token positions of this device's sequence slice (sequence parallelism offsets them); ``zigzag``: of
+  its chunks ``i`` and ``2C-1-i`` (:func:`zigzag`)."""
   b, t = shape_BxT
   pos_T = jnp.arange(t, dtype=jnp.int32)
-  if sequence_size > 1:
+  if sequence_size > 1 and zigzag:
+    i, n = jax.lax.axis_index(sequence_axis), t // 2
+    pos_T = jnp.where(pos_T < n, i * n + pos_T, (2 * sequence_size - 1 - i) * n + pos_T - n)
+  elif sequence_size > 1:
     pos_T = pos_T + jax.lax.axis_index(sequence_axis) * t
   return jnp.broadcast_to(pos_T, (b, t))
+
+
+def zigzag(x_BxT, sequence_size: int, sequence_axis: str = SEQUENCE_AXIS):
+  """This device's contiguous slice of the sequence -> chunks ``i`` and ``2C-1-i`` of the ``2C`` equal chunks
+  (C = ``sequence_size``, i = this device): the layout in which ring attention's causal work is the same on every
+  device (Llama 3 / NeMo context parallelism). Moves token ids only (an all-gather of B x T int32)."""
+  full_BxT = jax.lax.all_gather(x_BxT, sequence_axis, axis=1, tiled=True)
+  i, n = jax.lax.axis_index(sequence_axis), x_BxT.shape[1] // 2
+  first = jax.lax.dynamic_slice_in_dim(full_BxT, i * n, n, axis=1)
+  second = jax.lax.dynamic_slice_in_dim(full_BxT, (2 * sequence_size - 1 - i) * n, n, axis=1)
+  return jnp.concatenate([first, second], axis=1)
+
+
+def sequence_layout(model: model_lib.Transformer, inputs_BxT, targets_BxT):
+  """(inputs, targets, positions) of this device's tokens: its contiguous slice of the sequence, or with ring
+  attention over a sequence axis of size > 1 its zig-zag chunks. The loss is a sum over tokens, so the order in
+  which a device holds them changes nothing else."""
+  c = model.ctx.size((SEQUENCE_AXIS,))
+  ring = model.cfg.attention == "ring" and c > 1
+  if ring:
+    inputs_BxT, targets_BxT = zigzag(inputs_BxT, c), zigzag(targets_BxT, c)
+  return inputs_BxT, targets_BxT, positions(inputs_BxT.shape, c, zigzag=ring)
 
 
 def vocab_parallel_cross_entropy(logits_BxTxVl, targets_BxT, axis: str = TENSOR_AXIS):

@@ -15,9 +15,10 @@ communication: here every collective is in our code, visible in the jaxpr:
 * **Megatron TP** (``tensor``): column/row-parallel matmuls, ``psum`` after the row-parallel ones
   (framework/model.py), and a vocab-parallel cross-entropy (``pmax``/``psum`` over ``tensor``) when
   the LM head is vocab-sharded, so full-vocab logits never exist on one device.
-* **SP** (``sequence``): each device holds a slice of the sequence; attention ``all_gather``-s K/V
-  (and their positions) along ``sequence``.
-* **PP** (``pipeline`` > 1): parallelism/pipeline.py (GPipe / 1F1B over ``ppermute``). The jit form
+* **SP / CP** (``sequence``): each device holds a slice of the sequence; attention ``all_gather``-s K/V
+  (and their positions) along ``sequence``, or with ``model.attention='ring'`` passes K/V blocks around the
+  ``sequence`` ring over zig-zag chunks (framework/attention.py ``ring``, parallelism/manual.py ``sequence_layout``).
+* **PP** (``pipeline`` > 1): parallelism/pipeline.py (GPipe / 1F1B, interleaved or circular, over ``ppermute``). The jit form
   with ``pipeline > 1`` is built here too: a shard_map manual over 'pipeline' only.
 
 ``mesh.microbatches`` are the pipeline's micro-batches with ``pipeline > 1``; without a pipeline they are
@@ -56,15 +57,15 @@ from parallelism import compiled
 from parallelism import pipeline
 from parallelism import rules as rules_lib
 from parallelism import zero
-from parallelism.manual import (BATCH_AXES, PIPELINE_AXIS, SEQUENCE_AXIS, active, localize_params, manual_ctx,
-                                positions, reduce_grads, strip_trivial, token_loss_sum)
+from parallelism.manual import (BATCH_AXES, PIPELINE_AXIS, active, localize_params, manual_ctx, reduce_grads,
+                                sequence_layout, strip_trivial, token_loss_sum)
 
 
 def _loss_and_grads_body(params, inputs_BxT, targets_BxT, *, model, specs, n_tokens: int, batch_axes: tuple,
                          reduce=reduce_grads):
   """Per-device (loss, grads) for the non-pipelined layouts. Runs inside shard_map."""
   local = localize_params(params, specs, batch_axes)
-  pos_BxT = positions(inputs_BxT.shape, model.ctx.size((SEQUENCE_AXIS,)))
+  inputs_BxT, targets_BxT, pos_BxT = sequence_layout(model, inputs_BxT, targets_BxT)
 
   def local_loss(p):
     logits = model.apply({"params": p}, inputs_BxT, pos_BxT)
@@ -108,7 +109,8 @@ def build(cfg: Config, mesh: Mesh, donate: bool = True) -> compiled.CompiledStep
   if not pipelined:
     # 'layers' -> 'pipeline' is a no-op at size 1; dropping it keeps shardings identical to the jit form.
     rules = rules_lib.without(rules, PIPELINE_AXIS)
-  model = model_lib.build(cfg.model)  # auto mode, full shapes: init / eval / sampling
+  # auto mode, full shapes: init / eval / sampling; the stack in virtual-stage chunks when pipelined
+  model = model_lib.build(cfg.model, model_lib.ParallelCtx(layer_repeats=pipeline.layer_repeats(cfg)))
   tx = optim.make(cfg.optim, cfg.train.steps)
   zero1 = cfg.optim.shard_optimizer_state
   state_sh = compiled.state_shardings(model, tx, mesh, rules, zero1)
@@ -117,12 +119,13 @@ def build(cfg: Config, mesh: Mesh, donate: bool = True) -> compiled.CompiledStep
   accum = 1 if pipelined else cfg.mesh.microbatches
   if all_manual:
     manual_axes = frozenset(mesh.axis_names)
-    inner = model_lib.build(cfg.model, manual_ctx(mesh, rules))
+    inner = model_lib.build(cfg.model, manual_ctx(mesh, rules, pipeline.layer_repeats(cfg)))
     batch_axes = active(BATCH_AXES, mesh)
   else:
     # Manual over 'pipeline' only; the stage model is an ordinary auto-mode model of L/P layers.
     manual_axes = frozenset({PIPELINE_AXIS})
-    inner = model_lib.build(dataclasses.replace(cfg.model, n_layers=cfg.model.n_layers // cfg.mesh.pipeline))
+    inner = model_lib.build(dataclasses.replace(cfg.model, n_layers=cfg.model.n_layers // cfg.mesh.pipeline),
+                            model_lib.ParallelCtx(layer_repeats=pipeline.layer_repeats(cfg)))
     batch_axes = ()
   # shard_map specs: the same logical rules restricted to the manual axes, minus size-1 axes.
   strip = lambda tree: jax.tree.map(lambda s: strip_trivial(s.spec, mesh, manual_axes), tree)  # noqa: E731

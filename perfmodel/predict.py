@@ -313,7 +313,7 @@ def _train_analytic(cfg: Config, hw: HardwareProfile, backend: str = "auto") -> 
     bwd = tl.makespan - fwd
     act_bytes = (cfg.data.global_batch // (mesh.data * mesh.fsdp) // mb) * cfg.data.seq_len * cfg.model.d_model * 4
     p2p = collectives.permute(act_bytes, hw.links[0].bandwidth, hw.links[0].latency) if hw.links else 0.0
-    pc = pipeline.cost(mesh.schedule, mesh.pipeline, mb, fwd, bwd, c=p2p)
+    pc = pipeline.cost(mesh.schedule, mesh.pipeline, mb, fwd, bwd, c=p2p, v=mesh.virtual_stages)
     step, bubble = pc.step_time, pc.bubble_fraction
   else:
     step, bubble = tl.makespan, 0.0

@@ -94,3 +94,53 @@ def test_splash_in_the_jit_form(monkeypatch):
 def test_splash_outside_its_layouts_is_a_config_error(mesh, form):
   with pytest.raises(ConfigError, match=r"model.attention='splash' .*(blockwise|mesh.sequence=1)"):
     harness.make_cfg(mesh, form, SPLASH, {"seq_len": 256})
+
+
+# Ring attention (context parallelism): K/V blocks go around the 'sequence' ring over zig-zag chunks. seq 16 over
+# sequence=C gives chunks of 16/(2C) tokens; attention_block 2 makes the blockwise inner loop run several blocks.
+RING_LAYOUTS = [
+    ({"data": 2, "sequence": 4}, "shard_map"),
+    ({"fsdp": 2, "sequence": 2, "tensor": 2}, "shard_map"),
+    pytest.param({"sequence": 8}, "shard_map", marks=pytest.mark.slow),
+    pytest.param({"data": 4, "sequence": 2}, "jit", marks=pytest.mark.slow),  # GSPMD: the blockwise kernel
+]
+
+
+@pytest.mark.parametrize("mesh, form", RING_LAYOUTS, ids=lambda v: v if isinstance(v, str) else "x".join(
+    f"{k}{x}" for k, x in v.items()))
+def test_ring_matches_single_device_dense(mesh, form):
+  _check(mesh, form, {"attention": "ring", "attention_block": 2})
+
+
+def test_ring_passes_kv_around_instead_of_gathering_it():
+  # data x sequence, no FSDP: the only all-gathers left are the token ids' (zig-zag layout, int32); K/V travel by
+  # collective permutes (forward ring, backward ring and the gradients' last hop).
+  st = harness.build({"data": 2, "sequence": 4}, "shard_map", {"attention": "ring", "attention_block": 2})
+  state, batch = st.abstract_state(), st.abstract_batch()
+  with st.context():
+    jaxpr = jax.make_jaxpr(st.loss_and_grads)(state.params, batch["inputs"], batch["targets"])
+  seen = {"all_gather": [], "ppermute": 0}
+
+  def walk(jx):
+    for e in jx.eqns:
+      if e.primitive.name == "all_gather":
+        seen["all_gather"].append(str(e.invars[0].aval.dtype))
+      seen["ppermute"] += e.primitive.name == "ppermute"
+      for p in e.params.values():
+        for j in (p if isinstance(p, (tuple, list)) else (p,)):
+          if hasattr(j, "eqns"):
+            walk(j)
+          elif hasattr(getattr(j, "jaxpr", None), "eqns"):
+            walk(j.jaxpr)
+  walk(jaxpr.jaxpr)
+  assert seen["all_gather"] == ["int32", "int32"], seen
+  assert seen["ppermute"] >= 3
+
+
+@pytest.mark.parametrize("mesh, data, match", [
+    ({"sequence": 4}, {"seq_len": 12}, "multiple of 8"),
+    ({"pipeline": 2, "sequence": 2, "microbatches": 2}, None, "pipeline"),
+])
+def test_ring_outside_its_layouts_is_a_config_error(mesh, data, match):
+  with pytest.raises(ConfigError, match=match):
+    harness.make_cfg(mesh, "shard_map", {"attention": "ring", "attention_block": 4, "max_seq_len": 16}, data)

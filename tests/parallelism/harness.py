@@ -18,7 +18,7 @@ BASE = {
     "optim": {"warmup_steps": 1},  # step 0 of the warm-up has lr 0; step 1 is a real update
     "train": {"steps": 10},
 }
-SCHEDULE_KEYS = ("microbatches", "schedule", "rules")
+SCHEDULE_KEYS = ("microbatches", "schedule", "rules", "virtual_stages")
 
 
 def make_cfg(mesh: dict, form: str, model: dict | None = None, data: dict | None = None,
@@ -61,3 +61,24 @@ def assert_trees_close(got, want, rtol, atol):
   assert len(flat_g) == len(flat_w)
   for (path, g), w in zip(flat_g, flat_w):
     np.testing.assert_allclose(g, w, rtol=rtol, atol=atol, err_msg=jax.tree_util.keystr(path))
+
+
+def _in_layer_stack(path) -> bool:
+  return any(getattr(k, "key", None) == "layers" for k in path)
+
+
+def chunk_layers(tree, v: int):
+  """A single-device tree (params, grads or a whole TrainState) in the layout of ``mesh.virtual_stages=v``: every
+  leaf of the layer stack ``L x ...`` reshaped to ``v x L/v x ...`` (same layer order)."""
+  if v == 1:
+    return tree
+  return jax.tree_util.tree_map_with_path(
+      lambda p, a: a.reshape((v, a.shape[0] // v) + a.shape[1:]) if _in_layer_stack(p) else a, tree)
+
+
+def unchunk_layers(tree, v: int):
+  """Inverse of :func:`chunk_layers`."""
+  if v == 1:
+    return tree
+  return jax.tree_util.tree_map_with_path(
+      lambda p, a: a.reshape((-1,) + a.shape[2:]) if _in_layer_stack(p) else a, tree)

@@ -46,6 +46,29 @@ PIPELINE = [  # (mesh, schedule)
     pytest.param({"pipeline": 2, "fsdp": 2, "sequence": 2, "microbatches": 2}, "gpipe", marks=S),
     pytest.param({"pipeline": 2, "fsdp": 2, "sequence": 2, "microbatches": 2}, "1f1b", marks=S),
 ]
+# Virtual stages (mesh.virtual_stages = v, layer stack stored as v x L/v): 1f1b = Megatron's interleaved 1F1B,
+# gpipe = MaxText's circular pipeline. (mesh, schedule, model overrides); 8 layers where P x v = 8.
+VIRTUAL = [
+    ({"pipeline": 2, "data": 2, "tensor": 2, "microbatches": 2, "virtual_stages": 2}, "1f1b", None),
+    ({"pipeline": 2, "fsdp": 2, "sequence": 2, "microbatches": 4, "virtual_stages": 2}, "gpipe", None),
+    pytest.param({"pipeline": 4, "tensor": 2, "microbatches": 4, "virtual_stages": 2}, "1f1b", {"n_layers": 8},
+                 marks=S),
+    pytest.param({"pipeline": 4, "data": 2, "microbatches": 4, "virtual_stages": 2}, "gpipe", {"n_layers": 8},
+                 marks=S),
+    pytest.param({"pipeline": 2, "microbatches": 2, "virtual_stages": 4}, "1f1b", {"n_layers": 8}, marks=S),
+]
+JIT_VIRTUAL = [
+    ({"pipeline": 2, "data": 4, "microbatches": 2, "virtual_stages": 2}, "1f1b", None),
+    pytest.param({"pipeline": 2, "tensor": 4, "microbatches": 4, "virtual_stages": 2}, "gpipe", None, marks=S),
+]
+# Recompute is model.remat's business: the stashing engine keeps what the policy saves.
+REMAT = [
+    ({"pipeline": 2, "tensor": 2, "data": 2, "microbatches": 2}, "1f1b", {"remat": "full"}),
+    pytest.param({"pipeline": 2, "fsdp": 4, "microbatches": 2, "virtual_stages": 2}, "gpipe",
+                 {"remat": "minimal", "attention": "blockwise", "attention_block": 8}, marks=S),
+    # residuals offloaded to pinned host memory are stashed there
+    pytest.param({"pipeline": 2, "tensor": 2, "microbatches": 2}, "1f1b", {"remat": "qkv_proj_offloaded"}, marks=S),
+]
 # The jit form runs the pipeline as a shard_map manual over 'pipeline' only, which XLA supports
 # with at most one other axis of size > 1 (see parallelism/shard_map_step.check).
 JIT_PIPELINE = [
@@ -64,9 +87,19 @@ def _id(mesh):
 
 def _check(reference, mesh, form, model=None):
   st = harness.build(mesh, form, model)
-  loss, grads = harness.loss_and_grads(st, reference["state"], reference["batch"])
+  v = mesh.get("virtual_stages", 1)
+  loss, grads = harness.loss_and_grads(st, harness.chunk_layers(reference["state"], v), reference["batch"])
   assert abs(loss - reference["loss"]) <= LOSS_TOL["atol"] + LOSS_TOL["rtol"] * abs(reference["loss"])
-  harness.assert_trees_close(grads, reference["grads"], **GRAD_TOL)
+  harness.assert_trees_close(harness.unchunk_layers(grads, v), reference["grads"], **GRAD_TOL)
+
+
+def _own_reference(model):
+  """The single-device reference of another model (its own init and batch)."""
+  st = harness.build({}, "jit", model)
+  state = jax.tree.map(np.asarray, st.init_state(jax.random.key(0)))
+  batch = harness.make_batch(st.cfg)
+  loss, grads = harness.loss_and_grads(st, state, batch)
+  return {"state": state, "batch": batch, "loss": loss, "grads": grads}
 
 
 @pytest.mark.parametrize("mesh", NON_PIPELINE, ids=_id)
@@ -88,6 +121,28 @@ def test_pipeline_shard_map_matches_single_device(reference, mesh, schedule):
 @pytest.mark.parametrize("mesh,schedule", JIT_PIPELINE, ids=lambda v: _id(v) if isinstance(v, dict) else v)
 def test_pipeline_jit_matches_single_device(reference, mesh, schedule):
   _check(reference, dict(mesh, schedule=schedule), "jit")
+
+
+def _pipe_id(v):
+  if isinstance(v, dict):
+    return _id(v)
+  return v if isinstance(v, str) else "model-default"
+
+
+@pytest.mark.parametrize("mesh,schedule,model", VIRTUAL, ids=_pipe_id)
+def test_virtual_stages_shard_map_match_single_device(reference, mesh, schedule, model):
+  _check(_own_reference(model) if model else reference, dict(mesh, schedule=schedule), "shard_map", model)
+
+
+@pytest.mark.parametrize("mesh,schedule,model", JIT_VIRTUAL, ids=_pipe_id)
+def test_virtual_stages_jit_match_single_device(reference, mesh, schedule, model):
+  _check(reference, dict(mesh, schedule=schedule), "jit", model)
+
+
+@pytest.mark.parametrize("mesh,schedule,model", REMAT, ids=_pipe_id)
+def test_pipeline_with_remat_matches_single_device(reference, mesh, schedule, model):
+  # remat changes what is stashed, not the function: the reference is the model without remat
+  _check(reference, dict(mesh, schedule=schedule), "shard_map", model)
 
 
 @pytest.mark.slow

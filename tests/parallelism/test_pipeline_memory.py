@@ -22,9 +22,9 @@ def _temp_bytes(schedule, m):
 
 @pytest.mark.slow
 def test_1f1b_stash_is_bounded_gpipe_grows():
-  stash_per_micro = ROWS * 64 * 128 * 4  # one micro-batch's stage input, float32
+  stash_per_micro = ROWS * 64 * 128 * 4  # at least one micro-batch's stage input (float32) per stashed unit
   g16, g32 = _temp_bytes("gpipe", 16), _temp_bytes("gpipe", 32)
   f16, f32 = _temp_bytes("1f1b", 16), _temp_bytes("1f1b", 32)
   assert f32 == f16  # 7 slots either way
-  assert g32 - g16 >= 16 * stash_per_micro  # 16 more stashed inputs
+  assert g32 - g16 >= 16 * stash_per_micro  # 16 more stashed units
   assert f32 < g32
