@@ -157,7 +157,9 @@ def schedule(graph: ExecGraph, chain: Chain, region: str = None, _cache=None) ->
       sched.block(dur, ready, key=n.id)
       continue
     if n.kind == "wait":
-      sched.wait(n.start, ready, key=n.id)
+      # the wait is ready when its other inputs exist: the transfer's own end is what it waits for, and a stall
+      # until then is exposed communication
+      sched.wait(n.start, sched.ready(d for d in n.deps if d != n.start), key=n.id)
       continue
     p = chain.price(n)
     dur = p.seconds
