@@ -11,6 +11,7 @@ memory, and Perfetto traces.
 """
 from __future__ import annotations
 
+import dataclasses
 import json
 import os
 import time
@@ -33,7 +34,11 @@ def emulate_target(cfg: Config, hardware: str, ranks: Optional[Sequence[int]] = 
   """One training step of ``cfg`` (validated at its target mesh) on ``hardware``, nothing executed."""
   t0 = time.perf_counter()
   hw = hw_lib.load(hardware)
-  prog = rank_program.build(cfg)  # the per-rank body: what tells the classes of ranks apart
+  # the per-rank body tells the classes of ranks apart (its control flow, not its kernels: a platform kernel is
+  # traced as XLA's attention here, on the host)
+  kernel = cfg.model.attention in ("cudnn", "splash")
+  prog = rank_program.build(dataclasses.replace(cfg, model=dataclasses.replace(cfg.model, attention="dot_product"))
+                            if kernel else cfg)
   space = prog.space
   sl = slicing.slice_ranks(prog.body, space, ranks)
   t_trace = time.perf_counter() - t0

@@ -178,3 +178,13 @@ def test_a_compile_that_outgrows_the_host_is_stopped_with_one_line(monkeypatch):
   cfg = config_lib.validate(tiny_config(mesh=dict(data=8)), 8)
   with pytest.raises(target_lib.HostMemoryError, match="needs more than .* of this host's memory"):
     target_lib.train_step(cfg, "h100", cache=False)
+
+
+def test_a_frameworks_xla_flags_are_part_of_the_program_cache_key():
+  """The flags change the compiled program, so they key the cache; the compiler's defaults keep the plain key."""
+  cfg = _cfg("h100")
+  plain = target_lib.key(cfg, "h100")
+  assert target_lib.key(cfg, "h100", framework=None) == plain
+  assert target_lib.key(cfg, "h100", framework="maxtext") != plain
+  assert target_lib.key(cfg, "h100", framework="maxtext") != target_lib.key(cfg, "h100", framework="paxml")
+  assert target_lib.key(cfg, "tpu_v6e", framework="maxtext") == target_lib.key(cfg, "tpu_v6e")  # none published
