@@ -233,6 +233,8 @@ def schedule(graph: ExecGraph, chain: Chain, region: str = None, _cache=None,
         per_node += [(s * times, nm, kd, b, op) for s, nm, kd, b, op in sub.top_nodes]
       sched.block(dur, ready, key=n.id, name=n.name if record else "", cat="compute")
       continue
+    if n.kind == "wait" and moved.get(n.start) == "param":
+      continue  # read by the next step (below)
     if n.kind == "wait":
       # the wait is ready when its other inputs exist: the transfer's own end is what it waits for, and a stall
       # until then is exposed communication

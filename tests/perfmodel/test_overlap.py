@@ -171,13 +171,19 @@ def test_tp_comm_overlap_hides_a_tensor_collective_behind_the_matmul_that_produc
   assert off.makespan == pytest.approx(3 * (3.0 + comm_mb) * MS)
 
 
-def _step(grad_mb=3.0, param_mb=0.0):
+def _step(grad_mb=3.0, param_mb=0.0, param_async=False):
   """The backward loop (4 ms), the data-parallel gradient all-reduce, the optimizer (1 ms) reading it, then the
-  data-parallel all-gather of the updated parameters (distributed optimizer)."""
+  data-parallel all-gather of the updated parameters (distributed optimizer; async: a start and its wait)."""
+  import dataclasses
   nodes = [Node(id=0, name="bwd", kind="loop", opcode="while", body="b", trip_count=1),
            _coll(1, "all-reduce", DP, grad_mb, (0,), "bwd"), _comp(2, 1.0, (1,))]
   if param_mb:
-    nodes.append(_coll(3, "all-gather", DP, param_mb, (2,), "opt"))
+    ag = _coll(3, "all-gather", DP, param_mb, (2,), "opt")
+    if param_async:
+      ag = dataclasses.replace(ag, collective=dataclasses.replace(ag.collective, is_async=True))
+      nodes += [ag, Node(id=4, name="agd", kind="wait", opcode="all-gather-done", deps=(3,), start=3)]
+    else:
+      nodes.append(ag)
   return ExecGraph({"e": Region("e", nodes), "b": Region("b", [_comp(5, 4.0, ())])}, "e", 4)
 
 
@@ -195,13 +201,14 @@ def test_grad_reduce_overlaps_the_last_micro_batch_backward_but_not_the_last_buc
   assert off.exposed_comm == pytest.approx(3 * MS) and off.makespan == pytest.approx(8 * MS)
 
 
+@pytest.mark.parametrize("param_async", [False, True])
 @pytest.mark.parametrize("fwd_ms,bucket,tail_ms", [(1.5, 0.1, 0.5), (3.0, 0.1, 0.2), (3.0, 0.0, 0.0)])
-def test_param_gather_overlaps_the_next_steps_first_forward(fwd_ms, bucket, tail_ms):
+def test_param_gather_overlaps_the_next_steps_first_forward(fwd_ms, bucket, tail_ms, param_async):
   """A 2 ms parameter all-gather (4 MB) after the optimizer, read by the next step's forward: the step is longer by
   what the transfer outlasts the first micro-batch's forward, and at least by the first bucket's transfer."""
   from perfmodel.timeline import Overlap
   ov = Overlap(param_gather=True, sizes=SIZES, fwd_window_s=fwd_ms * MS, bucket_fraction=bucket)
-  tl = schedule(_step(grad_mb=0.001, param_mb=4.0), _chain(), overlap=ov)
+  tl = schedule(_step(grad_mb=0.001, param_mb=4.0, param_async=param_async), _chain(), overlap=ov)
   base = 4.0 + 0.001 + 1.0
   assert tl.exposed_comm == pytest.approx((0.001 + tail_ms) * MS)
   assert tl.makespan == pytest.approx((base + tail_ms) * MS)
