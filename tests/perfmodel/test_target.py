@@ -188,3 +188,15 @@ def test_a_frameworks_xla_flags_are_part_of_the_program_cache_key():
   assert target_lib.key(cfg, "h100", framework="maxtext") != plain
   assert target_lib.key(cfg, "h100", framework="maxtext") != target_lib.key(cfg, "h100", framework="paxml")
   assert target_lib.key(cfg, "tpu_v6e", framework="maxtext") == target_lib.key(cfg, "tpu_v6e")  # none published
+
+
+def test_predict_applies_a_frameworks_overlap_options_to_the_target_program(target):
+  """The Megatron row's options reach the timeline with their windows and bucket; PrismLLM's own step has none."""
+  hw, cfg, cap = target
+  base = predict.predict(cfg, hw, captured=cap)
+  meg = predict.predict(cfg, hw, captured=cap, framework="Megatron-Core r0.8.0")
+  assert base.overlap is None
+  assert meg.overlap["options"] == ["tp_comm", "grad_reduce", "param_gather"]
+  assert meg.overlap["bwd_window_s"] > 0 and meg.overlap["fwd_window_s"] > 0
+  local = cfg.model.n_params(embeddings=True) / (cfg.mesh.tensor * cfg.mesh.pipeline)
+  assert meg.overlap["bucket_fraction"] == pytest.approx(min(1.0, max(40e6, 1e6 * 8) / local))
