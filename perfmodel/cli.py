@@ -75,7 +75,8 @@ def cmd_predict(a, overrides):
     profile_s = time.perf_counter() - t_prof
   p = predict.predict(cfg, hw, mode=a.mode, method=a.method, backend=a.backend, batch=a.batch,
                       prompt_len=a.prompt_len, gen_len=a.gen_len, captured=cap, topology=a.topology,
-                      compile_budget_s=None if a.compile_budget == "full" else float(a.compile_budget))
+                      compile_budget_s=None if a.compile_budget == "full" else float(a.compile_budget),
+                      framework=a.framework)
   out = p.to_dict()
   # what the prediction cost: compile (compile_s), timing this program's instructions on this host (profile_s,
   # 0 unless the backend profiles), pricing (predict_s)
@@ -215,6 +216,10 @@ def _parser():
                        "always the finished executable and its memory_analysis)")
   pr.add_argument("--backend", choices=("auto", "roofline", "calibrated", "efficiency", "profiled", "learned",
                                         "hybrid"), default="auto")
+  pr.add_argument("--framework", default=None,
+                  help="price the step as this framework runs it (parallelism/target_flags.py: maxtext, paxml, megatron, "
+                       "nemo, torchtitan, llm-foundry): its XLA flags for the target go into the compile, its "
+                       "overlap options into the timeline (default: PrismLLM's step, the compiler's defaults)")
   pr.add_argument("--profile-nodes", action="store_true",
                   help="time every compute instruction of this program alone on this host first (into the user's "
                        "cache; automatic when the backend resolves to profiled or hybrid)")

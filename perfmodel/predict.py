@@ -31,6 +31,7 @@ import numpy as np
 from framework import flops as flops_lib
 from framework.config import Config
 from parallelism import targets
+from parallelism import target_flags
 from perfmodel import compose, memory, pipeline, program, target, timeline
 from perfmodel.cost import chain as chain_lib
 from perfmodel.cost import collectives
@@ -39,6 +40,16 @@ from perfmodel.graph.nodes import Attribution, ExecGraph, mark_decode
 from perfmodel.hardware import HardwareProfile, load as load_profile
 
 COMPILE_MAX_DEVICES = 512  # above this, `method="auto"` traces the rank's program instead of compiling N devices
+# Megatron-Core's overlap options (--overlap-grad-reduce, --overlap-param-gather, --tp-comm-overlap), set by its
+# published runs, modelled in the timeline (timeline.Overlap): the data-parallel gradient bucket in parameters, and
+# where the options and bucket were read
+OVERLAP = {
+    "megatron": (40_000_000, "github NVIDIA/Megatron-LM README.md @937571cfd4 (its H100 table's runs set the three "
+                             "options); bucket: megatron/core/distributed/distributed_data_parallel_config.py "
+                             "bucket_size default max(40000000, 1000000 * dp_size) parameters"),
+    "nemo": (75 * 2**20 // 4, "github NVIDIA/dgxc-benchmarking @143b90d llama3.1/llama3.1_70b.yaml, _405b.yaml "
+                              "(overlap_grad_sync, overlap_param_sync, ub_tp_comm_overlap; bucket_cap_mb 75, fp32)"),
+}
 
 
 @dataclasses.dataclass
@@ -80,6 +91,8 @@ class Prediction:
   conditionals: Optional[dict] = None
   pipeline_bubble_fraction: Optional[float] = None
   notes: Optional[list] = None
+  compiler_flags: Optional[dict] = None  # target_compile: the XLA flag set the program was compiled with, its source
+  overlap: Optional[dict] = None  # a framework's overlap options modelled in the timeline, their windows
   assumptions: Optional[list] = None  # where the profile had no published number and the cost model assumed one
   compile_s: Optional[float] = None  # wall clock of the prediction itself, from here on
   trace_s: Optional[float] = None
@@ -121,11 +134,14 @@ def resolve_method(n: int, mode: str = "train", method: str = "auto", hw: Option
 def predict(cfg: Config, hardware: Union[str, HardwareProfile], mode: str = "train", method: str = "auto",
             backend: str = "auto", batch: int = 1, prompt_len: int = 32, gen_len: int = 32,
             captured: Optional[program.Captured] = None, topology: Optional[str] = None,
-            compile_budget_s: Optional[float] = None) -> Prediction:
+            compile_budget_s: Optional[float] = None, framework: Optional[str] = None) -> Prediction:
   """The one entry point. ``captured``: the compiled program when the caller has it already (the CLI compiles
   first to profile its instructions; validate caches programs). ``topology``: the target's slice / node shape
   (``parallelism.targets.plan``), for ``target_compile``; ``compile_budget_s``: stop that compile after this many
-  seconds once the optimised program exists (perfmodel/target.py; None: compile to the end)."""
+  seconds once the optimised program exists (perfmodel/target.py; None: compile to the end). ``framework``: the
+  training framework the step is priced as: its XLA flags (parallelism/target_flags.py) go into the target compile,
+  its overlap options into the timeline."""
+  target_flags.framework_key(framework)  # an unknown name is refused before anything compiles
   hw = hardware if isinstance(hardware, HardwareProfile) else load_profile(hardware)
   route = resolve_method(n_devices(cfg), mode, method, hw)
   if mode == "infer":
@@ -134,10 +150,15 @@ def predict(cfg: Config, hardware: Union[str, HardwareProfile], mode: str = "tra
     if not is_target(hw):
       raise ValueError(f"--method target_compile needs a TPU or GPU profile ({', '.join(targets.HARDWARE)}), "
                        f"not {hw.name!r}")
-    cap = captured or target.train_step(cfg, hw.name, topology, budget_s=compile_budget_s)
-    return _train_compiled(cfg, hw, backend, cap, route)
+    cap = captured or target.train_step(cfg, hw.name, topology, budget_s=compile_budget_s, framework=framework)
+    p = _train_compiled(cfg, hw, backend, cap, route, framework)
+    fs = target_flags.flag_set(hw.name, framework)
+    p.compiler_flags = {"set": fs.name, "source": fs.source, "flags": dict(fs.flags),
+                        "not_passed": dict(fs.dropped)} if captured is None else \
+        {"set": "as committed with the program", "source": cap.route_detail}
+    return p
   if route == "compile":
-    return _train_compiled(cfg, hw, backend, captured)
+    return _train_compiled(cfg, hw, backend, captured, framework=framework)
   if route == "analytic":
     return _train_analytic(cfg, hw, backend)
   try:
@@ -197,40 +218,93 @@ def _mesh(cfg: Config) -> dict:
 
 # ---------------------------------------------------------------- routes
 
-def _schedule_train(g: ExecGraph, chain, hw: HardwareProfile, cfg: Config):
-  """(timeline, lock-step idle seconds, how conditionals were resolved) of a compiled training step.
+def _overlap(cfg: Config, framework: Optional[str], fwd_s: float, bwd_s: float) -> Optional[timeline.Overlap]:
+  """The framework's overlap options (OVERLAP) on this config's mesh; the windows are one
+  micro-batch's forward and backward compute."""
+  key = target_flags.framework_key(framework)
+  if key not in OVERLAP:
+    return None
+  mesh = cfg.mesh
+  local = cfg.model.n_params(embeddings=True) / (mesh.tensor * mesh.pipeline)
+  bucket = max(OVERLAP[key][0], 1_000_000 * mesh.data * mesh.fsdp if key == "megatron" else 0)
+  return timeline.Overlap(tp_comm=True, grad_reduce=True, param_gather=True, sizes=tuple(mesh.sizes().items()),
+                          bwd_window_s=bwd_s, fwd_window_s=fwd_s, bucket_fraction=min(1.0, bucket / max(1.0, local)))
+
+
+def _overlap_info(ov: Optional[timeline.Overlap], framework: Optional[str]) -> Optional[dict]:
+  if ov is None:
+    return None
+  src = OVERLAP[target_flags.framework_key(framework)][1]
+  return {"options": [k for k in ("tp_comm", "grad_reduce", "param_gather") if getattr(ov, k)], "source": src,
+          "bwd_window_s": ov.bwd_window_s, "fwd_window_s": ov.fwd_window_s, "bucket_fraction": ov.bucket_fraction}
+
+
+@dataclasses.dataclass
+class StageTimeline:
+  """One pipeline stage's priced program (stage None: the program without a pipeline)."""
+  stage: Optional[int]
+  timeline: timeline.Timeline
+  lockstep_idle_s: float  # ticks the stage idles waiting for the busiest stage
+  overlap: Optional[dict]
+
+  @property
+  def step_s(self) -> float:
+    return self.timeline.makespan + self.lockstep_idle_s
+
+
+def stage_timelines(g: ExecGraph, chain, hw: HardwareProfile, cfg: Config, framework: Optional[str] = None,
+                    record: bool = False) -> tuple:
+  """([StageTimeline], how conditionals were resolved) of a compiled training step; ``record``: keep the placed
+  events of each stage's top level (emulation's traces).
 
   Pipelined programs decide their slots at run time (perfmodel/pipeline.py). On the ``cpu`` profile the N virtual
   devices run in series on shared cores, so the step is their *summed* work: branches weighted by the stage-average
   schedule, no lock-step idle. On parallel hardware each stage's own program is priced, plus the ticks it idles
-  waiting for the busiest stage; the slowest stage is the step."""
+  waiting for the busiest stage. A framework's overlap options (:func:`_overlap`) take one micro-batch's forward
+  and backward as their windows: the pipeline slot's on a pipelined program, the step's compute over its
+  gradient-accumulation steps otherwise."""
   sched = pipeline.schedule_of(cfg)
   if sched is None or hw.name == "cpu":
     info = pipeline.resolve(g, chain, sched, stage=None)
     info["stages"] = "average over stages (N devices in series)" if sched is not None else None
-    return timeline.schedule(g, chain), 0.0, info
-  per_stage, slots = [], []
+    tl = timeline.schedule(g, chain, record=record)
+    ov = _overlap(cfg, framework, tl.by_phase.get("fwd", 0.0) / cfg.mesh.microbatches,
+                  tl.by_phase.get("bwd", 0.0) / cfg.mesh.microbatches) if sched is None else None
+    tl = timeline.schedule(g, chain, overlap=ov, record=record) if ov else tl
+    return [StageTimeline(None, tl, 0.0, _overlap_info(ov, framework))], info
+  stages, slots = [], []
   for s in range(sched.n_stages):
     info = pipeline.resolve(g, chain, sched, stage=s)
-    per_stage.append(timeline.schedule(g, chain))
     slots.append(pipeline.slot_work(g, chain))
+    ov = _overlap(cfg, framework, *slots[-1])
+    stages.append(StageTimeline(s, timeline.schedule(g, chain, overlap=ov, record=record), 0.0, _overlap_info(ov, framework)))
   f, b = [x[0] for x in slots], [x[1] for x in slots]
-  totals = [tl.makespan + pipeline.lockstep_extra(sched, f, b, s) for s, tl in enumerate(per_stage)]
-  worst = int(np.argmax(totals))
-  pipeline.resolve(g, chain, sched, stage=worst)  # leave the graph priced as the step's stage
-  info["stages"] = f"stage {worst} of {sched.n_stages} (slowest, lock-step ticks)"
-  info["lockstep_idle_s"] = totals[worst] - per_stage[worst].makespan
-  return per_stage[worst], totals[worst] - per_stage[worst].makespan, info
+  for st in stages:
+    st.lockstep_idle_s = pipeline.lockstep_extra(sched, f, b, st.stage)
+  return stages, info
 
 
-def _train_compiled(cfg: Config, hw: HardwareProfile, backend: str, captured, route: str = "compile") -> Prediction:
+def _schedule_train(g: ExecGraph, chain, hw: HardwareProfile, cfg: Config, framework: Optional[str] = None):
+  """(timeline, lock-step idle seconds, how conditionals were resolved, overlap) of the step's slowest stage
+  (:func:`stage_timelines`)."""
+  stages, info = stage_timelines(g, chain, hw, cfg, framework)
+  worst = max(stages, key=lambda st: st.step_s)
+  if worst.stage is not None:
+    pipeline.resolve(g, chain, pipeline.schedule_of(cfg), stage=worst.stage)  # leave the graph priced as it
+    info["stages"] = f"stage {worst.stage} of {len(stages)} (slowest, lock-step ticks)"
+    info["lockstep_idle_s"] = worst.lockstep_idle_s
+  return worst.timeline, worst.lockstep_idle_s, info, worst.overlap
+
+
+def _train_compiled(cfg: Config, hw: HardwareProfile, backend: str, captured, route: str = "compile",
+                    framework: Optional[str] = None) -> Prediction:
   t0 = time.perf_counter()
   cap = captured or program.train_step(cfg)
   t1 = time.perf_counter()
   g = from_hlo.from_hlo_text(cap.hlo_text, cap.n_devices)
   chain = chain_lib.make_chain(hw, backend)
   chain.placement = cap.placement
-  tl, lockstep, cond_info = _schedule_train(g, chain, hw, cfg)
+  tl, lockstep, cond_info, overlap = _schedule_train(g, chain, hw, cfg, framework)
   scale = _host_factor(hw, cap.n_devices)
   comp = chain.composition()
   if comp is None:
@@ -257,7 +331,7 @@ def _train_compiled(cfg: Config, hw: HardwareProfile, backend: str, captured, ro
   p.xla_cost_analysis_flops = cap.cost_analysis.get("flops")
   p.breakdown, p.host_device_factor = _breakdown(tl, scale), scale
   p.composition = "calibrated (one pinned core, N devices in series)" if comp is not None else "timeline"
-  p.conditionals = cond_info
+  p.conditionals, p.overlap = cond_info, overlap
   p.compile_s, p.predict_s, p.wall_s = cap.lower_s + cap.compile_s, t2 - t1, t2 - t0
   return p
 

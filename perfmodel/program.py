@@ -17,7 +17,7 @@ import dataclasses
 import functools
 import math
 import time
-from typing import Any
+from typing import Any, Optional
 
 import flax.linen as nn
 import jax
@@ -106,19 +106,20 @@ def train_step(cfg: Config, keep_compiled: bool = False) -> Captured:
                   compiled=(compiled, step) if keep_compiled else None)
 
 
-def target_train_step(cfg: Config, hardware: str, topology=None, keep_compiled: bool = False) -> Captured:
+def target_train_step(cfg: Config, hardware: str, topology=None, keep_compiled: bool = False,
+                      compiler_options: Optional[dict] = None) -> Captured:
   """Compiles the training step for the *target*: ``parallelism.step.build_step`` on a mesh of compile-only TPU or
   GPU devices (``parallelism.targets.target_mesh``), traced under that mesh so platform-dependent choices (the
   attention kernel, cuDNN) see the target's platform. Memory is the target compiler's
   (``targets.compiled_memory``: ``peak_bytes`` = its ``peak``); ``placement`` locates every partition for the
-  collective model."""
+  collective model. ``compiler_options``: XLA flags for this compile (parallelism/target_flags.py)."""
   mesh = targets.target_mesh(cfg.mesh, hardware, topology)
   with targets.trace_context(hardware):
     step = step_lib.build_step(cfg, mesh)
     t0 = time.perf_counter()
     lowered = step.lower()
   t1 = time.perf_counter()
-  compiled = lowered.compile()
+  compiled = lowered.compile(compiler_options or None)
   t2 = time.perf_counter()
   mem = targets.compiled_memory(compiled)
   memory = dict(mem, peak_bytes=mem["peak"], temp_size_in_bytes=mem["temp"])

@@ -27,7 +27,7 @@ from typing import Optional
 
 from framework import config as config_lib
 from framework.config import Config
-from parallelism import targets
+from parallelism import target_flags, targets
 from perfmodel import program
 from perfmodel.cost import collectives
 from perfmodel.cost.database import CACHE_ENV
@@ -66,15 +66,19 @@ def _source_digest() -> str:
   return h.hexdigest()[:16]
 
 
-def key(cfg: Config, hardware: str, topology: Optional[str] = None) -> str:
-  """The cache key of ``cfg``'s step compiled for ``hardware``: what the program depends on, hashed."""
+def key(cfg: Config, hardware: str, topology: Optional[str] = None, framework: Optional[str] = None) -> str:
+  """The cache key of ``cfg``'s step compiled for ``hardware`` (with ``framework``'s XLA flags,
+  parallelism/target_flags.py): what the program depends on, hashed."""
   d = config_lib.to_dict(cfg)
   d.pop("name", None)
   for section in ("checkpoint", "train"):  # never reach the compiled step
     d.pop(section, None)
   d["data"] = {k: d["data"][k] for k in ("seq_len", "global_batch")}
-  blob = json.dumps({"cfg": d, "hw": hardware, "topology": topology, "versions": _versions(),
-                     "sources": _source_digest()}, sort_keys=True, default=str)
+  k = {"cfg": d, "hw": hardware, "topology": topology, "versions": _versions(), "sources": _source_digest()}
+  flags = target_flags.flag_set(hardware, framework).flags
+  if flags:  # the compiler's defaults keep the key they always had
+    k["flags"] = flags
+  blob = json.dumps(k, sort_keys=True, default=str)
   return f"{hardware}-{hashlib.sha256(blob.encode()).hexdigest()[:20]}"
 
 
@@ -106,8 +110,9 @@ def _store(path: str, cap: program.Captured) -> None:
 
 
 def train_step(cfg: Config, hardware: str, topology: Optional[str] = None, cache: bool = True,
-               budget_s: Optional[float] = None) -> program.Captured:
-  """The target-compiled step of ``cfg`` (cached; ``cache=False`` always compiles and stores nothing).
+               budget_s: Optional[float] = None, framework: Optional[str] = None) -> program.Captured:
+  """The target-compiled step of ``cfg`` (cached; ``cache=False`` always compiles and stores nothing), with the XLA
+  flags ``framework`` sets for ``hardware`` (parallelism/target_flags.py; None: the compiler's defaults).
 
   The compile runs in a child process (:func:`_child`) with XLA's dump on. ``budget_s``: once that many seconds
   have passed and the compiler has written the optimised module and its buffer assignment, the child is stopped
@@ -115,12 +120,12 @@ def train_step(cfg: Config, hardware: str, topology: Optional[str] = None, cache
   kernel) and the program is priced from that module (the same HLO the finished executable holds); its memory is
   then the buffer assignment's (``memory['peak_source']``), not the finished executable's. A cached estimate is
   compiled again when asked without a budget."""
-  path = os.path.join(cache_dir(), key(cfg, hardware, topology) + ".json.gz")
+  path = os.path.join(cache_dir(), key(cfg, hardware, topology, framework) + ".json.gz")
   cap = _load(path) if cache else None
   if cap is not None and (budget_s is not None or cap.memory.get("peak_source") != BUFFERS):
     cap.route_detail = (cap.route_detail + "; " if cap.route_detail else "") + f"program read from the cache {path}"
     return cap
-  cap = _compile_in_child(cfg, hardware, topology, budget_s)
+  cap = _compile_in_child(cfg, hardware, topology, budget_s, framework)
   if cache:
     _store(path, cap)
   return cap
@@ -161,12 +166,13 @@ def _dumped(folder: str) -> Optional[tuple]:
   return tuple(open(x).read() for x in paths)
 
 
-def _compile_in_child(cfg: Config, hardware: str, topology, budget_s) -> program.Captured:
+def _compile_in_child(cfg: Config, hardware: str, topology, budget_s, framework=None) -> program.Captured:
   work = tempfile.mkdtemp(prefix="prismllm-compile-")
   dump = os.path.join(work, "dump")
   env = dict(os.environ, PYTHONPATH=ROOT + os.pathsep + os.environ.get("PYTHONPATH", ""))
   env["XLA_FLAGS"] = (env.get("XLA_FLAGS", "") + f" --xla_dump_to={dump} --xla_dump_hlo_as_text").strip()
-  spec = {"cfg": config_lib.to_dict(cfg), "hardware": hardware, "topology": topology, "out": work}
+  spec = {"cfg": config_lib.to_dict(cfg), "hardware": hardware, "topology": topology, "out": work,
+          "options": target_flags.compiler_options(target_flags.flag_set(hardware, framework), hardware)}
   t0 = time.perf_counter()
   with open(os.path.join(work, "stderr"), "w") as err:
     child = subprocess.Popen([sys.executable, "-c", "from perfmodel import target; target._child()"],
@@ -263,7 +269,7 @@ def _child() -> None:
   pl = dataclasses.asdict(program.placement(mesh, spec["hardware"], spec["topology"]))
   with open(os.path.join(spec["out"], "placement.json"), "w") as f:
     json.dump({"placement": pl, "n_devices": mesh.size}, f)
-  cap = program.target_train_step(cfg, spec["hardware"], spec["topology"])
+  cap = program.target_train_step(cfg, spec["hardware"], spec["topology"], compiler_options=spec["options"])
   d = {f.name: getattr(cap, f.name) for f in dataclasses.fields(cap) if f.name not in ("compiled", "route_detail")}
   d["placement"] = pl
   with open(os.path.join(spec["out"], "result.json"), "w") as f:

@@ -32,7 +32,12 @@ def parse(argv):
                  help="target ranks sharing one host's memory system (CPU hosts): the real rank is timed while "
                       "N-1 shadow processes replay their load on the other cores; 'auto' = min(cores, ranks) for "
                       "a cpu target on a cpu device, else 1")
-  p.add_argument("--compile-only", action="store_true", help="slice and compute memory; do not execute")
+  p.add_argument("--compile-only", action="store_true",
+                 help="do not execute: on a TPU / GPU target every rank class is priced from the target-compiled "
+                      "program as predict prices it; on the cpu target the per-rank program by roofline")
+  p.add_argument("--framework", default=None,
+                 help="with --compile-only on a target: price as this framework runs (perfmodel predict --framework)")
+  p.add_argument("--topology", default=None, help="with --compile-only on a target: its slice / node shape")
   p.add_argument("--no-stragglers", action="store_true",
                  help="do not add the wait for the slowest rank (peers varying like the measured rank's steps)")
   p.add_argument("--replay-collectives", action="store_true",
@@ -109,7 +114,8 @@ def main(argv=None) -> int:
                          out_dir=args.out, repeats=args.repeats, warmup=args.warmup, execute=not args.compile_only,
                          exact_memory=(args.config, overrides) if args.exact_memory else None, notes=notes,
                          stragglers=not args.no_stragglers, replay_collectives=args.replay_collectives,
-                         trace_nodes=args.trace_nodes, lockstep_shadows=args.lockstep_shadows)
+                         trace_nodes=args.trace_nodes, lockstep_shadows=args.lockstep_shadows,
+                         framework=args.framework, topology=args.topology)
   print(json.dumps(res, default=str))
   return 0
 

@@ -20,9 +20,10 @@ from typing import Optional, Sequence
 from framework.config import Config
 from framework import xla_flags
 from perfmodel import hardware as hw_lib
+from perfmodel import predict
 from perfmodel.cost import collectives as coll_model
 from perfmodel.emulate import gloo_calibration as gc
-from perfmodel.emulate import measure, rank_program, shadow, slicing, trace
+from perfmodel.emulate import at_scale, measure, rank_program, shadow, slicing, trace
 from perfmodel.emulate import timeline as tl_lib
 
 EXACT_MEMORY_MAX_DEVICES = 1024  # XLA:CPU compiles up to here on virtual devices; 8192 is refused (measured)
@@ -88,7 +89,8 @@ def emulate(cfg: Config, ranks: Optional[Sequence[int]] = None, hardware: str = 
             exact_memory: Optional[tuple] = None, notes: Sequence[str] = (), algorithm: str = "auto",
             host_data: bool = True, combine: bool = True, gloo_calibration: Optional[str] = "auto",
             colocated: int = 1, stragglers: bool = True, replay_collectives: bool = False,
-            trace_nodes: bool = False, lockstep_shadows: bool = False) -> dict:
+            trace_nodes: bool = False, lockstep_shadows: bool = False, framework: Optional[str] = None,
+            topology: Optional[str] = None) -> dict:
   """Emulates one training step of ``cfg`` (validated at its target mesh). ``ranks``: None = one per
   class of distinct programs; else these ranks run for real (plus one per class they leave uncovered).
   ``exact_memory``: (config_spec, overrides) to also compile the real N-device program for its
@@ -105,9 +107,15 @@ def emulate(cfg: Config, ranks: Optional[Sequence[int]] = None, hardware: str = 
   each call among symmetric peers then also gets the measured wait for the later peer
   (``timeline.add_call_waits``; ``per_call_wait_s`` per step).
   ``trace_nodes``: split each rank's measured step over its instructions by their traced in-program times
-  (XLA TraceMe; ``perfmodel.calib.trace_nodes.enable()`` must have run before jax started) instead of by roofline."""
+  (XLA TraceMe; ``perfmodel.calib.trace_nodes.enable()`` must have run before jax started) instead of by roofline.
+  Compile only on a TPU / GPU target: the target-compiled program priced as ``predict`` prices it
+  (perfmodel/emulate/at_scale.py; ``framework``: its XLA flags and overlap options, ``topology``: the target's
+  shape)."""
   t0 = time.perf_counter()
   target_hw, local_hw = hw_lib.load(hardware), hw_lib.load(local_hardware)
+  if not execute and predict.is_target(target_hw):
+    return at_scale.emulate_target(cfg, target_hw.name, ranks, out_dir, framework=framework, topology=topology,
+                                   notes=notes)
   notes = list(notes)
   coll_source = "profile %s" % target_hw.name
   if gloo_calibration and target_hw.device_kind == "cpu":

@@ -8,6 +8,7 @@ and a ``wait`` node. Each compute node gets a ``fingerprint``: its key in the pr
 """
 from __future__ import annotations
 
+import dataclasses
 import hashlib
 import math
 import re
@@ -28,6 +29,9 @@ NO_FLOP = FREE_OPS | {"broadcast", "reshape", "transpose", "copy", "slice", "dyn
 # Asynchronous copies between memory spaces (TPU: HBM <-> on-chip memory, prefetches the scheduler overlaps with
 # compute); the HBM traffic is the bytes of the instructions that read or write the copied buffers.
 ASYNC_COPIES = ("copy-start", "copy-done")
+# XLA:TPU's async collective fusions: a fusion whose root custom-call starts (or finishes) the collective fused in
+# it; the TensorCore computes while the transfer runs (libtpu: xla_tpu_enable_async_collective_fusion)
+TPU_ASYNC = ("AsyncCollectiveStart", "AsyncCollectiveDone")
 # custom-calls that allocate or annotate and do no work of their own (TPU)
 NO_WORK_CALLS = {"AllocateBuffer", "AssumeGatherIndicesInBound", "GatherScatterIndicesBitpacked", "Sharding",
                  "SPMDFullToShardShape", "SPMDShardToFullShape", "MoveToHost", "MoveToDevice"}
@@ -193,7 +197,7 @@ def computation_flops(module: hp.Module, comp: hp.Computation) -> tuple:
       flops += src.shapes[0].elements if src is not None and src.shapes else ins.shapes[0].elements
     elif op in TRANSCENDENTAL:
       trans += ins.shapes[0].elements
-    elif op not in NO_FLOP and ins.shapes:
+    elif op not in NO_FLOP and ins.shapes and not hp.collective_kind(op):  # a fused transfer computes nothing
       flops += ins.shapes[0].elements
   return flops, trans, dot
 
@@ -296,12 +300,31 @@ def _collective_info(ins: hp.Instruction, comp: hp.Computation, kind: str, n_dev
                         channel_id=int(cid.group(0)) if cid else -1, is_async=is_async, n_devices=n_devices)
 
 
+def tpu_async_collective(m: hp.Module, ins: hp.Instruction) -> Optional[tuple]:
+  """('start' | 'done', the collective instruction, its fused computation) of an XLA:TPU async collective fusion
+  (TPU_ASYNC); None for any other fusion."""
+  body = m.computations.get(ins.called()[0]) if ins.called() else None
+  if body is None:
+    return None
+  root = body.root
+  target = re.sub(r'"', "", root.attrs.get("custom_call_target", "")) if root.opcode == "custom-call" else ""
+  if target not in TPU_ASYNC:
+    return None
+  inner = next((i for i in body.instructions if hp.collective_kind(i.opcode)), None)
+  if inner is None:
+    return None
+  return ("start" if target == TPU_ASYNC[0] else "done"), inner, body
+
+
 # ---------------------------------------------------------------- builder
 
 class _Builder:
   def __init__(self, module: hp.Module, n_devices: int):
     self.module, self.n_devices = module, n_devices
     self.regions, self.next_id = {}, 0
+    # node id -> id of the TPU async collective start whose transfer it carries: the start, and the fusions that
+    # continue the transfer in steps between the start and its done (xla_tpu_enable_async_collective_fusion_multiple_steps)
+    self.carries = {}
 
   def region(self, comp_name: str) -> str:
     if comp_name in self.regions:
@@ -324,6 +347,15 @@ class _Builder:
     self.regions[comp_name] = Region(comp_name, nodes)
     return comp_name
 
+  def carry(self, deps: tuple) -> tuple:
+    """The node about to be made continues the TPU transfer one of ``deps`` carries, if any: it carries it on, and
+    runs while the transfer is in flight (the transfer's end is no input of it). Returns its deps."""
+    carried = next((self.carries[d] for d in deps if d in self.carries), None)
+    if carried is None:
+      return deps
+    self.carries[self.next_id] = carried
+    return tuple(d for d in deps if d != carried)
+
   def new_id(self) -> int:
     self.next_id += 1
     return self.next_id - 1
@@ -333,6 +365,22 @@ class _Builder:
     if op in ASYNC_COPIES:
       return None
     attr = _attribution(ins, m)
+    tpu_async = tpu_async_collective(m, ins) if op == "fusion" else None
+    if tpu_async is not None:
+      role, inner, body = tpu_async
+      if role == "done":  # it reads the start's buffers, directly or through the fusions that continue it
+        start = next((self.carries[d] for d in reversed(deps) if d in self.carries), -1)
+        return Node(id=self.new_id(), name=ins.name, kind="wait", opcode=f"fusion:{TPU_ASYNC[1]}", deps=deps,
+                    attribution=attr, start=start)
+      kind = hp.collective_kind(inner.opcode)
+      info = _collective_info(inner, body, kind, self.n_devices, is_async=True)
+      info = dataclasses.replace(info, bytes=float({"all-gather": inner.out_bytes}.get(kind, info.bytes)))
+      node = Node(id=self.new_id(), name=ins.name, kind="p2p" if kind == "collective-permute" else "collective",
+                  opcode=f"fusion:{TPU_ASYNC[0]}", bytes=info.bytes, out_bytes=ins.out_bytes, deps=deps,
+                  attribution=attr, collective=info, fingerprint=f"{kind}|{info.group_size}|{int(info.bytes)}")
+      starts[ins.name] = node.id
+      self.carries[node.id] = node.id
+      return node
     role = hp.async_role(op)
     kind = hp.collective_kind(op)
     if op in ("async-start", "async-done") and ins.called():
@@ -361,6 +409,7 @@ class _Builder:
       body = ins.attrs.get("body", "").lstrip("%")
       trips = hp.trip_count(m, ins)
       self.region(body)
+      deps = self.carry(deps)  # a TPU collective may continue in the loop's steps, finished after it
       return Node(id=self.new_id(), name=ins.name, kind="loop", opcode=op, deps=deps, attribution=attr, body=body,
                   trip_count=trips if trips is not None else 1,
                   fingerprint="" if trips is not None else "unknown_trip_count")
@@ -419,6 +468,8 @@ class _Builder:
     fp += FP_MINOR if minor else ""
     if op == "fusion" and dot is None:
       fp += structure_tag(m.computations[ins.called()[0]])
+    if op == "fusion" and any(hp.collective_kind(i.opcode) for i in m.computations[ins.called()[0]].instructions):
+      deps = self.carry(deps)  # a step of an in-flight TPU collective fused with this compute
     return Node(id=self.new_id(), name=ins.name, kind=node_kind, opcode=opcode, flops=flops, transcendentals=trans,
                 bytes=nbytes, out_bytes=ins.out_bytes, deps=deps, attribution=attr, dot=dot, fingerprint=fp,
                 moves_minor=minor)

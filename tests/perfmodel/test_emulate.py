@@ -1,4 +1,7 @@
 """Emulation (perfmodel/emulate): stand-ins, per-rank program vs the real step, slicing."""
+import importlib.util
+import os
+
 import jax
 import jax.numpy as jnp
 import numpy as np
@@ -211,3 +214,27 @@ def test_a_rank_too_big_for_the_host_is_priced_not_run(monkeypatch, capsys):
   assert line and "GiB available" in line[0]
   assert "not run" in capsys.readouterr().err
   assert all(r["measured_standin_program_s"] is None for r in res["ranks"])
+
+
+@pytest.mark.skipif(importlib.util.find_spec("jax_plugins") is None
+                    or importlib.util.find_spec("jax_plugins.xla_cuda12") is None,
+                    reason="needs the CUDA plugin (pip install -e '.[tpu-aot]')")
+def test_compile_only_emulation_on_a_gpu_target_prices_each_stage_as_predict(tmp_path, monkeypatch):
+  """8 compile-only H100s, tensor 2 x data 2 x pipeline 2, 1F1B: every rank class is its pipeline stage's program
+  from the target compile, priced by predict's chain; the slowest class is predict's step."""
+  from perfmodel import predict
+  from perfmodel.emulate import emulator
+  monkeypatch.setenv("PRISMLLM_CACHE", str(tmp_path))
+  cfg = config_lib.validate(config_file.load("experiments/configs/quickstart.py:runlocal=True", [
+      "--config.mesh.data=2", "--config.mesh.tensor=2", "--config.mesh.pipeline=2", "--config.mesh.form=shard_map",
+      "--config.mesh.microbatches=4", "--config.mesh.schedule=1f1b", "--config.model.dtype=bfloat16",
+      "--config.data.global_batch=16"]), 8)
+  res = emulator.emulate(cfg, hardware="h100", execute=False, out_dir=str(tmp_path / "emu"))
+  p = predict.predict(cfg, "h100")
+  assert res["real_devices"] == 0 and res["program"]["route"] == "target_compile"
+  assert {r["class"]: r["stage"] for r in res["ranks"]} == {"pipeline:first": 0, "pipeline:last": 1}
+  assert res["iteration_time_s"] == pytest.approx(p.step_time_s, rel=1e-9)
+  assert res["peak_memory_bytes"] == p.peak_memory_bytes
+  waits = {r["stage"]: r["wait_s"] for r in res["ranks"]}
+  assert min(waits.values()) >= 0 and max(waits.values()) > 0  # the faster stage idles for the slower one
+  assert all(os.path.exists(f) for f in res["trace_files"])

@@ -178,3 +178,25 @@ def test_a_compile_that_outgrows_the_host_is_stopped_with_one_line(monkeypatch):
   cfg = config_lib.validate(tiny_config(mesh=dict(data=8)), 8)
   with pytest.raises(target_lib.HostMemoryError, match="needs more than .* of this host's memory"):
     target_lib.train_step(cfg, "h100", cache=False)
+
+
+def test_a_frameworks_xla_flags_are_part_of_the_program_cache_key():
+  """The flags change the compiled program, so they key the cache; the compiler's defaults keep the plain key."""
+  cfg = _cfg("h100")
+  plain = target_lib.key(cfg, "h100")
+  assert target_lib.key(cfg, "h100", framework=None) == plain
+  assert target_lib.key(cfg, "h100", framework="maxtext") != plain
+  assert target_lib.key(cfg, "h100", framework="maxtext") != target_lib.key(cfg, "h100", framework="paxml")
+  assert target_lib.key(cfg, "tpu_v6e", framework="maxtext") == target_lib.key(cfg, "tpu_v6e")  # none published
+
+
+def test_predict_applies_a_frameworks_overlap_options_to_the_target_program(target):
+  """The Megatron row's options reach the timeline with their windows and bucket; PrismLLM's own step has none."""
+  hw, cfg, cap = target
+  base = predict.predict(cfg, hw, captured=cap)
+  meg = predict.predict(cfg, hw, captured=cap, framework="Megatron-Core r0.8.0")
+  assert base.overlap is None
+  assert meg.overlap["options"] == ["tp_comm", "grad_reduce", "param_gather"]
+  assert meg.overlap["bwd_window_s"] > 0 and meg.overlap["fwd_window_s"] > 0
+  local = cfg.model.n_params(embeddings=True) / (cfg.mesh.tensor * cfg.mesh.pipeline)
+  assert meg.overlap["bucket_fraction"] == pytest.approx(min(1.0, max(40e6, 1e6 * 8) / local))
