@@ -51,9 +51,15 @@ class GGUFInfo:
   token_types: tuple
   eos_id: int
   byte_tokenizer: bool
-  unsupported: tuple = ()  # llama features this runtime does not implement (gguf_check.check_runnable)
+  unsupported: tuple = ()  # features this runtime does not implement (gguf_check.check_runnable)
   crc: dict = dataclasses.field(default_factory=dict)  # tensor name -> CRC32 of its bytes (our exports)
   bos_id: Optional[int] = None  # prepended to text prompts when the file says add_bos_token (llama.cpp does)
+  arch: str = "llama"  # general.architecture: llama (and mistral), qwen2, qwen3
+
+  @property
+  def rope_neox(self) -> bool:
+    """llama.cpp's RoPE mode for the architecture: NEOX (pairs i, i + E/2) for qwen2/qwen3, NORM for llama."""
+    return self.arch in ("qwen2", "qwen3")
 
   def layer_range(self, i: int) -> tuple:
     """[start, end) bytes of layer i's tensors (contiguous as written by export)."""
@@ -91,8 +97,9 @@ def export_gguf(params: Any, cfg: ModelConfig, path: str, quant: str = "f32", al
 
 
 def write_arrays(arrays: dict, cfg: ModelConfig, path: str, quant: str = "f32", align: int = PAGE,
-                 name: str = "prismllm", output_quant: Optional[str] = None) -> dict:
-  """GGUF tensor name -> f32 array (llama.cpp layout, q/k rows already RoPE-permuted) -> a GGUF file."""
+                 name: str = "prismllm", output_quant: Optional[str] = None, crc: bool = True) -> dict:
+  """GGUF tensor name -> f32 array (llama.cpp layout, q/k rows already RoPE-permuted) -> a GGUF file.
+  ``crc=False``: no per-tensor CRC32s (a file llama.cpp's quantiser rewrites: it copies the metadata)."""
   import gguf
   tok = ByteTokenizer(cfg.vocab_size)
   w = gguf.GGUFWriter(path, "llama")
@@ -146,7 +153,8 @@ def write_arrays(arrays: dict, cfg: ModelConfig, path: str, quant: str = "f32", 
       data[tname] = (gguf.quants.quantize(arr, gq), gq)
   # CRC32 of every tensor's bytes: weights.MappedGGUF checks a tensor's when it is first used, so a file
   # damaged after export fails with a clear error instead of computing on flipped bits.
-  w.add_string(CRC_KEY, json.dumps({n: zlib.crc32(np.ascontiguousarray(a).tobytes()) for n, (a, _) in data.items()}))
+  if crc:
+    w.add_string(CRC_KEY, json.dumps({n: zlib.crc32(np.ascontiguousarray(a).tobytes()) for n, (a, _) in data.items()}))
   for tname, (a, gq) in data.items():
     w.add_tensor(tname, a, raw_dtype=gq)
   tmp = path + ".partial"  # written next to the target, renamed only when complete: a failed export loses nothing
@@ -218,11 +226,11 @@ def _field(reader, key, default=None):
   return v.tolist()[0] if hasattr(v, "tolist") and len(v) == 1 else v
 
 
-def _cfg_from_llama_keys(path, reader) -> ModelConfig:
-  g = lambda k, d=None: _field(reader, "llama." + k, d)  # noqa: E731
+def _cfg_from_keys(path, reader, arch: str) -> ModelConfig:
+  g = lambda k, d=None: _field(reader, f"{arch}." + k, d)  # noqa: E731
   if g("embedding_length") is None or g("attention.head_count") is None or g("block_count") is None:
-    raise GGUFError(f"{path} lacks llama.* hyperparameters (embedding_length, head_count, block_count); only "
-                    f"llama-architecture files are supported: export it with them (ondevice.export writes them)")
+    raise GGUFError(f"{path} lacks {arch}.* hyperparameters (embedding_length, attention.head_count, block_count); "
+                    f"export it with them (ondevice.export writes them)")
   d, h = int(g("embedding_length")), int(g("attention.head_count"))
   n_vocab = len(reader.fields["tokenizer.ggml.tokens"].data)
   ff = g("feed_forward_length")
@@ -235,10 +243,10 @@ def _cfg_from_llama_keys(path, reader) -> ModelConfig:
                      max_seq_len=int(g("context_length", 2048)))
 
 
-def _read_cfg(path, reader) -> ModelConfig:
+def _read_cfg(path, reader, arch: str) -> ModelConfig:
   cfg_json = _field(reader, "prismllm.model_config")
   if not cfg_json:
-    return _cfg_from_llama_keys(path, reader)
+    return _cfg_from_keys(path, reader, arch)
   try:
     return ModelConfig(**json.loads(cfg_json))
   except (ValueError, TypeError) as e:
@@ -262,8 +270,9 @@ def read_info(path: str) -> GGUFInfo:
     raise GGUFError(f"{path} is not a readable GGUF file ({type(e).__name__}: {str(e)[:120]}); it is corrupt or "
                     f"truncated ({size} bytes): re-export it with `python -m ondevice.export`") from None
   arch = _field(reader, "general.architecture")
-  if arch != "llama":
-    raise GGUFError(f"{path}: architecture {arch!r} is not supported, only 'llama' is; run it with llama.cpp")
+  if arch not in gguf_check.ARCHS:
+    raise GGUFError(f"{path}: architecture {arch!r} is not supported (this runtime runs "
+                    f"{', '.join(gguf_check.ARCHS)}; mistral files are llama files); run it with llama.cpp")
   if "tokenizer.ggml.tokens" not in reader.fields:
     raise GGUFError(f"{path} has no tokenizer.ggml.tokens vocabulary; export it with its tokenizer")
   tensors = {}
@@ -272,7 +281,7 @@ def read_info(path: str) -> GGUFInfo:
       raise GGUFError(f"{path}: tensor {t.name} appears twice: the tensor index is corrupt; re-export or re-copy it")
     shape = tuple(int(s) for s in reversed([int(x) for x in t.shape]))
     tensors[t.name] = TensorInfo(t.name, t.tensor_type.name, shape, int(t.data_offset), int(t.n_bytes))
-  cfg = _read_cfg(path, reader)
+  cfg = _read_cfg(path, reader, arch)
   tok_field = reader.fields["tokenizer.ggml.tokens"]
   try:
     tokens = tuple(bytes(tok_field.parts[i]).decode("utf-8") for i in tok_field.data)
@@ -280,7 +289,7 @@ def read_info(path: str) -> GGUFInfo:
     raise GGUFError(f"{path}: a vocabulary entry is not UTF-8: the metadata is corrupt; re-export or re-copy it") \
         from None
   gguf_check.check_config(path, cfg, len(tokens))
-  gguf_check.check_structure(path, tensors, cfg, int(reader.alignment), size)
+  gguf_check.check_structure(path, tensors, cfg, int(reader.alignment), size, arch)
   tt_field = reader.fields.get("tokenizer.ggml.token_type")
   types = tuple(int(tt_field.parts[i][0]) for i in tt_field.data) if tt_field else (1,) * len(tokens)
   eos = int(_field(reader, "tokenizer.ggml.eos_token_id", 2))
@@ -290,10 +299,11 @@ def read_info(path: str) -> GGUFInfo:
                and tokens[:256] == tuple(ByteTokenizer(256).gguf_vocab()[0])))
   bos = _field(reader, "tokenizer.ggml.bos_token_id")
   bos = int(bos) if bos is not None and _field(reader, "tokenizer.ggml.add_bos_token", False) else None
-  fields = {k: _field(reader, k) for k in reader.fields if k.startswith("llama.")}
-  unsupported = tuple(gguf_check.unsupported_features(path, fields, cfg))
+  fields = {k[len(arch) + 1:]: _field(reader, k) for k in reader.fields if k.startswith(arch + ".")}
+  unsupported = tuple(gguf_check.unsupported_features(path, fields, cfg, arch, list(tensors)))
   crc = gguf_check.parse_crc(_field(reader, CRC_KEY))
-  return GGUFInfo(path, cfg, tensors, int(reader.alignment), size, tokens, types, eos, byte_tok, unsupported, crc, bos)
+  return GGUFInfo(path, cfg, tensors, int(reader.alignment), size, tokens, types, eos, byte_tok, unsupported, crc, bos,
+                  arch)
 
 
 def load_params(path: str, scan_layers: bool = True) -> tuple:
@@ -313,7 +323,7 @@ def load_params(path: str, scan_layers: bool = True) -> tuple:
 def describe(info: GGUFInfo) -> str:
   c = info.cfg
   kinds = sorted({t.qtype for t in info.tensors.values()})
-  return (f"{os.path.basename(info.path)}: llama L={c.n_layers} D={c.d_model} H={c.n_heads}/{c.n_kv_heads} "
+  return (f"{os.path.basename(info.path)}: {info.arch} L={c.n_layers} D={c.d_model} H={c.n_heads}/{c.n_kv_heads} "
           f"F={c.ff} V={c.vocab_size} types={kinds} {info.file_size / 2**20:.1f} MiB")
 
 

@@ -20,7 +20,9 @@ import numpy as np
 from ondevice.gguf_io import GGUFError, GGUFInfo, read_info
 
 PAGE = mmap.PAGESIZE
-_QBLOCK = {"Q8_0": (32, 34), "Q4_0": (32, 18)}
+_QBLOCK = {"Q8_0": (32, 34), "Q4_0": (32, 18), "Q4_K": (256, 144), "Q5_K": (256, 176), "Q6_K": (256, 210)}
+# byte offset and count of each block's f16 scales: d (and dmin) first, except Q6_K's d at the end
+_SCALES = {"Q8_0": (0, 1), "Q4_0": (0, 1), "Q4_K": (0, 2), "Q5_K": (0, 2), "Q6_K": (208, 1)}
 
 
 def _round_out(start: int, end: int) -> tuple:
@@ -57,8 +59,8 @@ class MappedGGUF:
     elif t.qtype in _QBLOCK:
       v = raw.reshape(t.shape[0], -1) if len(t.shape) == 2 else raw
     else:
-      raise NotImplementedError(f"{name} is {t.qtype}; the runtime computes on F32/F16/Q8_0/Q4_0 files "
-                                f"(re-export with --quant q8_0 or q4_0)")
+      raise NotImplementedError(f"{name} is {t.qtype}; the runtime computes on F32/F16/Q8_0/Q4_0/Q4_K/Q5_K/Q6_K "
+                                f"files (re-export with --quant q8_0 or q4_0)")
     self._views[name] = v
     return v
 
@@ -123,7 +125,8 @@ def _verify(info: GGUFInfo, name: str, raw: np.ndarray) -> None:
     raise GGUFError(f"{info.path}: tensor {name} fails its CRC32 check (the file changed after export); {fix}")
   t = info.tensors[name]
   if t.qtype in _QBLOCK:
-    vals = raw.reshape(-1, _QBLOCK[t.qtype][1])[:, :2].copy().view(np.float16)
+    o, n = _SCALES[t.qtype]
+    vals = raw.reshape(-1, _QBLOCK[t.qtype][1])[:, o:o + 2 * n].copy().view(np.float16)
   elif t.qtype in ("F32", "F16"):
     vals = raw.view(np.float32 if t.qtype == "F32" else np.float16)
   else:

@@ -40,7 +40,7 @@ def test_kv_cache_incremental_equals_full_and_rollback_overwrites(tiny, files):
 @pytest.mark.parametrize("q", ["f16", "q4_0", "q8_0"])
 def test_quantized_files_match_framework_on_dequantized_weights(files, q):
   """Reference = framework.model run on the file's own (dequantised) weights, so the only differences
-  left are float rounding (F16) or, for Q8_0/Q4_0, the activation quantisation to Q8_0 that llama.cpp
+  left are the activations' rounding to f16 (F16) or, for Q8_0/Q4_0, their quantisation to Q8_0 that llama.cpp
   also does (the exact ggml semantics are checked kernel by kernel below and against llama.cpp itself)."""
   import jax
   from framework import model as fm
@@ -54,8 +54,8 @@ def test_quantized_files_match_framework_on_dequantized_weights(files, q):
   err = np.abs(got - ref).max()
   if q in ("q8_0", "q4_0"):
     assert err <= 0.1 * scale and (got.argmax(-1) == ref.argmax(-1)).mean() >= 0.8, err
-  else:
-    assert err <= 1e-5 * scale, err
+  else:  # F16 dots read activations rounded to f16, as ggml's do (measured 1.9e-3 of the scale)
+    assert err <= 5e-3 * scale and (got.argmax(-1) == ref.argmax(-1)).mean() >= 0.9, err
 
 
 def _ggml_reference(qt, w_OxI, x_TxI):
@@ -95,7 +95,7 @@ def test_kernels_match_dequantized_references(T):
     assert np.abs(kernels.matmul(qt, qw, x, 96, 128) - ref).max() <= tol, qt
     # planes: 96 rows = one full group of 64 + a padded one; packed together with a second matrix
     qw2, ref2 = _ggml_reference(qt, w[:40] * 3, x)
-    got, got2 = planes.repack(qt, [qw, qw2], 128)(x)
+    got, got2 = planes.repack(qt, [qw, qw2], 128)(x, batched=T >= 2)
     assert got.shape == (T, 96) and got2.shape == (T, 40)
     assert np.abs(got - ref).max() <= tol and np.abs(got2 - ref2).max() <= 3 * tol, qt
 
@@ -147,10 +147,10 @@ def test_kernel_threads_give_the_same_bits(files, q):
 
 @pytest.mark.parametrize("q", ["q4_0", "q8_0"])
 def test_fused_planes_layer_equals_unfused_mmap_path(files, q):
-  """planes.layer (one numba call per block, repacked weights, numba attention) vs the numpy layer on
+  """planes.layers (one numba call per step, repacked weights, numba attention) vs the numpy layer on
   the mmap kernels: same ggml semantics, so only float32 summation order differs; prefill then decode."""
   fused, plain = _model(files[q]), _model(files[q], repack=False)
-  assert all(w.fused for w in fused.layers.values()) and not any(w.fused for w in plain.layers.values())
+  assert fused.pack is not None and plain.pack is None
 
   def run(m):
     c = m.new_cache()
