@@ -23,7 +23,8 @@ from ondevice import gguf_check
 from ondevice.gguf_check import CRC_KEY, GGUFError  # noqa: F401  (GGUFError: re-exported)
 from ondevice.tokenizer import ByteTokenizer
 
-QUANTS = ("f32", "f16", "q8_0", "q4_0", "q4_k")
+QUANTS = ("f32", "f16", "q8_0", "q4_0", "q4_k_m", "q5_k_m", "q6_k", "q4_k")
+LLAMA_QUANTS = {"q4_k": "Q4_K_M", "q4_k_m": "Q4_K_M", "q5_k_m": "Q5_K_M", "q6_k": "Q6_K"}  # via llama.cpp
 PAGE = 4096
 _BLOCKED = ("q8_0", "q4_0")
 
@@ -86,23 +87,68 @@ def export_gguf(params: Any, cfg: ModelConfig, path: str, quant: str = "f32", al
   """Writes ``params`` (framework tree) as a llama-architecture GGUF; returns a small summary dict.
 
   ``quant`` applies to every matrix (token_embd included, as llama.cpp does); norms stay F32.
-  ``q4_k`` quantises an F16 file with llama.cpp's own quantizer (needs llama-cpp-python).
+  ``q4_k_m`` / ``q5_k_m`` / ``q6_k`` (``q4_k`` = q4_k_m) quantise an F16 file with llama.cpp's own quantiser
+  (needs llama-cpp-python).
   """
+  return write_quantized(names.framework_to_gguf(params, cfg), cfg, path, quant, align, name, output_quant)
+
+
+def write_quantized(arrays: dict, cfg: ModelConfig, path: str, quant: str = "f32", align: int = PAGE,
+                    name: str = "prismllm", output_quant: Optional[str] = None, arch: str = "llama",
+                    vocab=None) -> dict:
+  """``write_arrays`` for every ``QUANTS`` entry: the K-quant mixes go through llama.cpp's quantiser."""
   quant = quant.lower()
   if quant not in QUANTS:
     raise GGUFError(f"--quant {quant!r} unknown; choose one of {', '.join(QUANTS)}")
-  if quant == "q4_k":
-    return _export_q4_k(params, cfg, path, align, name)
-  return write_arrays(names.framework_to_gguf(params, cfg), cfg, path, quant, align, name, output_quant)
+  if quant not in LLAMA_QUANTS:
+    return write_arrays(arrays, cfg, path, quant, align, name, output_quant, arch=arch, vocab=vocab)
+  bad = [n for n, a in arrays.items() if np.ndim(a) == 2 and np.shape(a)[1] % 256]
+  if bad:
+    raise GGUFError(f"{quant} needs matrices with a multiple of 256 inputs ({bad[0]} has {np.shape(arrays[bad[0]])[1]}); "
+                    f"use --quant q4_0 or q8_0")
+  tmp = path + ".f16.tmp"
+  # Default (32-byte) alignment: llama.cpp 0.3.36's quantiser copies general.alignment = 4096 from its input but
+  # pads tensors to 32, so a page-aligned input gives a file llama.cpp itself rejects. K-quant files are therefore
+  # not page-aligned. No CRCs: the quantiser copies the metadata, and the CRCs would be the F16 tensors'.
+  write_arrays(arrays, cfg, tmp, "f16", 32, name, arch=arch, vocab=vocab, crc=False)
+  try:
+    llama_quantize(tmp, path, LLAMA_QUANTS[quant])
+  finally:
+    os.remove(tmp)
+  return {"path": path, "quant": quant, "bytes": os.path.getsize(path)}
+
+
+def llama_quantize(src: str, dst: str, kind: str) -> None:
+  """llama.cpp's quantiser (llama_model_quantize) on a GGUF file: ``kind`` Q4_K_M, Q5_K_M, Q6_K, Q8_0, Q4_0."""
+  try:
+    import ctypes
+    import llama_cpp
+  except ImportError as e:
+    raise GGUFError(f"{kind} files are made by llama.cpp's quantiser: pip install llama-cpp-python (.ci/"
+                    f"llama_cpp_wheel.sh), or export q4_0/q8_0") from e
+  p = llama_cpp.llama_model_quantize_default_params()
+  p.ftype = getattr(llama_cpp, f"LLAMA_FTYPE_MOSTLY_{kind}")
+  tmp = dst + ".partial"
+  try:
+    rc = llama_cpp.llama_model_quantize(src.encode(), tmp.encode(), ctypes.byref(p))
+    if rc != 0:
+      raise GGUFError(f"llama_model_quantize failed with code {rc}")
+    os.replace(tmp, dst)
+  finally:
+    if os.path.exists(tmp):
+      os.remove(tmp)
 
 
 def write_arrays(arrays: dict, cfg: ModelConfig, path: str, quant: str = "f32", align: int = PAGE,
-                 name: str = "prismllm", output_quant: Optional[str] = None, crc: bool = True) -> dict:
-  """GGUF tensor name -> f32 array (llama.cpp layout, q/k rows already RoPE-permuted) -> a GGUF file.
+                 name: str = "prismllm", output_quant: Optional[str] = None, crc: bool = True, arch: str = "llama",
+                 vocab=None) -> dict:
+  """GGUF tensor name -> f32 array (llama.cpp layout: q/k rows RoPE-permuted for llama, not for qwen2/qwen3)
+  -> a GGUF file of architecture ``arch``. ``vocab``: a ``vocab.Vocab`` (default: the byte vocabulary).
   ``crc=False``: no per-tensor CRC32s (a file llama.cpp's quantiser rewrites: it copies the metadata)."""
   import gguf
-  tok = ByteTokenizer(cfg.vocab_size)
-  w = gguf.GGUFWriter(path, "llama")
+  if arch not in gguf_check.ARCHS:
+    raise GGUFError(f"architecture {arch!r} unknown; choose one of {', '.join(gguf_check.ARCHS)}")
+  w = gguf.GGUFWriter(path, arch)
   w.data_alignment = align
   w.add_custom_alignment(align)
   w.add_name(name)
@@ -121,18 +167,8 @@ def write_arrays(arrays: dict, cfg: ModelConfig, path: str, quant: str = "f32", 
   ftype = {"f32": gguf.LlamaFileType.ALL_F32, "f16": gguf.LlamaFileType.MOSTLY_F16,
            "q8_0": gguf.LlamaFileType.MOSTLY_Q8_0, "q4_0": gguf.LlamaFileType.MOSTLY_Q4_0}[quant]
   w.add_file_type(ftype)
-  tokens, scores, types = tok.gguf_vocab()
-  w.add_tokenizer_model("llama")
-  w.add_token_list(tokens)
-  w.add_token_scores(scores)
-  w.add_token_types(types)
-  w.add_bos_token_id(tok.eos_id)
-  w.add_eos_token_id(tok.eos_id)
-  w.add_unk_token_id(0)
-  w.add_add_bos_token(False)
-  w.add_add_eos_token(False)
-  w.add_add_space_prefix(False)
-  w.add_string("prismllm.tokenizer", "bytes")
+  from ondevice import vocab as vocab_lib
+  (vocab or vocab_lib.byte_vocab(cfg.vocab_size)).write(w)
   w.add_string("prismllm.model_config", json.dumps(dataclasses.asdict(cfg)))
   counts: dict = {}
   data = {}
@@ -177,41 +213,20 @@ def tiny_config(**kw) -> ModelConfig:
   return ModelConfig(**{**base, **kw})
 
 
-def random_arrays(cfg: ModelConfig, seed: int = 0, std: float = 0.2) -> dict:
-  """GGUF tensor name -> f32 array of a random llama model (std 0.2: peaked logits, so greedy tokens are
-  stable against rounding and comparisons between files are meaningful)."""
+def random_arrays(cfg: ModelConfig, seed: int = 0, std: float = 0.2, arch: str = "llama",
+                  rope_freqs=None) -> dict:
+  """GGUF tensor name -> f32 array of a random ``arch`` model (std 0.2: peaked logits, so greedy tokens are
+  stable against rounding and comparisons between files are meaningful). Norm weights are 1 + 0.1 N(0, 1),
+  biases std N(0, 1); ``rope_freqs``: Llama 3's factors (rope_freqs.weight), written first."""
   rng = np.random.default_rng(seed)
-  out = {}
-  for name, shape in gguf_check.expected_shapes(cfg).items():
-    out[name] = (1.0 + 0.1 * rng.standard_normal(shape) if len(shape) == 1 else std * rng.standard_normal(shape))
-    out[name] = out[name].astype(np.float32)
+  out = {} if rope_freqs is None else {"rope_freqs.weight": np.asarray(rope_freqs, np.float32)}
+  for name, shape in gguf_check.expected_shapes(cfg, arch).items():
+    if name.endswith(".bias"):
+      a = std * rng.standard_normal(shape)
+    else:
+      a = 1.0 + 0.1 * rng.standard_normal(shape) if len(shape) == 1 else std * rng.standard_normal(shape)
+    out[name] = a.astype(np.float32)
   return out
-
-
-def _export_q4_k(params, cfg, path, align, name) -> dict:
-  try:
-    import ctypes
-    import llama_cpp
-  except ImportError as e:
-    raise GGUFError("--quant q4_k uses llama.cpp's quantizer: pip install llama-cpp-python, "
-                    "or export q4_0/q8_0") from e
-  if cfg.d_model % 256 or cfg.ff % 256:
-    raise GGUFError(f"Q4_K needs d_model and d_ff multiples of 256 (got {cfg.d_model}, {cfg.ff}); use q4_0")
-  tmp = path + ".f16.tmp"
-  # Default (32-byte) alignment: llama.cpp 0.3.36's quantiser copies general.alignment = 4096 from its
-  # input but pads tensors to 32, so a page-aligned input gives a file llama.cpp itself rejects
-  # ("tensor ... has offset 53760, expected 57344"). Q4_K files are therefore not page-aligned.
-  del align
-  export_gguf(params, cfg, tmp, "f16", 32, name)
-  try:
-    p = llama_cpp.llama_model_quantize_default_params()
-    p.ftype = llama_cpp.LLAMA_FTYPE_MOSTLY_Q4_K_M
-    rc = llama_cpp.llama_model_quantize(tmp.encode(), path.encode(), ctypes.byref(p))
-    if rc != 0:
-      raise GGUFError(f"llama_model_quantize failed with code {rc}")
-  finally:
-    os.remove(tmp)
-  return {"path": path, "quant": "q4_k", "bytes": os.path.getsize(path)}
 
 
 # ------------------------------------------------------------------------------------------ import
