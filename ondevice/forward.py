@@ -183,9 +183,11 @@ class GGUFLlama:
     return x_TxD + m["ffn_down"](a_TxF)
 
   def run_layers(self, x_TxD: np.ndarray, pos0: int, layers: Iterable[int], cache: KVCache,
-                 batch_invariant: bool = False) -> np.ndarray:
+                 batch_invariant: bool = False, last_only: bool = False) -> np.ndarray:
     """The given layers in order. A run of consecutive bound layers whose caches are consecutive too is one
-    fused call (planes.layers); ``batch_invariant``: see there (speculative verification)."""
+    fused call (planes.layers); ``batch_invariant``: see there (speculative verification). ``last_only``: only
+    the last row's result will be used (llama.cpp computes the model's last feed-forward block for the rows
+    whose logits are wanted; the other rows come back, computed the same way, unused)."""
     layers = list(layers)
     if pos0 + x_TxD.shape[0] > cache.max_len:
       raise ValueError(f"context overflow: position {pos0 + x_TxD.shape[0]} > max_len {cache.max_len}; raise --ctx")
@@ -193,16 +195,20 @@ class GGUFLlama:
       j, cj = self.layer_ids.index(layers[0]), cache.layer_ids.index(layers[0])
       n = len(layers)
       if self.layer_ids[j:j + n] == layers and list(cache.layer_ids[cj:cj + n]) == layers:
+        last = self.cfg.n_layers - 1
+        cut = layers.index(last) if last_only and last in layers else -1
         return planes.layers(self.team(), j, j + n, x_TxD, cache.k_all[cj:cj + n], cache.v_all[cj:cj + n], pos0,
-                             batch_invariant)
+                             batch_invariant, cut)
     for i in layers:
       x_TxD = self.layer(i, x_TxD, pos0, cache, batch_invariant)
     return x_TxD
 
-  def forward(self, tokens_T, pos0: int, cache: KVCache, batch_invariant: bool = False) -> np.ndarray:
-    """Logits T x V for tokens at positions pos0.. (all bound layers in order)."""
-    x = self.embed(tokens_T)
-    return self.head(self.run_layers(x, pos0, self.layer_ids, cache, batch_invariant), batch_invariant)
+  def forward(self, tokens_T, pos0: int, cache: KVCache, batch_invariant: bool = False,
+              last_only: bool = False) -> np.ndarray:
+    """Logits T x V for tokens at positions pos0.. (all bound layers in order); ``last_only``: 1 x V, the last
+    token's, computed as llama.cpp computes them when only they are requested (run_layers)."""
+    x = self.run_layers(self.embed(tokens_T), pos0, self.layer_ids, cache, batch_invariant, last_only)
+    return self.head(x[-1:] if last_only else x, batch_invariant)
 
 
 def greedy_generate(model: GGUFLlama, prompt_ids, n_new: int, stop_id: Optional[int] = None,

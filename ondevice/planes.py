@@ -272,7 +272,7 @@ class Team:
     # Stopped when the team goes away or at interpreter exit (before the arrays they read are torn down).
     self._finalizer = weakref.finalize(self, _stop, self.ctrl, threads)
 
-  def run(self, l0: int, l1: int, x, k_LxSxKxE, v_LxSxKxE, pos0: int, tiny: bool) -> np.ndarray:
+  def run(self, l0: int, l1: int, x, k_LxSxKxE, v_LxSxKxE, pos0: int, tiny: bool, cut: int = -1) -> np.ndarray:
     p, (H, K, E, F, eps, neox) = self.pack, self.dims
     T, D = x.shape
     bufs = (np.empty((T, _r64(H * E) + 2 * _r64(K * E)), np.float32), np.empty((T, H * E), np.float32),
@@ -281,14 +281,14 @@ class Team:
     if self.n > 1:
       c = self.ctrl
       for i, v in ((pk.C_T, T), (pk.C_POS, pos0), (pk.C_TINY, int(tiny)), (pk.C_L0, l0), (pk.C_L1, l1),
-                   (pk.C_S, k_LxSxKxE.shape[1])):
+                   (pk.C_S, k_LxSxKxE.shape[1]), (pk.C_CUT, cut)):
         c[i] = v
       for i, a in zip((pk.C_X, pk.C_OUT, pk.C_K, pk.C_V, pk.C_QKV, pk.C_ATT, pk.C_Y, pk.C_A),
                       (x, out, k_LxSxKxE, v_LxSxKxE) + bufs):
         c[i] = a.ctypes.data
       _publish(c)
     pk.step(0, self.n, self.sync, x, out, p.desc[l0:l1], p.W, p.S, p.V, p.vd[l0:l1], k_LxSxKxE, v_LxSxKxE, self.cos,
-            self.sin, pos0, H, K, E, F, eps, neox, tiny, *bufs)
+            self.sin, pos0, H, K, E, F, eps, neox, tiny, cut, *bufs)
     return out
 
   def close(self) -> None:
@@ -296,13 +296,13 @@ class Team:
 
 
 def layers(team: Team, l0: int, l1: int, x_TxD, k_LxSxKxE, v_LxSxKxE, pos0: int,
-           batch_invariant: bool = False) -> np.ndarray:
+           batch_invariant: bool = False, cut: int = -1) -> np.ndarray:
   """Blocks [l0, l1) of the team's pack for T tokens; writes K/V rows pos0.. into the given caches (their
   L axis = those blocks). With T >= 2 the arithmetic follows llama.cpp's batched orders unless
   ``batch_invariant`` (then each token's result equals what a one-token pass gives: speculative
-  verification relies on it)."""
+  verification relies on it). ``cut``: see planes_kernels.step (pack index, -1: none)."""
   x = np.ascontiguousarray(x_TxD, np.float32)
-  return team.run(l0, l1, x, k_LxSxKxE, v_LxSxKxE, pos0, x.shape[0] >= 2 and not batch_invariant)
+  return team.run(l0, l1, x, k_LxSxKxE, v_LxSxKxE, pos0, x.shape[0] >= 2 and not batch_invariant, cut)
 
 
 def rope_tables(max_len: int, head_dim: int, theta: float, freq_factors=None, freq_scale: float = 1.0) -> tuple:

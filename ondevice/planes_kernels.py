@@ -274,10 +274,13 @@ S_Q, S_K, S_V, S_O, S_GATE, S_UP, S_DOWN = range(7)
 
 @_jit(nogil=True)
 def step(tid, nth, sync, x_TxD, out_TxD, desc, W, S, V, vd, k_LxSxKxE, v_LxSxKxE, cos_SxE2, sin_SxE2, pos0, H, K, E,
-         F, eps, neox, tiny, qkv_buf, att_buf, y_buf, a_buf):  # pragma: no cover - compiled
+         F, eps, neox, tiny, cut, qkv_buf, att_buf, y_buf, a_buf):  # pragma: no cover - compiled
   """All layers of ``desc`` (L x 7 matrices, ``S_*``) for T tokens at positions pos0.., as thread tid of nth (every
   thread calls this with the same arguments). Writes K/V rows pos0.. of every layer; thread 0 writes the result
-  to out_TxD. ``tiny``: the pass is batched (T >= 2, not batch-invariant): llama.cpp's batched orders."""
+  to out_TxD. ``tiny``: the pass is batched (T >= 2, not batch-invariant): llama.cpp's batched orders. ``cut``:
+  the layer (index into desc, -1: none) after whose attention llama.cpp keeps only the rows whose logits are
+  wanted (the model's last layer when only the last token's logits are): its feed-forward block then runs
+  each row as a one-token pass, which is what the last row gets in llama.cpp."""
   T, D = x_TxD.shape
   L = desc.shape[0]
   G = H // K
@@ -350,18 +353,19 @@ def step(tid, nth, sync, x_TxD, out_TxD, desc, W, S, V, vd, k_LxSxKxE, v_LxSxKxE
       for i in range(D):
         x[t, i] = y_buf[t, i] + x[t, i]
     # feed-forward block: a thread owning gate group j also computes up group j and applies SwiGLU on the spot
+    tf = tiny and l != cut
     rms_norm(x, V[vd[l, V_FFN_NORM]:vd[l, V_FFN_NORM] + D], eps, h)
     prep(h, D, _mask(dl[S_GATE]) | _mask(dl[S_UP]), xq, xd, xs4, xs8, kq, kd, kbs, xh)
     j0, j1 = _share(dl[S_GATE, 3], tid, nth)
     for j in range(j0, j1):
-      _mm(dl[S_GATE], W, S, S16, j, j + 1, h, D, xq, xd, xs4, xs8, kq, kd, kbs, xh, gu_tmp, 0, j, tiny)
-      _mm(dl[S_UP], W, S, S16, j, j + 1, h, D, xq, xd, xs4, xs8, kq, kd, kbs, xh, gu_tmp, 64, j, tiny)
+      _mm(dl[S_GATE], W, S, S16, j, j + 1, h, D, xq, xd, xs4, xs8, kq, kd, kbs, xh, gu_tmp, 0, j, tf)
+      _mm(dl[S_UP], W, S, S16, j, j + 1, h, D, xq, xd, xs4, xs8, kq, kd, kbs, xh, gu_tmp, 64, j, tf)
       for t in range(T):
         vswiglu(gu_tmp[t], 0, gu_tmp[t], 64, a_buf[t], 64 * j, 4)
     barrier(sync, nth)
     prep(a_buf, F, _mask(dl[S_DOWN]), xq, xd, xs4, xs8, kq, kd, kbs, xh)
     g0, g1 = _share(dl[S_DOWN, 3], tid, nth)
-    _mm(dl[S_DOWN], W, S, S16, g0, g1, a_buf, F, xq, xd, xs4, xs8, kq, kd, kbs, xh, y_buf, 0, 0, tiny)
+    _mm(dl[S_DOWN], W, S, S16, g0, g1, a_buf, F, xq, xd, xs4, xs8, kq, kd, kbs, xh, y_buf, 0, 0, tf)
     barrier(sync, nth)
     for t in range(T):
       for i in range(D):
@@ -373,7 +377,7 @@ def step(tid, nth, sync, x_TxD, out_TxD, desc, W, S, V, vd, k_LxSxKxE, v_LxSxKxE
 # Control block shared by the caller and the kernel threads of a planes.Team (int64; gen alone on its line).
 C_GEN, C_STOP, C_T, C_POS, C_TINY, C_L0, C_L1, C_S, C_X, C_OUT, C_K, C_V, C_QKV, C_ATT, C_Y, C_A = (
     0, 8, 9, 10, 11, 12, 13, 14, 15, 16, 17, 18, 19, 20, 21, 22)
-C_SLEEPERS = 24
+C_SLEEPERS, C_CUT = 24, 23
 
 
 @_jit(nogil=True)
@@ -398,6 +402,6 @@ def worker(tid, nth, sync, ctrl, seen, desc, W, S, V, vd, cos_SxE2, sin_SxE2, H,
     kc = numba.carray(f32_ptr(ctrl[C_K]), (L, Sl, K, E))
     vc = numba.carray(f32_ptr(ctrl[C_V]), (L, Sl, K, E))
     step(tid, nth, sync, x, out, desc[l0:l1], W, S, V, vd[l0:l1], kc, vc, cos_SxE2, sin_SxE2, pos0, H, K, E, F, eps,
-         neox, ctrl[C_TINY] != 0, numba.carray(f32_ptr(ctrl[C_QKV]), (T, cq)),
+         neox, ctrl[C_TINY] != 0, ctrl[C_CUT], numba.carray(f32_ptr(ctrl[C_QKV]), (T, cq)),
          numba.carray(f32_ptr(ctrl[C_ATT]), (T, H * E)), numba.carray(f32_ptr(ctrl[C_Y]), (T, cy)),
          numba.carray(f32_ptr(ctrl[C_A]), (T, ca)))
