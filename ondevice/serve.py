@@ -298,12 +298,26 @@ class Handler(BaseHTTPRequestHandler):
         pass
 
 
+class Server(ThreadingHTTPServer):
+  daemon_threads = True
+  request_queue_size = 512  # listen backlog: socketserver's 5 resets clients that connect at the same moment
+
+
 def serve(model: str, host: str = "127.0.0.1", port: int = 8080, **kw):
-  """(server, service): a started ThreadingHTTPServer (port 0 picks a free one: server.server_address)."""
-  svc = Service(model, **kw)
-  handler = type("BoundHandler", (Handler,), {"svc": svc})
-  srv = ThreadingHTTPServer((host, port), handler)
-  srv.daemon_threads = True
+  """(server, service): a bound ThreadingHTTPServer (port 0 picks a free one: server.server_address) over a
+  loaded model; call server.serve_forever(). The port is bound first, so a taken port fails before loading."""
+  from ondevice.errors import InputError
+  handler = type("BoundHandler", (Handler,), {})
+  try:
+    srv = Server((host, port), handler)
+  except OSError as e:
+    raise InputError(f"--host {host} --port {port}: cannot listen there ({e.strerror or e}); pick another port "
+                     f"(--port 0 picks a free one)") from None
+  try:
+    handler.svc = svc = Service(model, **kw)
+  except BaseException:
+    srv.server_close()
+    raise
   return srv, svc
 
 
