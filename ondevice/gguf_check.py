@@ -21,7 +21,7 @@ MAGIC = b"GGUF"
 _FIXED = {0: 1, 1: 1, 2: 2, 3: 2, 4: 4, 5: 4, 6: 4, 7: 1, 10: 8, 11: 8, 12: 8}
 _STRING, _ARRAY = 8, 9
 MAX_DIMS = 4
-RUNTIME_TYPES = ("F32", "F16", "Q8_0", "Q4_0", "Q4_K", "Q5_K", "Q6_K")
+RUNTIME_TYPES = ("F32", "F16", "BF16", "Q8_0", "Q4_0", "Q4_K", "Q5_K", "Q6_K")
 ARCHS = ("llama", "qwen2", "qwen3")  # mistral files are llama files
 CRC_KEY = "prismllm.tensor_crc32"
 
@@ -237,6 +237,10 @@ def check_runnable(info) -> None:
     raise GGUFError(f"{info.path} has {'/'.join(kinds)} tensors (first: {bad}), which this runtime cannot compute "
                     f"on (it runs {', '.join(RUNTIME_TYPES)}); re-quantise it with llama.cpp's quantiser (Q4_K_M, "
                     f"Q5_K_M, Q6_K, Q8_0, Q4_0) or run it with llama.cpp")
+  from ondevice import simd_k
+  if not simd_k.has_bf16() and any(t.qtype == "BF16" for t in info.tensors.values()):
+    raise GGUFError(f"{info.path} has BF16 tensors: this runtime computes them with the AVX-512 BF16 instruction, "
+                    f"which this CPU lacks; convert it to F16 or Q8_0 with llama.cpp's quantiser")
   tied = "output.weight" not in info.tensors
   for n, t in info.tensors.items():
     if len(t.shape) == 2 and t.qtype in ("Q4_K", "Q4_0") and t.shape[0] % 8 and (n != "token_embd.weight" or tied):

@@ -23,7 +23,7 @@ from ondevice import gguf_check
 from ondevice.gguf_check import CRC_KEY, GGUFError  # noqa: F401  (GGUFError: re-exported)
 from ondevice.tokenizer import ByteTokenizer
 
-QUANTS = ("f32", "f16", "q8_0", "q4_0", "q4_k_m", "q5_k_m", "q6_k", "q4_k")
+QUANTS = ("f32", "f16", "bf16", "q8_0", "q4_0", "q4_k_m", "q5_k_m", "q6_k", "q4_k")
 LLAMA_QUANTS = {"q4_k": "Q4_K_M", "q4_k_m": "Q4_K_M", "q5_k_m": "Q5_K_M", "q6_k": "Q6_K"}  # via llama.cpp
 PAGE = 4096
 _BLOCKED = ("q8_0", "q4_0")
@@ -79,7 +79,7 @@ class GGUFInfo:
 def _matrix_qtype(quant: str, n_in: int) -> str:
   if quant in _BLOCKED and n_in % 32:
     return "F16"  # ggml block quants need rows that are a multiple of 32
-  return {"f32": "F32", "f16": "F16", "q8_0": "Q8_0", "q4_0": "Q4_0"}[quant]
+  return {"f32": "F32", "f16": "F16", "bf16": "BF16", "q8_0": "Q8_0", "q4_0": "Q4_0"}[quant]
 
 
 def export_gguf(params: Any, cfg: ModelConfig, path: str, quant: str = "f32", align: int = PAGE,
@@ -104,8 +104,8 @@ def write_quantized(arrays: dict, cfg: ModelConfig, path: str, quant: str = "f32
     return write_arrays(arrays, cfg, path, quant, align, name, output_quant, arch=arch, vocab=vocab)
   bad = [n for n, a in arrays.items() if np.ndim(a) == 2 and np.shape(a)[1] % 256]
   if bad:
-    raise GGUFError(f"{quant} needs matrices with a multiple of 256 inputs ({bad[0]} has {np.shape(arrays[bad[0]])[1]}); "
-                    f"use --quant q4_0 or q8_0")
+    raise GGUFError(f"{quant} needs matrices with a multiple of 256 inputs ({bad[0]} has "
+                    f"{np.shape(arrays[bad[0]])[1]}); use --quant q4_0 or q8_0")
   tmp = path + ".f16.tmp"
   # Default (32-byte) alignment: llama.cpp 0.3.36's quantiser copies general.alignment = 4096 from its input but
   # pads tensors to 32, so a page-aligned input gives a file llama.cpp itself rejects. K-quant files are therefore
@@ -165,6 +165,7 @@ def write_arrays(arrays: dict, cfg: ModelConfig, path: str, quant: str = "f32", 
   w.add_layer_norm_rms_eps(cfg.norm_eps)
   w.add_vocab_size(cfg.vocab_size)
   ftype = {"f32": gguf.LlamaFileType.ALL_F32, "f16": gguf.LlamaFileType.MOSTLY_F16,
+           "bf16": gguf.LlamaFileType.MOSTLY_BF16,
            "q8_0": gguf.LlamaFileType.MOSTLY_Q8_0, "q4_0": gguf.LlamaFileType.MOSTLY_Q4_0}[quant]
   w.add_file_type(ftype)
   from ondevice import vocab as vocab_lib

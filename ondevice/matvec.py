@@ -16,6 +16,7 @@ or row-major halves/floats) and in ``S`` (scales), its 64-row groups, rows and i
 * F16: activations rounded to f16; one token: ggml_vec_dot_f16 (4 x 16-lane fma accumulators over 64-element
   steps, (0+2)+(1+3), the 16-lane tree sum, double leftovers); a batch: tinyBLAS (one 16-lane accumulator per
   output, tree sum) when n_in % 16 == 0.
+* BF16: activations rounded to bf16; ``simd_k.vdot_bf16`` (vdpbf16ps: ggml_vec_dot_bf16 / tinyBLAS).
 * F32: one token ggml_vec_dot_f32 (simd.vdot_f32); a batch tinyBLAS as F16.
 Activations for K-quants are Q8_K (``act_q8k``: per 256, iscale = -127/max (the signed value of largest
 magnitude), q = round-half-even(x*iscale), d = 1/iscale as float, int sums per 16).
@@ -26,21 +27,18 @@ from __future__ import annotations
 
 import numpy as np
 
-from ondevice import nbcache, simd
+from ondevice import nbcache, simd, simd_k
 from ondevice.simd import HAVE_NUMBA
 
 if HAVE_NUMBA:
   import numba
   from ondevice.simd import fma32, half_to_float, q4_rows64, q8_rows64, round_f16, vdot_f32
+  from ondevice.simd_k import vdot_bf16
 
 Q4_0, Q8_0, Q4_K, Q5_K, Q6_K, F16, BF16, F32 = range(8)
-CODES = {"Q4_0": Q4_0, "Q8_0": Q8_0, "Q4_K": Q4_K, "Q5_K": Q5_K, "Q6_K": Q6_K, "F16": F16, "F32": F32}
+CODES = {"Q4_0": Q4_0, "Q8_0": Q8_0, "Q4_K": Q4_K, "Q5_K": Q5_K, "Q6_K": Q6_K, "F16": F16, "BF16": BF16, "F32": F32}
 DESC_CODE, DESC_Q, DESC_S, DESC_G, DESC_OUT, DESC_IN = range(6)
-NEED_Q8_0, NEED_Q8_K, NEED_F16 = 1, 2, 4  # activation formats (bit mask) a type reads
-
-
-def need(code: int) -> int:
-  return NEED_Q8_0 if code <= Q8_0 else NEED_Q8_K if code <= Q6_K else NEED_F16 if code == F16 else 0
+NEED_Q8_0, NEED_Q8_K, NEED_F16, NEED_BF16 = 1, 2, 4, 8  # activation formats (bit mask) a type reads
 
 
 nbcache.prefer_512_bit_vectors()
@@ -50,7 +48,7 @@ def _anchor():  # numba's cache locators start from a function of this file
   pass
 
 
-nbcache.clear_stale(__file__, [simd.__file__], _anchor)
+nbcache.clear_stale(__file__, [simd.__file__, simd_k.__file__], _anchor)
 
 
 def _jit(f):
@@ -98,6 +96,21 @@ def act_f16(x_TxI, xh_TxI):  # pragma: no cover - compiled
   for t in range(T):
     for i in range(n):
       xh_TxI[t, i] = round_f16(x_TxI[t, i])
+
+
+@_jit
+def act_bf16(x_TxI, xb_TxI):  # pragma: no cover - compiled
+  """Activations rounded to bf16 (round half to even, as ggml_cpu_fp32_to_bf16), kept as float32 values."""
+  T, n = x_TxI.shape
+  u = x_TxI.view(np.uint32)
+  o = xb_TxI.view(np.uint32)
+  for t in range(T):
+    for i in range(n):
+      b = u[t, i]
+      if (b & np.uint32(0x7FFFFFFF)) > np.uint32(0x7F800000):
+        o[t, i] = (b | np.uint32(0x00400000)) & np.uint32(0xFFFF0000)
+      else:
+        o[t, i] = ((b + np.uint32(0x7FFF) + ((b >> np.uint32(16)) & np.uint32(1))) >> np.uint32(16)) << np.uint32(16)
 
 
 # ------------------------------------------------------------------------------------------ small sums
@@ -267,10 +280,10 @@ def f32_row(Wf, off, n, x, tiny):  # pragma: no cover - compiled
 # ------------------------------------------------------------------------------------------ dispatch
 
 @_jit
-def mat_groups(d, W, S, S16, g0, g1, x, xq32, xd, xs4, xs8, kq, kd, kbs, xh, out, col0, gbase,
+def mat_groups(d, W, S, S16, g0, g1, x, xq32, xd, xs4, xs8, kq, kd, kbs, xh, xb, out, col0, gbase,
                batched):  # pragma: no cover - compiled
   """Row groups [g0, g1) of the matrix ``d`` (a desc row) for every token: out[t, col0 + 64(g - gbase) + r].
-  Activations: x (f32), Q8_0 (xq32 int32 view, xd, xs4, xs8), Q8_K (kq, kd, kbs), F16 (xh), as ``need`` says.
+  Activations: x (f32), Q8_0 (xq32 int32 view, xd, xs4, xs8), Q8_K (kq, kd, kbs), F16 (xh), BF16 (xb).
   ``batched``: llama.cpp's batched orders (T >= 2 in one pass); False gives every token its one-token result."""
   code, qo, so, n_out, n_in = d[DESC_CODE], d[DESC_Q], d[DESC_S], d[DESC_OUT], d[DESC_IN]
   T = out.shape[0]
@@ -297,5 +310,8 @@ def mat_groups(d, W, S, S16, g0, g1, x, xq32, xd, xs4, xs8, kq, kd, kbs, xh, out
         for r in range(min(64, n_out - 64 * g)):
           if code == F16:
             out[t, o0 + r] = f16_row(W, qo + 2 * (64 * g + r) * n_in, n_in, xh[t], tiny)
+          elif code == BF16:
+            out[t, o0 + r] = vdot_bf16(xb[t], 0, W.view(np.uint16), qo // 2 + (64 * g + r) * n_in, n_in,
+                                       batched and n_in % 32 == 0)
           else:
             out[t, o0 + r] = f32_row(W.view(np.float32), qo // 4 + (64 * g + r) * n_in, n_in, x[t], tiny)

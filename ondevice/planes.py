@@ -5,7 +5,7 @@ rows' f16 scales (128 B) and their quants (Q4_0: 1024 B, Q8_0: 2048 B) ordered [
 [row r][4 bytes], so that one 64-byte load gives 4 consecutive quants of 16 rows: the operand of one AVX-512 VNNI
 ``vpdpbusd`` (simd.py). Q4_0 keeps ggml's nibble packing (low nibble = quant j, high = quant j+16); Q8_0 is
 stored +128 (unsigned). Same bytes per weight as the file (18 / 34 per 32). K-quants (Q4_K, Q5_K, Q6_K): the same
-idea per super-block of 256 (``kquants.py``). F16 / F32 matrices stay row-major. Each matrix is a row of a
+idea per super-block of 256 (``kquants.py``). F16 / BF16 / F32 matrices stay row-major. Each matrix is a row of a
 ``desc`` table (``matvec.DESC_*``: type, offsets into the buffers W (quants) and S (scales), groups, rows,
 inputs), so every matrix of a layer may have its own type (llama.cpp's Q4_K_M mixes Q4_K and Q6_K).
 
@@ -32,7 +32,7 @@ from ondevice.planes_kernels import HAVE_NUMBA, QK, R
 
 PLANE_BYTES = {"Q4_0": 18, "Q8_0": 34}  # per row per block, as in the file
 GGML_BLOCK_BYTES = {"Q8_0": 34, "Q4_0": 18}
-PACKABLE = ("Q4_0", "Q8_0", "Q4_K", "Q5_K", "Q6_K", "F16", "F32")
+PACKABLE = ("Q4_0", "Q8_0", "Q4_K", "Q5_K", "Q6_K", "F16", "BF16", "F32")
 _threads = 1
 
 
@@ -101,7 +101,7 @@ def pack_matrix(qtype: str, raw: np.ndarray, n_out: int, n_in: int) -> tuple:
   if qtype in kquants.BLOCK_BYTES:
     q, s = kquants.repack(qtype, raw, n_in)
     return matvec.CODES[qtype], q.ravel(), s.ravel(), q.shape[0]
-  if qtype in ("F16", "F32"):
+  if qtype in ("F16", "BF16", "F32"):
     return matvec.CODES[qtype], np.ascontiguousarray(raw).view(np.uint8).ravel(), np.zeros(0, np.uint8), -(-n_out // R)
   raise NotImplementedError(f"no planes for {qtype}")
 

@@ -27,12 +27,12 @@ from __future__ import annotations
 
 import numpy as np
 
-from ondevice import matvec, nbcache, simd
+from ondevice import matvec, nbcache, simd, simd_k
 from ondevice.simd import HAVE_NUMBA
 
 if HAVE_NUMBA:
   import numba
-  from ondevice.matvec import act_f16, act_q8k, mat_groups
+  from ondevice.matvec import act_bf16, act_f16, act_q8k, mat_groups
   from ondevice.simd import (atomic_add, atomic_load, cpu_relax, f32_ptr, fma32, futex_wait, futex_wake, round_f16,
                              vaxpy, vdot_f32, vexp_sum, vswiglu)
 
@@ -46,7 +46,7 @@ def _anchor():  # numba's cache locators start from a function of this file
 
 
 nbcache.prefer_512_bit_vectors()
-nbcache.clear_stale(__file__, [simd.__file__, matvec.__file__], _anchor)
+nbcache.clear_stale(__file__, [simd.__file__, simd_k.__file__, matvec.__file__], _anchor)
 
 
 def _jit(f=None, nogil=False):
@@ -119,14 +119,20 @@ def expf_ggml(x):  # pragma: no cover - compiled
 
 @_jit
 def rope(buf, col0, n_heads, E, cos_row, sin_row):  # pragma: no cover - compiled
-  """In place: llama.cpp NORM RoPE on n_heads heads of E starting at column col0 (adjacent pairs)."""
+  """In place: llama.cpp NORM RoPE on n_heads heads of E starting at column col0 (adjacent pairs). GCC vectorised
+  ggml's rotate_pairs 4 pairs at a time with fused multiply-adds; the last E/2 % 4 pairs are not fused."""
+  v = (E // 2) // 4 * 4
   for h in range(n_heads):
     c0 = col0 + h * E
     for i in range(E // 2):
       x0, x1 = buf[c0 + 2 * i], buf[c0 + 2 * i + 1]
       c, s = cos_row[i], sin_row[i]
-      buf[c0 + 2 * i] = fma32(x0, c, -(x1 * s))
-      buf[c0 + 2 * i + 1] = fma32(x0, s, x1 * c)
+      if i < v:
+        buf[c0 + 2 * i] = fma32(x0, c, -(x1 * s))
+        buf[c0 + 2 * i + 1] = fma32(x0, s, x1 * c)
+      else:
+        buf[c0 + 2 * i] = x0 * c - x1 * s
+        buf[c0 + 2 * i + 1] = x0 * s + x1 * c
 
 
 @_jit
@@ -227,7 +233,7 @@ def rope_neox(buf, col0, n_heads, E, cos_row, sin_row):  # pragma: no cover - co
 
 
 @_jit
-def prep(h, n, mask, xq, xd, xs4, xs8, kq, kd, kbs, xh):  # pragma: no cover - compiled
+def prep(h, n, mask, xq, xd, xs4, xs8, kq, kd, kbs, xh, xb):  # pragma: no cover - compiled
   """The activation formats (matvec.NEED_* bits in ``mask``) of h[:, :n] that the next matrices read."""
   if mask & 1:
     act_q8(h[:, :n], xq[:, :n], xd[:, :n // 32], xs4[:, :n // 32], xs8[:, :n // 4])
@@ -235,18 +241,22 @@ def prep(h, n, mask, xq, xd, xs4, xs8, kq, kd, kbs, xh):  # pragma: no cover - c
     act_q8k(h[:, :n], kq[:, :n], kd[:, :n // 256], kbs[:, :n // 16])
   if mask & 4:
     act_f16(h[:, :n], xh[:, :n])
+  if mask & 8:
+    act_bf16(h[:, :n], xb[:, :n])
 
 
 @_jit
 def _mask(d):  # pragma: no cover - compiled
   c = d[0]
-  return 1 if c <= 1 else 2 if c <= 4 else 4 if c == 5 else 0
+  return 1 if c <= 1 else 2 if c <= 4 else 4 if c == 5 else 8 if c == 6 else 0
 
 
 @_jit
-def _mm(d, W, S, S16, g0, g1, h, n, xq, xd, xs4, xs8, kq, kd, kbs, xh, out, col0, gbase, batched):  # pragma: no cover
+def _mm(d, W, S, S16, g0, g1, h, n, xq, xd, xs4, xs8, kq, kd, kbs, xh, xb, out, col0, gbase,
+        batched):  # pragma: no cover - compiled
   mat_groups(d, W, S, S16, g0, g1, h[:, :n], xq[:, :n].view(np.int32), xd[:, :n // 32], xs4[:, :n // 32],
-             xs8[:, :n // 4], kq[:, :n], kd[:, :n // 256], kbs[:, :n // 16], xh[:, :n], out, col0, gbase, batched)
+             xs8[:, :n // 4], kq[:, :n], kd[:, :n // 256], kbs[:, :n // 16], xh[:, :n], xb[:, :n], out, col0, gbase,
+             batched)
 
 
 @_jit(nogil=True)
@@ -261,9 +271,10 @@ def matmul_desc(d, W, S, x_TxI, batched):  # pragma: no cover - compiled
   kd = np.empty((T, max(1, n // 256)), np.float32)
   kbs = np.empty((T, n // 16), np.int32)
   xh = np.empty((T, n), np.float32)
-  prep(x_TxI, n, _mask(d), xq, xd, xs4, xs8, kq, kd, kbs, xh)
+  xb = np.empty((T, n), np.float32)
+  prep(x_TxI, n, _mask(d), xq, xd, xs4, xs8, kq, kd, kbs, xh, xb)
   out = np.zeros((T, d[3] * 64), np.float32)
-  _mm(d, W, S, S.view(np.uint16), 0, d[3], x_TxI, n, xq, xd, xs4, xs8, kq, kd, kbs, xh, out, 0, 0, batched)
+  _mm(d, W, S, S.view(np.uint16), 0, d[3], x_TxI, n, xq, xd, xs4, xs8, kq, kd, kbs, xh, xb, out, 0, 0, batched)
   return out
 
 
@@ -298,6 +309,7 @@ def step(tid, nth, sync, x_TxD, out_TxD, desc, W, S, V, vd, k_LxSxKxE, v_LxSxKxE
   kd = np.empty((T, max(1, nmax // 256)), np.float32)
   kbs = np.empty((T, nmax // 16), np.int32)
   xh = np.empty((T, nmax), np.float32)
+  xb = np.empty((T, nmax), np.float32)
   gu_tmp = np.empty((T, 128), np.float32)
   S_max = k_LxSxKxE.shape[1]
   p = np.empty(S_max + 16, np.float32)
@@ -307,10 +319,10 @@ def step(tid, nth, sync, x_TxD, out_TxD, desc, W, S, V, vd, k_LxSxKxE, v_LxSxKxE
     dl = desc[l]
     # attention block
     rms_norm(x, V[vd[l, V_ATTN_NORM]:vd[l, V_ATTN_NORM] + D], eps, h)
-    prep(h, D, _mask(dl[S_Q]) | _mask(dl[S_K]) | _mask(dl[S_V]), xq, xd, xs4, xs8, kq, kd, kbs, xh)
+    prep(h, D, _mask(dl[S_Q]) | _mask(dl[S_K]) | _mask(dl[S_V]), xq, xd, xs4, xs8, kq, kd, kbs, xh, xb)
     for sl, c0 in ((S_Q, cq), (S_K, ck), (S_V, cv)):
       g0, g1 = _share(dl[sl, 3], tid, nth)
-      _mm(dl[sl], W, S, S16, g0, g1, h, D, xq, xd, xs4, xs8, kq, kd, kbs, xh, qkv_buf, c0, 0, tiny)
+      _mm(dl[sl], W, S, S16, g0, g1, h, D, xq, xd, xs4, xs8, kq, kd, kbs, xh, xb, qkv_buf, c0, 0, tiny)
     barrier(sync, nth)
     for kh in range(tid, K, nth):
       for t in range(T):
@@ -345,9 +357,9 @@ def step(tid, nth, sync, x_TxD, out_TxD, desc, W, S, V, vd, k_LxSxKxE, v_LxSxKxE
           attend(qkv_buf[t], cq + hh * E, k_LxSxKxE[l], v_LxSxKxE[l], kh, pos0 + t + 1, scale, tiny, att_buf[t],
                  hh * E, p, acc)
     barrier(sync, nth)
-    prep(att_buf, H * E, _mask(dl[S_O]), xq, xd, xs4, xs8, kq, kd, kbs, xh)
+    prep(att_buf, H * E, _mask(dl[S_O]), xq, xd, xs4, xs8, kq, kd, kbs, xh, xb)
     g0, g1 = _share(dl[S_O, 3], tid, nth)
-    _mm(dl[S_O], W, S, S16, g0, g1, att_buf, H * E, xq, xd, xs4, xs8, kq, kd, kbs, xh, y_buf, 0, 0, tiny)
+    _mm(dl[S_O], W, S, S16, g0, g1, att_buf, H * E, xq, xd, xs4, xs8, kq, kd, kbs, xh, xb, y_buf, 0, 0, tiny)
     barrier(sync, nth)
     for t in range(T):
       for i in range(D):
@@ -355,17 +367,17 @@ def step(tid, nth, sync, x_TxD, out_TxD, desc, W, S, V, vd, k_LxSxKxE, v_LxSxKxE
     # feed-forward block: a thread owning gate group j also computes up group j and applies SwiGLU on the spot
     tf = tiny and l != cut
     rms_norm(x, V[vd[l, V_FFN_NORM]:vd[l, V_FFN_NORM] + D], eps, h)
-    prep(h, D, _mask(dl[S_GATE]) | _mask(dl[S_UP]), xq, xd, xs4, xs8, kq, kd, kbs, xh)
+    prep(h, D, _mask(dl[S_GATE]) | _mask(dl[S_UP]), xq, xd, xs4, xs8, kq, kd, kbs, xh, xb)
     j0, j1 = _share(dl[S_GATE, 3], tid, nth)
     for j in range(j0, j1):
-      _mm(dl[S_GATE], W, S, S16, j, j + 1, h, D, xq, xd, xs4, xs8, kq, kd, kbs, xh, gu_tmp, 0, j, tf)
-      _mm(dl[S_UP], W, S, S16, j, j + 1, h, D, xq, xd, xs4, xs8, kq, kd, kbs, xh, gu_tmp, 64, j, tf)
+      _mm(dl[S_GATE], W, S, S16, j, j + 1, h, D, xq, xd, xs4, xs8, kq, kd, kbs, xh, xb, gu_tmp, 0, j, tf)
+      _mm(dl[S_UP], W, S, S16, j, j + 1, h, D, xq, xd, xs4, xs8, kq, kd, kbs, xh, xb, gu_tmp, 64, j, tf)
       for t in range(T):
         vswiglu(gu_tmp[t], 0, gu_tmp[t], 64, a_buf[t], 64 * j, 4)
     barrier(sync, nth)
-    prep(a_buf, F, _mask(dl[S_DOWN]), xq, xd, xs4, xs8, kq, kd, kbs, xh)
+    prep(a_buf, F, _mask(dl[S_DOWN]), xq, xd, xs4, xs8, kq, kd, kbs, xh, xb)
     g0, g1 = _share(dl[S_DOWN, 3], tid, nth)
-    _mm(dl[S_DOWN], W, S, S16, g0, g1, a_buf, F, xq, xd, xs4, xs8, kq, kd, kbs, xh, y_buf, 0, 0, tf)
+    _mm(dl[S_DOWN], W, S, S16, g0, g1, a_buf, F, xq, xd, xs4, xs8, kq, kd, kbs, xh, xb, y_buf, 0, 0, tf)
     barrier(sync, nth)
     for t in range(T):
       for i in range(D):

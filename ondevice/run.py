@@ -1,5 +1,6 @@
 """python -m ondevice.run --model model.gguf [--devices devices.yaml] --prompt "..." --max-tokens N
-    [--chat "message" [--system "..."]] [--temperature T --top-k K --top-p P --min-p M --repeat-penalty R --seed S]
+    [--chat "message" [--system "..."]]
+    [--temperature T --top-k K --top-p P --min-p M --repeat-penalty R --seed S]
 
 Text is tokenized with the file's own tokenizer (SPM or BPE from its metadata), as llama.cpp tokenizes it;
 ``--chat`` formats a user message with the file's chat template. Decoding is greedy unless --temperature > 0

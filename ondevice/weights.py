@@ -56,6 +56,8 @@ class MappedGGUF:
       v = raw.view(np.float32).reshape(t.shape)
     elif t.qtype == "F16":
       v = raw.view(np.float16).reshape(t.shape)
+    elif t.qtype == "BF16":
+      v = raw.view(np.uint16).reshape(t.shape)
     elif t.qtype in _QBLOCK:
       v = raw.reshape(t.shape[0], -1) if len(t.shape) == 2 else raw
     else:
@@ -127,8 +129,9 @@ def _verify(info: GGUFInfo, name: str, raw: np.ndarray) -> None:
   if t.qtype in _QBLOCK:
     o, n = _SCALES[t.qtype]
     vals = raw.reshape(-1, _QBLOCK[t.qtype][1])[:, o:o + 2 * n].copy().view(np.float16)
-  elif t.qtype in ("F32", "F16"):
-    vals = raw.view(np.float32 if t.qtype == "F32" else np.float16)
+  elif t.qtype in ("F32", "F16", "BF16"):
+    vals = raw.view(np.float32) if t.qtype == "F32" else raw.view(np.float16) if t.qtype == "F16" else \
+        (raw.view(np.uint16).astype(np.uint32) << 16).view(np.float32)
   else:
     return
   if not np.isfinite(vals).all():

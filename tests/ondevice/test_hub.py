@@ -103,6 +103,22 @@ def test_generation_equals_llama_cpp_generate(kquant_files):
     eng.close()
 
 
+@pytest.mark.parametrize("q", ["f32", "f16", "bf16"])
+def test_float_files_and_head_dims_equal_llama_cpp(tmp_path, q):
+  """F32 / F16 / BF16 matrices (vec_dot and tinyBLAS orders, f16/bf16 activations) and head dims 12, 20, 24, 40
+  (the leftover paths of ggml's dots and RoPE), llama (NORM RoPE) and qwen2 (NEOX) graphs."""
+  from ondevice import simd_k
+  llama_cpp_peer()
+  if q == "bf16" and not simd_k.has_bf16():
+    pytest.skip("BF16 files need the AVX-512 BF16 instruction (this CPU lacks it; they are refused)")
+  for i, (d, h, arch) in enumerate(((48, 4, "llama"), (80, 4, "qwen2"), (96, 4, "llama"), (160, 4, "qwen2"))):
+    cfg = gguf_io.tiny_config(d_model=d, n_layers=2, n_heads=h, n_kv_heads=2, d_ff=160, max_seq_len=256,
+                              init_std=0.02)
+    path = str(tmp_path / f"m{i}-{q}.gguf")
+    gguf_io.write_arrays(gguf_io.random_arrays(cfg, seed=i, std=0.02, arch=arch), cfg, path, q, arch=arch)
+    _same_stream(path, PROMPT, n=6)
+
+
 # ------------------------------------------------------------------------------------------ HF round trip
 
 @pytest.fixture(scope="module")
