@@ -253,7 +253,7 @@ def parse_crc(value) -> dict:
     return {}
   try:
     d = json.loads(value)
-    return {str(k): int(v) for k, v in d.items()}
-  except (ValueError, TypeError, AttributeError):
+    return {str(k): (int(v), None) if isinstance(v, int) else (int(v[0]), str(v[1])) for k, v in d.items()}
+  except (ValueError, TypeError, AttributeError, IndexError):
     raise GGUFError(f"metadata {CRC_KEY} is not valid JSON: the header is corrupt; re-export or re-copy the file") \
         from None

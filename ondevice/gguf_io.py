@@ -172,6 +172,7 @@ def write_arrays(arrays: dict, cfg: ModelConfig, path: str, quant: str = "f32", 
   (vocab or vocab_lib.byte_vocab(cfg.vocab_size)).write(w)
   w.add_string("prismllm.model_config", json.dumps(dataclasses.asdict(cfg)))
   counts: dict = {}
+  counts_of: dict = {}
   data = {}
   for tname, arr in arrays.items():
     arr = np.asarray(arr, np.float32)
@@ -181,6 +182,7 @@ def write_arrays(arrays: dict, cfg: ModelConfig, path: str, quant: str = "f32", 
       q = output_quant if (output_quant and tname == "output.weight") else quant
       qt = _matrix_qtype(q, arr.shape[1])
     counts[qt] = counts.get(qt, 0) + 1
+    counts_of[tname] = qt
     gq = getattr(gguf.GGMLQuantizationType, qt)
     if qt == "F32":
       data[tname] = (arr, None)
@@ -188,10 +190,12 @@ def write_arrays(arrays: dict, cfg: ModelConfig, path: str, quant: str = "f32", 
       data[tname] = (arr.astype(np.float16), None)
     else:
       data[tname] = (gguf.quants.quantize(arr, gq), gq)
-  # CRC32 of every tensor's bytes: weights.MappedGGUF checks a tensor's when it is first used, so a file
-  # damaged after export fails with a clear error instead of computing on flipped bits.
+  # CRC32 (and type) of every tensor's bytes: weights.MappedGGUF checks a tensor's when it is first used, so a file
+  # damaged after export fails with a clear error instead of computing on flipped bits. A tool that re-quantises
+  # the file (llama.cpp's quantiser) copies this metadata: tensors whose type changed are not checked.
   if crc:
-    w.add_string(CRC_KEY, json.dumps({n: zlib.crc32(np.ascontiguousarray(a).tobytes()) for n, (a, _) in data.items()}))
+    w.add_string(CRC_KEY, json.dumps({n: [zlib.crc32(np.ascontiguousarray(a).tobytes()), counts_of[n]]
+                                      for n, (a, _) in data.items()}))
   for tname, (a, gq) in data.items():
     w.add_tensor(tname, a, raw_dtype=gq)
   tmp = path + ".partial"  # written next to the target, renamed only when complete: a failed export loses nothing

@@ -7,13 +7,15 @@ File blocks (256 weights per super-block):
   Q5_K (176 B): as Q4_K plus qh[32]: bit 2p of qh[l] is bit 4 of element 64p+l, bit 2p+1 that of 64p+32+l.
   Q6_K (210 B): ql[128], qh[64], int8 scales[16] (sub-blocks of 16), f16 d last; w = d*sc_j*(q-32), q in 0..63.
 
-Planes (what ``matvec.py`` computes on), per group of 64 output rows (four sub-groups s of 16 rows) and per
-super-block: the quants ordered [.. ][s][quad c][row r][4 bytes], so that 64 consecutive bytes hold 4 consecutive
-quants of 16 rows (one AVX-512 load), and the scales per sub-group as 16-lane vectors:
-  Q4_K: quants [pair p 4][s][c 8][r 16][4] nibble bytes as in the file (8192 B); scales [s][d f16 x16, dmin f16
-        x16, sc u8 [8][16], m u8 [8][16]] (4 x 320 B).
-  Q5_K: quants as full bytes 0..31, [chunk 8][s][k 8][r 16][4] (16384 B); scales as Q4_K.
-  Q6_K: quants as full bytes 0..63, same order (16384 B); scales [s][d f16 x16, sc i8 [16][16]] (4 x 288 B).
+Planes (what ``matvec.py`` computes on), per group of 64 output rows (four sub-groups s of 16 rows): 64
+consecutive bytes hold 4 consecutive quants of 16 rows (one AVX-512 load), in the order the kernels read them
+(sequential streams), and the scales per sub-group as 16-lane vectors:
+  Q4_K: quants [s][super-block][pair p 4][quad c 8][r 16][4] nibble bytes as in the file (2048 B per s and
+        super-block: a sub-group's rows are one contiguous stream); scales [s][super-block][d f16 x16, dmin f16
+        x16, sc u8 [8][16], m u8 [8][16]] (320 B).
+  Q5_K: quants as full bytes 0..31, [s][super-block][chunk 8][k 8][r 16][4] (4096 B per s and super-block: a
+        sub-group's rows are one contiguous stream); scales [s][super-block][d, dmin, sc, m as Q4_K] (320 B).
+  Q6_K: quants as full bytes 0..63, same order; scales [s][super-block][d f16 x16, sc i8 [16][16]] (288 B).
 Rows are padded to a multiple of 64 with zero blocks (their outputs are never read).
 """
 from __future__ import annotations
@@ -112,15 +114,16 @@ def repack(qtype: str, raw_OxR: np.ndarray, n_in: int) -> tuple:
   if qtype == "Q4_K":
     qs = _pad(np.asarray(raw_OxR, np.uint8).reshape(-1, nb, BLOCK_BYTES[qtype])[..., -128:])
     G = qs.shape[0] // R
-    q = qs.reshape(G, 4, 16, nb, 4, 8, 4).transpose(0, 3, 4, 1, 5, 2, 6)  # (G, nb, p, s, c, r, i)
+    q = qs.reshape(G, 4, 16, nb, 4, 8, 4).transpose(0, 1, 3, 4, 5, 2, 6)  # (G, s, nb, p, c, r, i)
   else:
     qv = _pad(u["q"]).reshape(-1, nb, QK_K)
     G = qv.shape[0] // R
-    q = qv.reshape(G, 4, 16, nb, 8, 8, 4).transpose(0, 3, 4, 1, 5, 2, 6)  # (G, nb, chunk, s, k, r, i)
+    q = qv.reshape(G, 4, 16, nb, 8, 8, 4).transpose(0, 1, 3, 4, 5, 2, 6)  # (G, s, nb, chunk, k, r, i)
   d = _vec16(u["d"].astype(np.float16), np.float16)
   if qtype == "Q6_K":
     s = np.concatenate([d, _vec16(u["sc"].astype(np.int8), np.int8)], axis=-1)
   else:
     s = np.concatenate([d, _vec16(u["dmin"].astype(np.float16), np.float16), _vec16(u["sc"], np.uint8),
                         _vec16(u["m"], np.uint8)], axis=-1)
+  s = s.transpose(0, 2, 1, 3)  # (G, s, nb, bytes): a sub-group's scales follow its quants' order
   return (np.ascontiguousarray(q).reshape(G, -1), np.ascontiguousarray(s).reshape(G, -1))

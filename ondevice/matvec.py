@@ -20,8 +20,9 @@ or row-major halves/floats) and in ``S`` (scales), its 64-row groups, rows and i
 * F32: one token ggml_vec_dot_f32 (simd.vdot_f32); a batch tinyBLAS as F16.
 Activations for K-quants are Q8_K (``act_q8k``: per 256, iscale = -127/max (the signed value of largest
 magnitude), q = round-half-even(x*iscale), d = 1/iscale as float, int sums per 16).
-The K-quant kernels here are plain loops over the planes layout (``kquants.py``); ``simd_k.py`` has the same
-sums as vector code where the CPU has AVX-512.
+``q4k_rows`` / ``q56k_rows`` here are the K-quant kernels written as plain loops over the planes layout
+(``kquants.py``): the readable statement of the arithmetic, tested equal to ``simd_k.py``'s vector code, which
+``mat_groups`` runs.
 """
 from __future__ import annotations
 
@@ -33,7 +34,7 @@ from ondevice.simd import HAVE_NUMBA
 if HAVE_NUMBA:
   import numba
   from ondevice.simd import fma32, half_to_float, q4_rows64, q8_rows64, round_f16, vdot_f32
-  from ondevice.simd_k import vdot_bf16
+  from ondevice.simd_k import q4k_gemm, q4k_gemv, q5k_tiled, q5k_vec, q6k_tiled, q6k_vec, vdot_bf16
 
 Q4_0, Q8_0, Q4_K, Q5_K, Q6_K, F16, BF16, F32 = range(8)
 CODES = {"Q4_0": Q4_0, "Q8_0": Q8_0, "Q4_K": Q4_K, "Q5_K": Q5_K, "Q6_K": Q6_K, "F16": F16, "BF16": BF16, "F32": F32}
@@ -149,8 +150,8 @@ def q4k_rows(W, qb, S, sb, nb, kq, kd, kbs, pairs, out, oo):  # pragma: no cover
       A = np.float32(0.0)
       M = np.float32(0.0)
       for b in range(nb):
-        q0 = qb + b * 8192
-        s0 = sb + b * 1280 + s * 320
+        q0 = qb + (s * nb + b) * 2048
+        s0 = sb + (s * nb + b) * 320
         dwx = _h16(S, s0 + 2 * r) * kd[b]
         dmx = _h16(S, s0 + 32 + 2 * r) * kd[b]
         tot = 0
@@ -160,7 +161,7 @@ def q4k_rows(W, qb, S, sb, nb, kq, kd, kbs, pairs, out, oo):  # pragma: no cover
           hi = 0
           for c in range(8):
             for i in range(4):
-              w = np.int32(W[q0 + (((p * 4 + s) * 8 + c) * 16 + r) * 4 + i])
+              w = np.int32(W[q0 + ((p * 8 + c) * 16 + r) * 4 + i])
               e = b * 256 + 64 * p + 4 * c + i
               lo += (w & 15) * np.int32(kq[e])
               hi += (w >> 4) * np.int32(kq[e + 32])
@@ -193,8 +194,8 @@ def q56k_rows(W, qb, S, sb, nb, kq, kd, kbs, is6, tiled, out, oo):  # pragma: no
       summs = np.float32(0.0)
       buf = np.float32(0.0)
       for b in range(nb):
-        q0 = qb + b * 16384
-        s0 = sb + b * (1152 if is6 else 1280) + s * (288 if is6 else 320)
+        q0 = qb + (s * nb + b) * 4096
+        s0 = sb + (s * nb + b) * (288 if is6 else 320)
         li[:] = 0
         s1 = 0
         for ch in range(8):
@@ -202,7 +203,7 @@ def q56k_rows(W, qb, S, sb, nb, kq, kd, kbs, is6, tiled, out, oo):  # pragma: no
             dot = 0
             for i in range(4):
               e = b * 256 + 32 * ch + 4 * k + i
-              dot += np.int32(W[q0 + (((ch * 4 + s) * 8 + k) * 16 + r) * 4 + i]) * np.int32(kq[e])
+              dot += np.int32(W[q0 + ((ch * 8 + k) * 16 + r) * 4 + i]) * np.int32(kq[e])
             if is6:
               sc = np.int32(np.int8(S[s0 + 32 + 16 * (2 * ch + (1 if k >= 4 else 0)) + r]))
             else:
@@ -299,12 +300,22 @@ def mat_groups(d, W, S, S16, g0, g1, x, xq32, xd, xs4, xs8, kq, kd, kbs, xh, xb,
         q8_rows64(W, qo + g * nb * 2048, S16, so // 2 + g * nb * 64, nb, xq32[t], 0, xd[t], xs8[t], 0, out[t], o0)
       elif code == Q4_K:
         nb = n_in // 256
-        q4k_rows(W, qo + g * nb * 8192, S, so + g * nb * 1280, nb, kq[t], kd[t], kbs[t], t < n4, out[t], o0)
+        if t < n4:
+          q4k_gemm(W, qo + g * nb * 8192, S, so + g * nb * 1280, nb, kq[t].view(np.int32), 0, kd[t], kbs[t], out[t], o0)
+        else:
+          q4k_gemv(W, qo + g * nb * 8192, S, so + g * nb * 1280, nb, kq[t].view(np.int32), 0, kd[t], kbs[t], out[t], o0)
       elif code == Q5_K or code == Q6_K:
         nb = n_in // 256
-        six = code == Q6_K
-        q56k_rows(W, qo + g * nb * 16384, S, so + g * nb * (1152 if six else 1280), nb, kq[t], kd[t], kbs[t], six,
-                  batched and T >= 8, out[t], o0)
+        qb, sb, x32 = qo + g * nb * 16384, so + g * nb * (1152 if code == Q6_K else 1280), kq[t].view(np.int32)
+        if code == Q6_K:
+          if batched and T >= 8:
+            q6k_tiled(W, qb, S, sb, nb, x32, 0, kd[t], kbs[t], out[t], o0)
+          else:
+            q6k_vec(W, qb, S, sb, nb, x32, 0, kd[t], kbs[t], out[t], o0)
+        elif batched and T >= 8:
+          q5k_tiled(W, qb, S, sb, nb, x32, 0, kd[t], kbs[t], out[t], o0)
+        else:
+          q5k_vec(W, qb, S, sb, nb, x32, 0, kd[t], kbs[t], out[t], o0)
       else:
         tiny = batched and n_in % 16 == 0
         for r in range(min(64, n_out - 64 * g)):

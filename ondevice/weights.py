@@ -122,8 +122,8 @@ def _verify(info: GGUFInfo, name: str, raw: np.ndarray) -> None:
   """The tensor's CRC32 (files we exported) and finite scales / values (any file): a damaged file fails
   here, naming the tensor, instead of producing NaN logits or silently wrong tokens."""
   fix = "re-export it with `python -m ondevice.export` or re-copy it"
-  want = info.crc.get(name)
-  if want is not None and zlib.crc32(raw) != want:
+  want, qtype = info.crc.get(name, (None, None))
+  if want is not None and qtype in (None, info.tensors[name].qtype) and zlib.crc32(raw) != want:
     raise GGUFError(f"{info.path}: tensor {name} fails its CRC32 check (the file changed after export); {fix}")
   t = info.tensors[name]
   if t.qtype in _QBLOCK:
