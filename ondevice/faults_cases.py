@@ -251,7 +251,7 @@ def _flip_nibble_without_crc(ws):
   """Undetectable damage: one nibble of a file without CRCs. The run completes; whether the text changes
   is reported ('silent' if it does, 'recovered' if the flip happened not to change the greedy tokens)."""
   src = _foreign(ws, "foreign-q4_0.gguf", "q4_0")
-  ref = _ids(src, [1] + list(b"def f(x):"))
+  ref = _ids(src, [1, 32] + list(b"def f(x):"))  # the text prompt as llama.cpp tokenizes it (_foreign_ok)
   off = _data(ws, "blk.1.ffn_gate.weight", src)[0] + 7
   return _run_model(ws.copy_with("d-silent.gguf", lambda d: flip(d, off, 3), src),
                     ok=lambda out, err: _ids_summary(err) == ref)
