@@ -32,7 +32,6 @@ from ondevice.planes_kernels import HAVE_NUMBA, QK, R
 
 PLANE_BYTES = {"Q4_0": 18, "Q8_0": 34}  # per row per block, as in the file
 GGML_BLOCK_BYTES = {"Q8_0": 34, "Q4_0": 18}
-PACKABLE = ("Q4_0", "Q8_0", "Q4_K", "Q5_K", "Q6_K", "F16", "BF16", "F32")
 _threads = 1
 
 
