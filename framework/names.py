@@ -72,6 +72,19 @@ TABLE: tuple = (
 
 BY_GGUF_SUFFIX = {p.gguf.replace("blk.{i}.", ""): p for p in TABLE}
 
+# Parameters other decoder families add to the Llama layer: Qwen2's q/k/v biases (also Llama checkpoints with
+# attention_bias), Qwen3's per-head RMSNorm of q and k. framework/model.py has none of them; the HF -> GGUF
+# export of such checkpoints (ondevice/hf_gguf.py) names them here. Biases of q/k follow the rows' RoPE order.
+EXTRA: tuple = (
+    ParamName(("attn", "bq"), "model.layers.{i}.self_attn.q_proj.bias", "blk.{i}.attn_q.bias", True, "vector", "q"),
+    ParamName(("attn", "bk"), "model.layers.{i}.self_attn.k_proj.bias", "blk.{i}.attn_k.bias", True, "vector", "kv"),
+    ParamName(("attn", "bv"), "model.layers.{i}.self_attn.v_proj.bias", "blk.{i}.attn_v.bias", True, "vector"),
+    ParamName(("attn", "q_norm"), "model.layers.{i}.self_attn.q_norm.weight", "blk.{i}.attn_q_norm.weight", True,
+              "vector"),
+    ParamName(("attn", "k_norm"), "model.layers.{i}.self_attn.k_norm.weight", "blk.{i}.attn_k_norm.weight", True,
+              "vector"),
+)
+
 
 def entries(cfg: ModelConfig) -> tuple:
   """The table entries present in a model built from ``cfg`` (no lm_head with tied embeddings)."""

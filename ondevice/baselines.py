@@ -57,7 +57,7 @@ class TensorParallelEmulation:
     out = fn(*args)
     return out, time.perf_counter() - t0
 
-  def forward(self, tokens, pos0: int, batch_invariant: bool = False):
+  def forward(self, tokens, pos0: int, batch_invariant: bool = False, last_only: bool = False):
     t = self.clock.now
     root = self.specs[0]
     for a, b in self.head_ranges:
@@ -66,7 +66,7 @@ class TensorParallelEmulation:
     t += w * root.cpu_slowdown
     act = len(tokens) * self.model.cfg.d_model * 4
     for i in self.model.layer_ids:
-      x, w = self._timed(self.model.layer, i, x, pos0, self.cache)
+      x, w = self._timed(self.model.run_layers, x, pos0, [i], self.cache, batch_invariant, last_only)
       ends = []
       for m, s in enumerate(self.specs):
         ready = self.caches[m].access(*self._share(i, m), t)
@@ -75,7 +75,7 @@ class TensorParallelEmulation:
       self.clock.disk_wait_s += max(0.0, min(ends) - t - w / self.M)
       self.clock.compute_s += done - t
       t = done + 2 * self._sync(act)
-    logits, w = self._timed(self.model.head, x)
+    logits, w = self._timed(self.model.head, x[-1:] if last_only else x)
     t += w * root.cpu_slowdown
     self.clock.now = t
     return logits

@@ -41,7 +41,7 @@ class Ours:
   def prefill(self, prompt):
     self._threads()
     self.c, self.pos = self.m.new_cache(), len(prompt)
-    return self.m.forward(prompt, 0, self.c)[-1]
+    return self.m.forward(prompt, 0, self.c, last_only=True)[-1]
 
   def step(self, tok):
     self._threads()
@@ -150,7 +150,7 @@ def run(path: str, prompt: list, n: int, threads=(1, 2), rounds: int = 3) -> dic
     for th in threads:
       ours = Ours(path, ctx, th)
       c = ours.m.new_cache()
-      logits = ours.m.forward(prompt, 0, c)[-1]
+      logits = ours.m.forward(prompt, 0, c, last_only=True)[-1]
       stream = []
       for i in range(n):  # our greedy stream (== llama.cpp's in the exact configuration: tested)
         stream.append(int(np.argmax(logits)))

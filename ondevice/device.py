@@ -146,7 +146,7 @@ class Device:
     return self._timed(self.model.head, x_TxD)
 
   def run_window(self, cycle: int, x_TxD: np.ndarray, pos0: int, t_in: float,
-                 batch_invariant: bool = False) -> np.ndarray:
+                 batch_invariant: bool = False, last_only: bool = False) -> np.ndarray:
     """recv (t_in) -> wait for the window's weights -> compute. Caller sends, then calls after_send."""
     if t_in > self.clock.now:
       self.clock.idle_s += t_in - self.clock.now
@@ -164,7 +164,8 @@ class Device:
     else:
       self._access(*self.cpu_ranges[cycle])
     g = min(self.n_gpu, len(layers)) / len(layers)
-    y = self._timed(self.model.run_layers, x_TxD, pos0, layers, self.cache, batch_invariant, gpu_fraction=g)
+    y = self._timed(self.model.run_layers, x_TxD, pos0, layers, self.cache, batch_invariant, last_only,
+                    gpu_fraction=g)
     if self.opts.real_io and self.opts.policy == "plan" and self.parts[cycle][2][1] > self.parts[cycle][2][0]:
       self.mapped.release(*self.parts[cycle][2])  # streamed through, not kept
     return y

@@ -3,6 +3,9 @@
    python -m ondevice.export --from-gguf target.gguf --keep-layers 2 --out draft.gguf --quant q4_0
      (a self-speculative draft: the target's first N blocks + its embedding and output head, as in
       LayerSkip / draft-and-verify; re-quantised from the file's dequantised weights)
+   python -m ondevice.export --hf-dir CHECKPOINT --out model.gguf --quant q4_k_m [--byte-vocab]
+     (a Hugging Face Llama 3.x / Mistral / Qwen2 / Qwen3 directory with its tokenizer: ondevice/hf_gguf.py)
+--quant: f32 | f16 | bf16 | q8_0 | q4_0, or q4_k_m | q5_k_m | q6_k (an F16 file through llama.cpp's quantiser).
 """
 from __future__ import annotations
 
@@ -28,11 +31,14 @@ def main(argv=None) -> int:
   src.add_argument("--workdir", help="training workdir (config.json + orbax checkpoints)")
   src.add_argument("--random", action="store_true", help="random weights from --config (framework init)")
   src.add_argument("--from-gguf", help="an existing GGUF (with --keep-layers: a layer-truncated draft)")
+  src.add_argument("--hf-dir", help="a Hugging Face checkpoint directory (config.json, safetensors, tokenizer)")
+  ap.add_argument("--byte-vocab", action="store_true", help="with --hf-dir: PrismLLM's byte vocabulary instead")
   ap.add_argument("--keep-layers", type=int, default=None, help="with --from-gguf: keep the first N blocks")
   ap.add_argument("--config", help="experiment config file (with --random)")
   ap.add_argument("--step", type=int, default=None, help="checkpoint step (default: latest)")
   ap.add_argument("--out", required=True)
-  ap.add_argument("--quant", default="f32", help="f32 | f16 | q8_0 | q4_0 | q4_k (needs llama-cpp-python)")
+  ap.add_argument("--quant", default="f32", help="f32 | f16 | bf16 | q8_0 | q4_0 | q4_k_m | q5_k_m | q6_k (the "
+                                                 "last three need llama-cpp-python)")
   ap.add_argument("--output-quant", default=None, help="type of output.weight (default: --quant)")
   ap.add_argument("--seed", type=int, default=0)
   args, overrides = ap.parse_known_args(argv)
@@ -55,6 +61,12 @@ def _export(ap, args, overrides) -> int:
     raise InputError(f"{e}; fix the path") from None
   except gguf_io.GGUFError:
     raise
+  except ValueError as e:  # vocab.VocabError, framework.hf.HFError: what the checkpoint has that we cannot write
+    from ondevice.vocab import VocabError
+    from framework.hf import HFError
+    if isinstance(e, (VocabError, HFError)):
+      raise InputError(str(e)) from None
+    raise
   except OSError as e:
     raise InputError(f"writing {args.out} failed ({e.strerror or e}); any file that was there is unchanged: free "
                      f"space or pick another --out") from None
@@ -63,6 +75,12 @@ def _export(ap, args, overrides) -> int:
 def _export_body(ap, args, overrides) -> int:
   from ondevice import gguf_io, sources
   t0 = time.time()
+  if args.hf_dir:
+    from ondevice import hf_gguf
+    summary = hf_gguf.convert(args.hf_dir, args.out, args.quant, tokenizer=not args.byte_vocab)
+    summary.update(origin=args.hf_dir, seconds=round(time.time() - t0, 2))
+    print(json.dumps(summary))
+    return 0
   if args.random:
     if not args.config:
       ap.error("--random needs --config (e.g. experiments/configs/ondevice_tiny.py)")

@@ -251,7 +251,7 @@ def _flip_nibble_without_crc(ws):
   """Undetectable damage: one nibble of a file without CRCs. The run completes; whether the text changes
   is reported ('silent' if it does, 'recovered' if the flip happened not to change the greedy tokens)."""
   src = _foreign(ws, "foreign-q4_0.gguf", "q4_0")
-  ref = _ids(src, [1] + list(b"def f(x):"))
+  ref = _ids(src, [1, 32] + list(b"def f(x):"))  # the text prompt as llama.cpp tokenizes it (_foreign_ok)
   off = _data(ws, "blk.1.ffn_gate.weight", src)[0] + 7
   return _run_model(ws.copy_with("d-silent.gguf", lambda d: flip(d, off, 3), src),
                     ok=lambda out, err: _ids_summary(err) == ref)
@@ -279,13 +279,13 @@ def _q5_0_file(ws):
 
 
 @case("gguf_unsupported")
-def _bf16_file(ws):
-  return _run_model(_with_types(ws, "u-bf16.gguf", "BF16"))
+def _iq4_nl_file(ws):
+  return _run_model(_with_types(ws, "u-iq4_nl.gguf", "IQ4_NL"))
 
 
 @case("gguf_unsupported")
-def _q6_k_file(ws):
-  return _run_model(_with_types(ws, "u-q6_k.gguf", "Q6_K"))
+def _q3_k_file(ws):
+  return _run_model(_with_types(ws, "u-q3_k.gguf", "Q3_K"))
 
 
 @case("gguf_unsupported")
@@ -337,7 +337,7 @@ def _foreign(ws, name: str, quant: str, arch: str = "llama", extra: dict = None,
     w.add_rope_freq_base(cfg.rope_theta)
     w.add_layer_norm_rms_eps(cfg.norm_eps)
     w.add_rope_dimension_count(cfg.hd)
-  w.add_file_type({"f32": 0, "q8_0": 7, "q4_0": 2}.get(quant, 0))
+  w.add_file_type({"f32": 0, "q8_0": 7, "q4_0": 2, "bf16": 32}.get(quant, 0))
   tokens, _, types = ByteTokenizer(cfg.vocab_size).gguf_vocab()
   if tokenizer == "llama":
     w.add_tokenizer_model("llama")
@@ -378,10 +378,11 @@ def _foreign(ws, name: str, quant: str, arch: str = "llama", extra: dict = None,
 
 
 def _foreign_ok(ws, name, quant, ref=None, **kw):
-  """Loads, tokenises the text prompt as llama.cpp would (BOS first: the file says add_bos_token) and generates
-  exactly the token ids that our own export of the same tensors generates from [BOS] + the prompt's bytes."""
+  """Loads, tokenises the text prompt as llama.cpp would (BOS first: the file says add_bos_token; a space prefix:
+  SPM's default when the file does not say) and generates exactly the token ids that our own export of the same
+  tensors generates from [BOS, space] + the prompt's bytes."""
   p = _foreign(ws, name, quant, **kw)
-  want = _ids(ref or (ws.good if quant == "q4_0" else _ours(ws, quant)), [1] + list(b"def f(x):"))
+  want = _ids(ref or (ws.good if quant == "q4_0" else _ours(ws, quant)), [1, 32] + list(b"def f(x):"))
   return _run_model(p, ok=lambda out, err: _ids_summary(err) == want)
 
 
@@ -418,6 +419,11 @@ def _llama_cpp_style_q8_0_page_aligned(ws):
 
 
 @case("gguf_foreign")
+def _llama_cpp_style_bf16(ws):
+  return _foreign_ok(ws, "foreign-bf16.gguf", "bf16")
+
+
+@case("gguf_foreign")
 def _tied_embeddings(ws):
   """No output.weight: llama.cpp reuses token_embd. Ours must too (reference: our file with output = embd)."""
   from ondevice.gguf_io import write_arrays
@@ -429,7 +435,11 @@ def _tied_embeddings(ws):
 
 @case("gguf_foreign")
 def _bpe_vocab_text_prompt(ws):
-  return _run_model(_foreign(ws, "foreign-bpe.gguf", "f32", tokenizer="gpt2"))
+  """A gpt2 (byte-level BPE) vocabulary without merges or pre-tokenizer type: llama.cpp's 'default' pre-tokenizer
+  and byte-level characters give [BOS] + the prompt's bytes here; the same ids as our file generates from."""
+  ref = _ids(_ours(ws, "f32"), [1] + list(b"def f(x):"))
+  return _run_model(_foreign(ws, "foreign-bpe.gguf", "f32", tokenizer="gpt2"),
+                    ok=lambda out, err: _ids_summary(err) == ref)
 
 
 @case("gguf_foreign")

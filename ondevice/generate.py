@@ -1,4 +1,9 @@
-"""Greedy and speculative decoding over an engine (``forward(tokens, pos0) -> logits``, ``clock``).
+"""Decoding over an engine (``forward(tokens, pos0) -> logits``, ``clock``): greedy or sampled (``sampling.py``),
+and speculative decoding (greedy).
+
+Prefill asks for the last token's logits only (``last_only``), as llama.cpp computes them when generating, so a
+greedy stream equals llama.cpp's bit for bit. ``stop``: a token id or a set of them (the vocabulary's
+end-of-generation tokens).
 
 Speculative decoding (greedy acceptance): a draft model held whole on the head proposes ``gamma``
 tokens; the target verifies all gamma+1 positions in ONE forward (one ring pass); the longest prefix
@@ -48,19 +53,27 @@ def _now(engine) -> float:
   return time.perf_counter()
 
 
-def greedy(engine, prompt: list, n_new: int, stop_id: Optional[int] = None,
-           on_token: Optional[Callable] = None) -> GenStats:
+def _stops(stop) -> frozenset:
+  if stop is None:
+    return frozenset()
+  return frozenset([int(stop)]) if isinstance(stop, (int, np.integer)) else frozenset(int(s) for s in stop)
+
+
+def greedy(engine, prompt: list, n_new: int, stop_id=None, on_token: Optional[Callable] = None,
+           sampler=None) -> GenStats:
+  """Greedy decoding, or sampling with a ``sampling.Sampler``. ``on_token`` may return True to stop early."""
+  stops = _stops(stop_id)
   t0 = _now(engine)
-  logits = engine.forward(prompt, 0)
+  logits = engine.forward(prompt, 0, last_only=True)
   t1 = _now(engine)
   out, pos, steps = [], len(prompt), 0
   while len(out) < n_new:
-    tok = int(np.argmax(logits[-1]))
-    if stop_id is not None and tok == stop_id:
+    tok = int(np.argmax(logits[-1])) if sampler is None else sampler.pick(logits[-1], list(prompt) + out)
+    if tok in stops:
       break
     out.append(tok)
-    if on_token:
-      on_token(tok)
+    if on_token and on_token(tok):
+      break
     if len(out) == n_new:
       break
     logits = engine.forward([tok], pos)
@@ -96,10 +109,11 @@ class Draft:
     return out
 
 
-def speculative(engine, draft: Draft, prompt: list, n_new: int, gamma: int = 4, stop_id: Optional[int] = None,
+def speculative(engine, draft: Draft, prompt: list, n_new: int, gamma: int = 4, stop_id=None,
                 on_token: Optional[Callable] = None) -> GenStats:
+  stops = _stops(stop_id)
   t0 = _now(engine)
-  logits = engine.forward(prompt, 0)
+  logits = engine.forward(prompt, 0, last_only=True)
   t1 = _now(engine)
   seq = list(prompt)
   out: list = []
@@ -108,7 +122,7 @@ def speculative(engine, draft: Draft, prompt: list, n_new: int, gamma: int = 4, 
   done = False
   while not done:
     # `nxt` is the target's token at position len(seq); commit it.
-    if stop_id is not None and nxt == stop_id:
+    if nxt in stops:
       break
     seq.append(nxt)
     out.append(nxt)
@@ -132,7 +146,7 @@ def speculative(engine, draft: Draft, prompt: list, n_new: int, gamma: int = 4, 
       n_ok += 1
     accepted += n_ok
     for tok in props[:n_ok]:
-      if stop_id is not None and tok == stop_id:
+      if tok in stops:
         done = True
         break
       seq.append(tok)

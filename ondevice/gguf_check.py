@@ -21,7 +21,8 @@ MAGIC = b"GGUF"
 _FIXED = {0: 1, 1: 1, 2: 2, 3: 2, 4: 4, 5: 4, 6: 4, 7: 1, 10: 8, 11: 8, 12: 8}
 _STRING, _ARRAY = 8, 9
 MAX_DIMS = 4
-RUNTIME_TYPES = ("F32", "F16", "Q8_0", "Q4_0")
+RUNTIME_TYPES = ("F32", "F16", "BF16", "Q8_0", "Q4_0", "Q4_K", "Q5_K", "Q6_K")
+ARCHS = ("llama", "qwen2", "qwen3")  # mistral files are llama files
 CRC_KEY = "prismllm.tensor_crc32"
 
 
@@ -127,8 +128,8 @@ def scan_header(path: str) -> dict:
   return {"n_tensors": n_tensors, "n_kv": n_kv, "header_end": pos, "version": version}
 
 
-def expected_shapes(cfg) -> dict:
-  """GGUF tensor name -> numpy-order shape for a llama model of ``cfg``."""
+def expected_shapes(cfg, arch: str = "llama") -> dict:
+  """GGUF tensor name -> numpy-order shape of the tensors a model of ``cfg`` and ``arch`` must have."""
   D, H, K, E, F, V = cfg.d_model, cfg.n_heads, cfg.n_kv_heads, cfg.hd, cfg.ff, cfg.vocab_size
   out = {"token_embd.weight": (V, D), "output_norm.weight": (D,)}
   if not cfg.tie_embeddings:
@@ -139,6 +140,20 @@ def expected_shapes(cfg) -> dict:
                 f"blk.{i}.attn_output.weight": (D, H * E), f"blk.{i}.ffn_norm.weight": (D,),
                 f"blk.{i}.ffn_gate.weight": (F, D), f"blk.{i}.ffn_up.weight": (F, D),
                 f"blk.{i}.ffn_down.weight": (D, F)})
+    if arch == "qwen2":
+      out.update({f"blk.{i}.attn_q.bias": (H * E,), f"blk.{i}.attn_k.bias": (K * E,), f"blk.{i}.attn_v.bias": (K * E,)})
+    if arch == "qwen3":
+      out.update({f"blk.{i}.attn_q_norm.weight": (E,), f"blk.{i}.attn_k_norm.weight": (E,)})
+  return out
+
+
+def optional_shapes(cfg, arch: str = "llama") -> dict:
+  """Tensors llama.cpp's graph for ``arch`` uses when present: Llama 3's rope_freqs, q/k/v biases (llama)."""
+  H, K, E = cfg.n_heads, cfg.n_kv_heads, cfg.hd
+  out = {"rope_freqs.weight": (E // 2,)} if arch == "llama" else {}
+  if arch == "llama":
+    for i in range(cfg.n_layers):
+      out.update({f"blk.{i}.attn_q.bias": (H * E,), f"blk.{i}.attn_k.bias": (K * E,), f"blk.{i}.attn_v.bias": (K * E,)})
   return out
 
 
@@ -159,17 +174,19 @@ def check_config(path: str, cfg, n_vocab_tokens: int) -> None:
     raise GGUFError(f"{path}: inconsistent model metadata ({'; '.join(bad)}); {_fix(path)}")
 
 
-def check_structure(path: str, info_tensors: dict, cfg, alignment: int, size: int) -> None:
+def check_structure(path: str, info_tensors: dict, cfg, alignment: int, size: int, arch: str = "llama") -> None:
   """Shapes vs the config, every tensor inside the file, aligned, and no two overlapping."""
-  want = expected_shapes(cfg)
+  want = expected_shapes(cfg, arch)
+  opt = optional_shapes(cfg, arch)
   missing = [n for n in want if n not in info_tensors]
   if missing:
     raise GGUFError(f"{path} lacks tensors {missing[:4]}{'...' if len(missing) > 4 else ''}: incomplete or "
                     f"renamed by corruption; {_fix(path)}")
   for n, t in info_tensors.items():
-    if n in want and tuple(t.shape) != tuple(want[n]):
-      raise GGUFError(f"{path}: tensor {n} has shape {tuple(t.shape)}, the metadata implies {tuple(want[n])}: "
-                      f"corrupt or not a llama file; {_fix(path)}")
+    w = want.get(n, opt.get(n))
+    if w is not None and tuple(t.shape) != tuple(w):
+      raise GGUFError(f"{path}: tensor {n} has shape {tuple(t.shape)}, the metadata implies {tuple(w)}: "
+                      f"corrupt or not a {arch} file; {_fix(path)}")
     if t.offset + t.nbytes > size:
       raise GGUFError(f"{path} is truncated: tensor {n} ends at byte {t.offset + t.nbytes} but the file has "
                       f"{size}; {_fix(path)}")
@@ -183,33 +200,52 @@ def check_structure(path: str, info_tensors: dict, cfg, alignment: int, size: in
                       f"{_fix(path)}")
 
 
-# llama.* features this runtime does not implement: refuse rather than compute something else.
+# {arch}.* features this runtime does not implement: refuse rather than compute something else.
 _UNSUPPORTED = {
-    "llama.rope.scaling.type": lambda v: v not in (None, "none"),
-    "llama.rope.scale_linear": lambda v: v not in (None, 1.0),
-    "llama.expert_count": lambda v: v not in (None, 0),
-    "llama.attention.clamp_kqv": lambda v: v is not None,
-    "llama.logit_scale": lambda v: v not in (None, 1.0),
+    "rope.scaling.type": lambda v: v not in (None, "none"),
+    "rope.scale_linear": lambda v: v not in (None, 1.0),
+    "rope.scaling.factor": lambda v: v not in (None, 1.0),
+    "expert_count": lambda v: v not in (None, 0),
+    "attention.clamp_kqv": lambda v: v is not None,
+    "attention.scale": lambda v: v not in (None, 0.0),
+    "logit_scale": lambda v: v not in (None, 1.0),
+    "attention.key_length_mla": lambda v: v is not None,
 }
 
 
-def unsupported_features(path: str, fields: dict, cfg) -> list:
-  out = [f"{k}={fields[k]!r}" for k, bad in _UNSUPPORTED.items() if k in fields and bad(fields[k])]
-  rd = fields.get("llama.rope.dimension_count")
+def unsupported_features(path: str, fields: dict, cfg, arch: str = "llama", tensor_names=(), rope_dim=None) -> list:
+  """``fields``: the file's ``{arch}.*`` metadata with the prefix removed. Also every tensor the graph of
+  ``arch`` does not read (a bias or norm llama.cpp would apply and we would not)."""
+  out = [f"{arch}.{k}={fields[k]!r}" for k, bad in _UNSUPPORTED.items() if k in fields and bad(fields[k])]
+  rd = fields.get("rope.dimension_count")
   if rd is not None and int(rd) != cfg.hd:
-    out.append(f"llama.rope.dimension_count={rd} (partial RoPE; head dim {cfg.hd})")
+    out.append(f"{arch}.rope.dimension_count={rd} (partial RoPE; head dim {cfg.hd})")
+  known = set(expected_shapes(cfg, arch)) | set(optional_shapes(cfg, arch))
+  out += [f"tensor {n}" for n in tensor_names if n not in known][:3]
   return out
 
 
 def check_runnable(info) -> None:
-  """What the numba runtime computes on: F32/F16/Q8_0/Q4_0 tensors and plain llama (no RoPE scaling, MoE...)."""
+  """What the numba runtime computes on: the RUNTIME_TYPES tensors and the llama / qwen2 / qwen3 graphs as
+  llama.cpp runs them (no RoPE scaling other than rope_freqs, no MoE, no tensors the graph would ignore...)."""
   if info.unsupported:
-    raise GGUFError(f"{info.path} uses llama features this runtime does not implement ({', '.join(info.unsupported)}); "
-                    f"run it with llama.cpp, or export a plain llama model")
+    raise GGUFError(f"{info.path} uses features this runtime does not implement ({', '.join(info.unsupported)}); "
+                    f"run it with llama.cpp")
   kinds = sorted({t.qtype for t in info.tensors.values() if t.qtype not in RUNTIME_TYPES})
   if kinds:
-    raise GGUFError(f"{info.path} has {'/'.join(kinds)} tensors, which this runtime cannot compute on; re-export "
-                    f"with --quant q4_0, q8_0, f16 or f32 (llama.cpp runs K-quants)")
+    bad = next(n for n, t in info.tensors.items() if t.qtype in kinds)
+    raise GGUFError(f"{info.path} has {'/'.join(kinds)} tensors (first: {bad}), which this runtime cannot compute "
+                    f"on (it runs {', '.join(RUNTIME_TYPES)}); re-quantise it with llama.cpp's quantiser (Q4_K_M, "
+                    f"Q5_K_M, Q6_K, Q8_0, Q4_0) or run it with llama.cpp")
+  from ondevice import simd_k
+  if not simd_k.has_bf16() and any(t.qtype == "BF16" for t in info.tensors.values()):
+    raise GGUFError(f"{info.path} has BF16 tensors: this runtime computes them with the AVX-512 BF16 instruction, "
+                    f"which this CPU lacks; convert it to F16 or Q8_0 with llama.cpp's quantiser")
+  tied = "output.weight" not in info.tensors
+  for n, t in info.tensors.items():
+    if len(t.shape) == 2 and t.qtype in ("Q4_K", "Q4_0") and t.shape[0] % 8 and (n != "token_embd.weight" or tied):
+      raise GGUFError(f"{info.path}: {n} is {t.qtype} with {t.shape[0]} rows, not a multiple of 8: llama.cpp "
+                      f"computes it with other kernels than the repacked ones implemented here; re-quantise it")
 
 
 def parse_crc(value) -> dict:
@@ -217,7 +253,7 @@ def parse_crc(value) -> dict:
     return {}
   try:
     d = json.loads(value)
-    return {str(k): int(v) for k, v in d.items()}
-  except (ValueError, TypeError, AttributeError):
+    return {str(k): (int(v), None) if isinstance(v, int) else (int(v[0]), str(v[1])) for k, v in d.items()}
+  except (ValueError, TypeError, AttributeError, IndexError):
     raise GGUFError(f"metadata {CRC_KEY} is not valid JSON: the header is corrupt; re-export or re-copy the file") \
         from None

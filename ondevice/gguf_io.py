@@ -23,7 +23,8 @@ from ondevice import gguf_check
 from ondevice.gguf_check import CRC_KEY, GGUFError  # noqa: F401  (GGUFError: re-exported)
 from ondevice.tokenizer import ByteTokenizer
 
-QUANTS = ("f32", "f16", "q8_0", "q4_0", "q4_k")
+QUANTS = ("f32", "f16", "bf16", "q8_0", "q4_0", "q4_k_m", "q5_k_m", "q6_k", "q4_k")
+LLAMA_QUANTS = {"q4_k": "Q4_K_M", "q4_k_m": "Q4_K_M", "q5_k_m": "Q5_K_M", "q6_k": "Q6_K"}  # via llama.cpp
 PAGE = 4096
 _BLOCKED = ("q8_0", "q4_0")
 
@@ -51,9 +52,15 @@ class GGUFInfo:
   token_types: tuple
   eos_id: int
   byte_tokenizer: bool
-  unsupported: tuple = ()  # llama features this runtime does not implement (gguf_check.check_runnable)
+  unsupported: tuple = ()  # features this runtime does not implement (gguf_check.check_runnable)
   crc: dict = dataclasses.field(default_factory=dict)  # tensor name -> CRC32 of its bytes (our exports)
   bos_id: Optional[int] = None  # prepended to text prompts when the file says add_bos_token (llama.cpp does)
+  arch: str = "llama"  # general.architecture: llama (and mistral), qwen2, qwen3
+
+  @property
+  def rope_neox(self) -> bool:
+    """llama.cpp's RoPE mode for the architecture: NEOX (pairs i, i + E/2) for qwen2/qwen3, NORM for llama."""
+    return self.arch in ("qwen2", "qwen3")
 
   def layer_range(self, i: int) -> tuple:
     """[start, end) bytes of layer i's tensors (contiguous as written by export)."""
@@ -72,7 +79,7 @@ class GGUFInfo:
 def _matrix_qtype(quant: str, n_in: int) -> str:
   if quant in _BLOCKED and n_in % 32:
     return "F16"  # ggml block quants need rows that are a multiple of 32
-  return {"f32": "F32", "f16": "F16", "q8_0": "Q8_0", "q4_0": "Q4_0"}[quant]
+  return {"f32": "F32", "f16": "F16", "bf16": "BF16", "q8_0": "Q8_0", "q4_0": "Q4_0"}[quant]
 
 
 def export_gguf(params: Any, cfg: ModelConfig, path: str, quant: str = "f32", align: int = PAGE,
@@ -80,22 +87,68 @@ def export_gguf(params: Any, cfg: ModelConfig, path: str, quant: str = "f32", al
   """Writes ``params`` (framework tree) as a llama-architecture GGUF; returns a small summary dict.
 
   ``quant`` applies to every matrix (token_embd included, as llama.cpp does); norms stay F32.
-  ``q4_k`` quantises an F16 file with llama.cpp's own quantizer (needs llama-cpp-python).
+  ``q4_k_m`` / ``q5_k_m`` / ``q6_k`` (``q4_k`` = q4_k_m) quantise an F16 file with llama.cpp's own quantiser
+  (needs llama-cpp-python).
   """
+  return write_quantized(names.framework_to_gguf(params, cfg), cfg, path, quant, align, name, output_quant)
+
+
+def write_quantized(arrays: dict, cfg: ModelConfig, path: str, quant: str = "f32", align: int = PAGE,
+                    name: str = "prismllm", output_quant: Optional[str] = None, arch: str = "llama",
+                    vocab=None) -> dict:
+  """``write_arrays`` for every ``QUANTS`` entry: the K-quant mixes go through llama.cpp's quantiser."""
   quant = quant.lower()
   if quant not in QUANTS:
     raise GGUFError(f"--quant {quant!r} unknown; choose one of {', '.join(QUANTS)}")
-  if quant == "q4_k":
-    return _export_q4_k(params, cfg, path, align, name)
-  return write_arrays(names.framework_to_gguf(params, cfg), cfg, path, quant, align, name, output_quant)
+  if quant not in LLAMA_QUANTS:
+    return write_arrays(arrays, cfg, path, quant, align, name, output_quant, arch=arch, vocab=vocab)
+  bad = [n for n, a in arrays.items() if np.ndim(a) == 2 and np.shape(a)[1] % 256]
+  if bad:
+    raise GGUFError(f"{quant} needs matrices with a multiple of 256 inputs ({bad[0]} has "
+                    f"{np.shape(arrays[bad[0]])[1]}); use --quant q4_0 or q8_0")
+  tmp = path + ".f16.tmp"
+  # Default (32-byte) alignment: llama.cpp 0.3.36's quantiser copies general.alignment = 4096 from its input but
+  # pads tensors to 32, so a page-aligned input gives a file llama.cpp itself rejects. K-quant files are therefore
+  # not page-aligned. No CRCs: the quantiser copies the metadata, and the CRCs would be the F16 tensors'.
+  write_arrays(arrays, cfg, tmp, "f16", 32, name, arch=arch, vocab=vocab, crc=False)
+  try:
+    llama_quantize(tmp, path, LLAMA_QUANTS[quant])
+  finally:
+    os.remove(tmp)
+  return {"path": path, "quant": quant, "bytes": os.path.getsize(path)}
+
+
+def llama_quantize(src: str, dst: str, kind: str) -> None:
+  """llama.cpp's quantiser (llama_model_quantize) on a GGUF file: ``kind`` Q4_K_M, Q5_K_M, Q6_K, Q8_0, Q4_0."""
+  try:
+    import ctypes
+    import llama_cpp
+  except ImportError as e:
+    raise GGUFError(f"{kind} files are made by llama.cpp's quantiser: pip install llama-cpp-python (.ci/"
+                    f"llama_cpp_wheel.sh), or export q4_0/q8_0") from e
+  p = llama_cpp.llama_model_quantize_default_params()
+  p.ftype = getattr(llama_cpp, f"LLAMA_FTYPE_MOSTLY_{kind}")
+  tmp = dst + ".partial"
+  try:
+    rc = llama_cpp.llama_model_quantize(src.encode(), tmp.encode(), ctypes.byref(p))
+    if rc != 0:
+      raise GGUFError(f"llama_model_quantize failed with code {rc}")
+    os.replace(tmp, dst)
+  finally:
+    if os.path.exists(tmp):
+      os.remove(tmp)
 
 
 def write_arrays(arrays: dict, cfg: ModelConfig, path: str, quant: str = "f32", align: int = PAGE,
-                 name: str = "prismllm", output_quant: Optional[str] = None) -> dict:
-  """GGUF tensor name -> f32 array (llama.cpp layout, q/k rows already RoPE-permuted) -> a GGUF file."""
+                 name: str = "prismllm", output_quant: Optional[str] = None, crc: bool = True, arch: str = "llama",
+                 vocab=None) -> dict:
+  """GGUF tensor name -> f32 array (llama.cpp layout: q/k rows RoPE-permuted for llama, not for qwen2/qwen3)
+  -> a GGUF file of architecture ``arch``. ``vocab``: a ``vocab.Vocab`` (default: the byte vocabulary).
+  ``crc=False``: no per-tensor CRC32s (a file llama.cpp's quantiser rewrites: it copies the metadata)."""
   import gguf
-  tok = ByteTokenizer(cfg.vocab_size)
-  w = gguf.GGUFWriter(path, "llama")
+  if arch not in gguf_check.ARCHS:
+    raise GGUFError(f"architecture {arch!r} unknown; choose one of {', '.join(gguf_check.ARCHS)}")
+  w = gguf.GGUFWriter(path, arch)
   w.data_alignment = align
   w.add_custom_alignment(align)
   w.add_name(name)
@@ -112,22 +165,14 @@ def write_arrays(arrays: dict, cfg: ModelConfig, path: str, quant: str = "f32", 
   w.add_layer_norm_rms_eps(cfg.norm_eps)
   w.add_vocab_size(cfg.vocab_size)
   ftype = {"f32": gguf.LlamaFileType.ALL_F32, "f16": gguf.LlamaFileType.MOSTLY_F16,
+           "bf16": gguf.LlamaFileType.MOSTLY_BF16,
            "q8_0": gguf.LlamaFileType.MOSTLY_Q8_0, "q4_0": gguf.LlamaFileType.MOSTLY_Q4_0}[quant]
   w.add_file_type(ftype)
-  tokens, scores, types = tok.gguf_vocab()
-  w.add_tokenizer_model("llama")
-  w.add_token_list(tokens)
-  w.add_token_scores(scores)
-  w.add_token_types(types)
-  w.add_bos_token_id(tok.eos_id)
-  w.add_eos_token_id(tok.eos_id)
-  w.add_unk_token_id(0)
-  w.add_add_bos_token(False)
-  w.add_add_eos_token(False)
-  w.add_add_space_prefix(False)
-  w.add_string("prismllm.tokenizer", "bytes")
+  from ondevice import vocab as vocab_lib
+  (vocab or vocab_lib.byte_vocab(cfg.vocab_size)).write(w)
   w.add_string("prismllm.model_config", json.dumps(dataclasses.asdict(cfg)))
   counts: dict = {}
+  counts_of: dict = {}
   data = {}
   for tname, arr in arrays.items():
     arr = np.asarray(arr, np.float32)
@@ -137,6 +182,7 @@ def write_arrays(arrays: dict, cfg: ModelConfig, path: str, quant: str = "f32", 
       q = output_quant if (output_quant and tname == "output.weight") else quant
       qt = _matrix_qtype(q, arr.shape[1])
     counts[qt] = counts.get(qt, 0) + 1
+    counts_of[tname] = qt
     gq = getattr(gguf.GGMLQuantizationType, qt)
     if qt == "F32":
       data[tname] = (arr, None)
@@ -144,9 +190,12 @@ def write_arrays(arrays: dict, cfg: ModelConfig, path: str, quant: str = "f32", 
       data[tname] = (arr.astype(np.float16), None)
     else:
       data[tname] = (gguf.quants.quantize(arr, gq), gq)
-  # CRC32 of every tensor's bytes: weights.MappedGGUF checks a tensor's when it is first used, so a file
-  # damaged after export fails with a clear error instead of computing on flipped bits.
-  w.add_string(CRC_KEY, json.dumps({n: zlib.crc32(np.ascontiguousarray(a).tobytes()) for n, (a, _) in data.items()}))
+  # CRC32 (and type) of every tensor's bytes: weights.MappedGGUF checks a tensor's when it is first used, so a file
+  # damaged after export fails with a clear error instead of computing on flipped bits. A tool that re-quantises
+  # the file (llama.cpp's quantiser) copies this metadata: tensors whose type changed are not checked.
+  if crc:
+    w.add_string(CRC_KEY, json.dumps({n: [zlib.crc32(np.ascontiguousarray(a).tobytes()), counts_of[n]]
+                                      for n, (a, _) in data.items()}))
   for tname, (a, gq) in data.items():
     w.add_tensor(tname, a, raw_dtype=gq)
   tmp = path + ".partial"  # written next to the target, renamed only when complete: a failed export loses nothing
@@ -169,41 +218,20 @@ def tiny_config(**kw) -> ModelConfig:
   return ModelConfig(**{**base, **kw})
 
 
-def random_arrays(cfg: ModelConfig, seed: int = 0, std: float = 0.2) -> dict:
-  """GGUF tensor name -> f32 array of a random llama model (std 0.2: peaked logits, so greedy tokens are
-  stable against rounding and comparisons between files are meaningful)."""
+def random_arrays(cfg: ModelConfig, seed: int = 0, std: float = 0.2, arch: str = "llama",
+                  rope_freqs=None) -> dict:
+  """GGUF tensor name -> f32 array of a random ``arch`` model (std 0.2: peaked logits, so greedy tokens are
+  stable against rounding and comparisons between files are meaningful). Norm weights are 1 + 0.1 N(0, 1),
+  biases std N(0, 1); ``rope_freqs``: Llama 3's factors (rope_freqs.weight), written first."""
   rng = np.random.default_rng(seed)
-  out = {}
-  for name, shape in gguf_check.expected_shapes(cfg).items():
-    out[name] = (1.0 + 0.1 * rng.standard_normal(shape) if len(shape) == 1 else std * rng.standard_normal(shape))
-    out[name] = out[name].astype(np.float32)
+  out = {} if rope_freqs is None else {"rope_freqs.weight": np.asarray(rope_freqs, np.float32)}
+  for name, shape in gguf_check.expected_shapes(cfg, arch).items():
+    if name.endswith(".bias"):
+      a = std * rng.standard_normal(shape)
+    else:
+      a = 1.0 + 0.1 * rng.standard_normal(shape) if len(shape) == 1 else std * rng.standard_normal(shape)
+    out[name] = a.astype(np.float32)
   return out
-
-
-def _export_q4_k(params, cfg, path, align, name) -> dict:
-  try:
-    import ctypes
-    import llama_cpp
-  except ImportError as e:
-    raise GGUFError("--quant q4_k uses llama.cpp's quantizer: pip install llama-cpp-python, "
-                    "or export q4_0/q8_0") from e
-  if cfg.d_model % 256 or cfg.ff % 256:
-    raise GGUFError(f"Q4_K needs d_model and d_ff multiples of 256 (got {cfg.d_model}, {cfg.ff}); use q4_0")
-  tmp = path + ".f16.tmp"
-  # Default (32-byte) alignment: llama.cpp 0.3.36's quantiser copies general.alignment = 4096 from its
-  # input but pads tensors to 32, so a page-aligned input gives a file llama.cpp itself rejects
-  # ("tensor ... has offset 53760, expected 57344"). Q4_K files are therefore not page-aligned.
-  del align
-  export_gguf(params, cfg, tmp, "f16", 32, name)
-  try:
-    p = llama_cpp.llama_model_quantize_default_params()
-    p.ftype = llama_cpp.LLAMA_FTYPE_MOSTLY_Q4_K_M
-    rc = llama_cpp.llama_model_quantize(tmp.encode(), path.encode(), ctypes.byref(p))
-    if rc != 0:
-      raise GGUFError(f"llama_model_quantize failed with code {rc}")
-  finally:
-    os.remove(tmp)
-  return {"path": path, "quant": "q4_k", "bytes": os.path.getsize(path)}
 
 
 # ------------------------------------------------------------------------------------------ import
@@ -218,11 +246,11 @@ def _field(reader, key, default=None):
   return v.tolist()[0] if hasattr(v, "tolist") and len(v) == 1 else v
 
 
-def _cfg_from_llama_keys(path, reader) -> ModelConfig:
-  g = lambda k, d=None: _field(reader, "llama." + k, d)  # noqa: E731
+def _cfg_from_keys(path, reader, arch: str) -> ModelConfig:
+  g = lambda k, d=None: _field(reader, f"{arch}." + k, d)  # noqa: E731
   if g("embedding_length") is None or g("attention.head_count") is None or g("block_count") is None:
-    raise GGUFError(f"{path} lacks llama.* hyperparameters (embedding_length, head_count, block_count); only "
-                    f"llama-architecture files are supported: export it with them (ondevice.export writes them)")
+    raise GGUFError(f"{path} lacks {arch}.* hyperparameters (embedding_length, attention.head_count, block_count); "
+                    f"export it with them (ondevice.export writes them)")
   d, h = int(g("embedding_length")), int(g("attention.head_count"))
   n_vocab = len(reader.fields["tokenizer.ggml.tokens"].data)
   ff = g("feed_forward_length")
@@ -235,10 +263,10 @@ def _cfg_from_llama_keys(path, reader) -> ModelConfig:
                      max_seq_len=int(g("context_length", 2048)))
 
 
-def _read_cfg(path, reader) -> ModelConfig:
+def _read_cfg(path, reader, arch: str) -> ModelConfig:
   cfg_json = _field(reader, "prismllm.model_config")
   if not cfg_json:
-    return _cfg_from_llama_keys(path, reader)
+    return _cfg_from_keys(path, reader, arch)
   try:
     return ModelConfig(**json.loads(cfg_json))
   except (ValueError, TypeError) as e:
@@ -262,8 +290,9 @@ def read_info(path: str) -> GGUFInfo:
     raise GGUFError(f"{path} is not a readable GGUF file ({type(e).__name__}: {str(e)[:120]}); it is corrupt or "
                     f"truncated ({size} bytes): re-export it with `python -m ondevice.export`") from None
   arch = _field(reader, "general.architecture")
-  if arch != "llama":
-    raise GGUFError(f"{path}: architecture {arch!r} is not supported, only 'llama' is; run it with llama.cpp")
+  if arch not in gguf_check.ARCHS:
+    raise GGUFError(f"{path}: architecture {arch!r} is not supported (this runtime runs "
+                    f"{', '.join(gguf_check.ARCHS)}; mistral files are llama files); run it with llama.cpp")
   if "tokenizer.ggml.tokens" not in reader.fields:
     raise GGUFError(f"{path} has no tokenizer.ggml.tokens vocabulary; export it with its tokenizer")
   tensors = {}
@@ -272,7 +301,7 @@ def read_info(path: str) -> GGUFInfo:
       raise GGUFError(f"{path}: tensor {t.name} appears twice: the tensor index is corrupt; re-export or re-copy it")
     shape = tuple(int(s) for s in reversed([int(x) for x in t.shape]))
     tensors[t.name] = TensorInfo(t.name, t.tensor_type.name, shape, int(t.data_offset), int(t.n_bytes))
-  cfg = _read_cfg(path, reader)
+  cfg = _read_cfg(path, reader, arch)
   tok_field = reader.fields["tokenizer.ggml.tokens"]
   try:
     tokens = tuple(bytes(tok_field.parts[i]).decode("utf-8") for i in tok_field.data)
@@ -280,7 +309,7 @@ def read_info(path: str) -> GGUFInfo:
     raise GGUFError(f"{path}: a vocabulary entry is not UTF-8: the metadata is corrupt; re-export or re-copy it") \
         from None
   gguf_check.check_config(path, cfg, len(tokens))
-  gguf_check.check_structure(path, tensors, cfg, int(reader.alignment), size)
+  gguf_check.check_structure(path, tensors, cfg, int(reader.alignment), size, arch)
   tt_field = reader.fields.get("tokenizer.ggml.token_type")
   types = tuple(int(tt_field.parts[i][0]) for i in tt_field.data) if tt_field else (1,) * len(tokens)
   eos = int(_field(reader, "tokenizer.ggml.eos_token_id", 2))
@@ -290,10 +319,11 @@ def read_info(path: str) -> GGUFInfo:
                and tokens[:256] == tuple(ByteTokenizer(256).gguf_vocab()[0])))
   bos = _field(reader, "tokenizer.ggml.bos_token_id")
   bos = int(bos) if bos is not None and _field(reader, "tokenizer.ggml.add_bos_token", False) else None
-  fields = {k: _field(reader, k) for k in reader.fields if k.startswith("llama.")}
-  unsupported = tuple(gguf_check.unsupported_features(path, fields, cfg))
+  fields = {k[len(arch) + 1:]: _field(reader, k) for k in reader.fields if k.startswith(arch + ".")}
+  unsupported = tuple(gguf_check.unsupported_features(path, fields, cfg, arch, list(tensors)))
   crc = gguf_check.parse_crc(_field(reader, CRC_KEY))
-  return GGUFInfo(path, cfg, tensors, int(reader.alignment), size, tokens, types, eos, byte_tok, unsupported, crc, bos)
+  return GGUFInfo(path, cfg, tensors, int(reader.alignment), size, tokens, types, eos, byte_tok, unsupported, crc, bos,
+                  arch)
 
 
 def load_params(path: str, scan_layers: bool = True) -> tuple:
@@ -313,7 +343,7 @@ def load_params(path: str, scan_layers: bool = True) -> tuple:
 def describe(info: GGUFInfo) -> str:
   c = info.cfg
   kinds = sorted({t.qtype for t in info.tensors.values()})
-  return (f"{os.path.basename(info.path)}: llama L={c.n_layers} D={c.d_model} H={c.n_heads}/{c.n_kv_heads} "
+  return (f"{os.path.basename(info.path)}: {info.arch} L={c.n_layers} D={c.d_model} H={c.n_heads}/{c.n_kv_heads} "
           f"F={c.ff} V={c.vocab_size} types={kinds} {info.file_size / 2**20:.1f} MiB")
 
 

@@ -25,6 +25,7 @@ import os
 
 import numpy as np
 
+from ondevice import kquants
 from ondevice.planes import act_q8  # first: it sets numba's vector width before any compile
 
 try:
@@ -133,6 +134,10 @@ def dequantize_rows(qtype: str, raw_OxR: np.ndarray, n_in: int) -> np.ndarray:
     return np.asarray(raw_OxR, np.float32)
   if qtype == "F16":
     return np.asarray(raw_OxR).astype(np.float32)
+  if qtype == "BF16":  # ggml_bf16_to_fp32: the bits in the upper half
+    return (np.asarray(raw_OxR).view(np.uint16).astype(np.uint32) << 16).view(np.float32)
+  if qtype in kquants.BLOCK_BYTES:
+    return kquants.dequantize_rows(qtype, raw_OxR, n_in)
   nb = n_in // QK
   blocks = np.asarray(raw_OxR).reshape(-1, nb, BLOCK_BYTES[qtype])
   d = blocks[..., :2].copy().view(np.float16).astype(np.float32)  # (n, nb, 1)
@@ -153,6 +158,8 @@ def matmul(qtype: str, w: np.ndarray, x_TxI: np.ndarray, n_out: int, n_in: int) 
   x_TxI = np.ascontiguousarray(x_TxI, np.float32)
   if qtype == "F32":
     return x_TxI @ w.T
+  if qtype in kquants.BLOCK_BYTES or qtype == "BF16":  # dequantise-then-BLAS (planes have the exact kernels)
+    return x_TxI @ dequantize_rows(qtype, w, n_in).T
   if not HAVE_NUMBA:
     xq = act_q8(x_TxI)[0] if qtype in BLOCK_BYTES else x_TxI
     return xq @ dequantize_rows(qtype, w, n_in).T

@@ -25,70 +25,28 @@ intrinsics live in ``simd.py``, and this module clears its own numba cache when 
 """
 from __future__ import annotations
 
-import glob
-import hashlib
-import os
-
 import numpy as np
 
-from ondevice import simd
+from ondevice import matvec, nbcache, simd, simd_k
 from ondevice.simd import HAVE_NUMBA
 
 if HAVE_NUMBA:
   import numba
-  from ondevice.simd import (atomic_add, atomic_load, cpu_relax, f32_ptr, fma32, futex_wait, futex_wake, q4_rows64,
-                             q8_rows64, round_f16, vaxpy, vdot_f32, vexp_sum, vswiglu)
+  from ondevice.matvec import act_bf16, act_f16, act_q8k, mat_groups
+  from ondevice.simd import (atomic_add, atomic_load, cpu_relax, f32_ptr, fma32, futex_wait, futex_wake, round_f16,
+                             vaxpy, vdot_f32, vexp_sum, vswiglu)
 
 QK = 32
 R = 64  # rows per plane group
-Q4_GROUP_BLOCK = 1024  # bytes of one (group, block) of Q4_0 quants; Q8_0: 2048
 SPIN_BEFORE_SLEEP = 4000  # ~0.1 ms of `pause` spinning, then the waiter sleeps in the kernel (futex) until woken
 
 
-def _prefer_512_bit_vectors() -> None:
-  """LLVM vectorises with 256-bit registers on AVX-512 Intel CPUs by default (prefer-256-bit). numba reads its
-  CPU features once, at its first compilation, for the whole process, so this only takes effect if no numba
-  code was compiled before this import; ONDEVICE_ZMM=0 or an explicit NUMBA_CPU_FEATURES leaves it alone."""
-  if not HAVE_NUMBA or os.environ.get("ONDEVICE_ZMM", "1") == "0" or numba.config.CPU_FEATURES is not None:
-    return
-  from llvmlite import binding
-  feats = binding.get_host_cpu_features().flatten()
-  if "+avx512f" in feats.split(","):
-    numba.config.CPU_FEATURES = feats + ",-prefer-256-bit"
+def _anchor():  # numba's cache locators start from a function of this file
+  pass
 
 
-def _clear_cache_if_simd_changed() -> None:
-  """numba's cache of this file is keyed on this file only; drop it when simd.py (inlined intrinsics) changed."""
-  if not HAVE_NUMBA:
-    return
-  from numba.core import caching
-  stamp = hashlib.sha1(open(simd.__file__, "rb").read()).hexdigest()[:16] + ("v" if simd.has_vnni() else "g")
-  here = os.path.abspath(__file__)
-  for cls in (caching.UserProvidedCacheLocator, caching.InTreeCacheLocator, caching.UserWideCacheLocator):
-    try:
-      loc = cls.from_function(_clear_cache_if_simd_changed, here)
-      d = loc.get_cache_path() if loc is not None else None
-    except Exception:  # noqa: BLE001 - a locator that does not apply here
-      continue
-    if not d or not os.path.isdir(d):
-      continue
-    f = os.path.join(d, "planes_kernels.simd-stamp")
-    old = open(f).read() if os.path.exists(f) else None
-    if old != stamp:
-      for p in glob.glob(os.path.join(d, "planes_kernels.*.nb[ic]")):
-        try:
-          os.remove(p)
-        except OSError:
-          pass
-      try:
-        with open(f, "w") as fh:
-          fh.write(stamp)
-      except OSError:
-        pass
-
-
-_prefer_512_bit_vectors()
-_clear_cache_if_simd_changed()
+nbcache.prefer_512_bit_vectors()
+nbcache.clear_stale(__file__, [simd.__file__, simd_k.__file__, matvec.__file__], _anchor)
 
 
 def _jit(f=None, nogil=False):
@@ -161,14 +119,20 @@ def expf_ggml(x):  # pragma: no cover - compiled
 
 @_jit
 def rope(buf, col0, n_heads, E, cos_row, sin_row):  # pragma: no cover - compiled
-  """In place: llama.cpp NORM RoPE on n_heads heads of E starting at column col0 (adjacent pairs)."""
+  """In place: llama.cpp NORM RoPE on n_heads heads of E starting at column col0 (adjacent pairs). GCC vectorised
+  ggml's rotate_pairs 4 pairs at a time with fused multiply-adds; the last E/2 % 4 pairs are not fused."""
+  v = (E // 2) // 4 * 4
   for h in range(n_heads):
     c0 = col0 + h * E
     for i in range(E // 2):
       x0, x1 = buf[c0 + 2 * i], buf[c0 + 2 * i + 1]
       c, s = cos_row[i], sin_row[i]
-      buf[c0 + 2 * i] = fma32(x0, c, -(x1 * s))
-      buf[c0 + 2 * i + 1] = fma32(x0, s, x1 * c)
+      if i < v:
+        buf[c0 + 2 * i] = fma32(x0, c, -(x1 * s))
+        buf[c0 + 2 * i + 1] = fma32(x0, s, x1 * c)
+      else:
+        buf[c0 + 2 * i] = x0 * c - x1 * s
+        buf[c0 + 2 * i + 1] = x0 * s + x1 * c
 
 
 @_jit
@@ -209,32 +173,6 @@ def attend(q, qo, kc_SxKxE, vc_SxKxE, kh, S, scale, tiny, out, oo, p, acc):  # p
 
 
 @_jit
-def matmul_groups(wq, sc, is_q4, nb, g0, g1, xq32, xd, xs4, xs8, out, gbase=0):  # pragma: no cover - compiled
-  """Row groups [g0, g1) of a planes matrix for every token: out[t, 64(g - gbase) : +64]."""
-  for g in range(g0, g1):
-    for t in range(out.shape[0]):
-      if is_q4:
-        q4_rows64(wq, g * nb * 1024, sc, g * nb * 64, nb, xq32[t], 0, xd[t], xs4[t], 0, out[t], (g - gbase) * 64)
-      else:
-        q8_rows64(wq, g * nb * 2048, sc, g * nb * 64, nb, xq32[t], 0, xd[t], xs8[t], 0, out[t], (g - gbase) * 64)
-
-
-@_jit(nogil=True)
-def matmul(wq, sc, is_q4, n_groups, x_TxI):  # pragma: no cover - compiled
-  """One planes matrix times T activations (quantised here): T x (64 * n_groups), padded rows included."""
-  T, n_in = x_TxI.shape
-  nb = n_in // 32
-  xq = np.empty((T, n_in), np.int8)
-  xd = np.empty((T, nb), np.float32)
-  xs4 = np.empty((T, nb), np.int32)
-  xs8 = np.empty((T, nb * 8), np.int32)
-  act_q8(x_TxI, xq, xd, xs4, xs8)
-  out = np.empty((T, n_groups * 64), np.float32)
-  matmul_groups(wq, sc, is_q4, nb, 0, n_groups, xq.view(np.int32), xd, xs4, xs8, out)
-  return out
-
-
-@_jit
 def wait_change(word, idx, old, sleepers):  # pragma: no cover - compiled
   """Until int64 word[idx] != old: spin with `pause` (partners that are merely late arrive within it), then sleep
   in the kernel (futex), counted in word[sleepers] so that the waker knows to wake. On a shared machine a peer
@@ -270,17 +208,96 @@ def _share(n, tid, nth):  # pragma: no cover - compiled
   return n * tid // nth, n * (tid + 1) // nth
 
 
+@_jit
+def rms_norm_row(x, o, n, w, eps):  # pragma: no cover - compiled
+  """In place: ggml_rms_norm then ggml_mul on x[o:o+n] (per-head q/k norm of Qwen3)."""
+  ss = 0.0
+  for i in range(n):
+    ss += np.float64(x[o + i] * x[o + i])
+  sc = np.float32(1.0) / np.sqrt(np.float32(ss / n) + eps)
+  for i in range(n):
+    x[o + i] = (x[o + i] * sc) * w[i]
+
+
+@_jit
+def rope_neox(buf, col0, n_heads, E, cos_row, sin_row):  # pragma: no cover - compiled
+  """In place: llama.cpp NEOX RoPE (pairs i, i + E/2) on n_heads heads of E starting at column col0."""
+  h2 = E // 2
+  for h in range(n_heads):
+    c0 = col0 + h * E
+    for i in range(h2):
+      x0, x1 = buf[c0 + i], buf[c0 + i + h2]
+      c, s = cos_row[i], sin_row[i]
+      buf[c0 + i] = fma32(x0, c, -(x1 * s))
+      buf[c0 + i + h2] = fma32(x0, s, x1 * c)
+
+
+@_jit
+def prep(h, n, mask, xq, xd, xs4, xs8, kq, kd, kbs, xh, xb):  # pragma: no cover - compiled
+  """The activation formats (matvec.NEED_* bits in ``mask``) of h[:, :n] that the next matrices read."""
+  if mask & 1:
+    act_q8(h[:, :n], xq[:, :n], xd[:, :n // 32], xs4[:, :n // 32], xs8[:, :n // 4])
+  if mask & 2:
+    act_q8k(h[:, :n], kq[:, :n], kd[:, :n // 256], kbs[:, :n // 16])
+  if mask & 4:
+    act_f16(h[:, :n], xh[:, :n])
+  if mask & 8:
+    act_bf16(h[:, :n], xb[:, :n])
+
+
+@_jit
+def _mask(d):  # pragma: no cover - compiled
+  c = d[0]
+  return 1 if c <= 1 else 2 if c <= 4 else 4 if c == 5 else 8 if c == 6 else 0
+
+
+@_jit
+def _mm(d, W, S, S16, g0, g1, h, n, xq, xd, xs4, xs8, kq, kd, kbs, xh, xb, out, col0, gbase,
+        batched):  # pragma: no cover - compiled
+  mat_groups(d, W, S, S16, g0, g1, h[:, :n], xq[:, :n].view(np.int32), xd[:, :n // 32], xs4[:, :n // 32],
+             xs8[:, :n // 4], kq[:, :n], kd[:, :n // 256], kbs[:, :n // 16], xh[:, :n], xb[:, :n], out, col0, gbase,
+             batched)
+
+
 @_jit(nogil=True)
-def step(tid, nth, sync, x_TxD, out_TxD, an_LxD, fn_LxD, qkv_w, qkv_s, qkv_q4, wo_w, wo_s, wo_q4, gu_w, gu_s, gu_q4,
-         dn_w, dn_s, dn_q4, k_LxSxKxE, v_LxSxKxE, cos_SxE2, sin_SxE2, pos0, H, K, E, F, eps, tiny, qkv_buf, att_buf,
-         y_buf, a_buf):  # pragma: no cover - compiled
-  """All stacked layers for T tokens at positions pos0.., as thread tid of nth (every thread calls this with
-  the same arguments). Writes K/V rows pos0.. of every layer; thread 0 writes the result to out_TxD."""
+def matmul_desc(d, W, S, x_TxI, batched):  # pragma: no cover - compiled
+  """One matrix (a desc row) times T activations, single-threaded: T x (64 * groups), padded rows included."""
+  T, n = x_TxI.shape
+  xq = np.empty((T, n), np.int8)
+  xd = np.empty((T, n // 32), np.float32)
+  xs4 = np.empty((T, n // 32), np.int32)
+  xs8 = np.empty((T, n // 4), np.int32)
+  kq = np.empty((T, n), np.int8)
+  kd = np.empty((T, max(1, n // 256)), np.float32)
+  kbs = np.empty((T, n // 16), np.int32)
+  xh = np.empty((T, n), np.float32)
+  xb = np.empty((T, n), np.float32)
+  prep(x_TxI, n, _mask(d), xq, xd, xs4, xs8, kq, kd, kbs, xh, xb)
+  out = np.zeros((T, d[3] * 64), np.float32)
+  _mm(d, W, S, S.view(np.uint16), 0, d[3], x_TxI, n, xq, xd, xs4, xs8, kq, kd, kbs, xh, xb, out, 0, 0, batched)
+  return out
+
+
+# Per-layer vectors (offsets into V, -1 when absent) and flags.
+V_ATTN_NORM, V_FFN_NORM, V_BQ, V_BK, V_BV, V_QNORM, V_KNORM = range(7)
+S_Q, S_K, S_V, S_O, S_GATE, S_UP, S_DOWN = range(7)
+
+
+@_jit(nogil=True)
+def step(tid, nth, sync, x_TxD, out_TxD, desc, W, S, V, vd, k_LxSxKxE, v_LxSxKxE, cos_SxE2, sin_SxE2, pos0, H, K, E,
+         F, eps, neox, tiny, cut, qkv_buf, att_buf, y_buf, a_buf):  # pragma: no cover - compiled
+  """All layers of ``desc`` (L x 7 matrices, ``S_*``) for T tokens at positions pos0.., as thread tid of nth (every
+  thread calls this with the same arguments). Writes K/V rows pos0.. of every layer; thread 0 writes the result
+  to out_TxD. ``tiny``: the pass is batched (T >= 2, not batch-invariant): llama.cpp's batched orders. ``cut``:
+  the layer (index into desc, -1: none) after whose attention llama.cpp keeps only the rows whose logits are
+  wanted (the model's last layer when only the last token's logits are): its feed-forward block then runs
+  each row as a one-token pass, which is what the last row gets in llama.cpp."""
   T, D = x_TxD.shape
-  L = an_LxD.shape[0]
+  L = desc.shape[0]
   G = H // K
-  nbD, nbA, nbF = D // 32, (H * E) // 32, F // 32
-  gq, go, gf, gd = qkv_buf.shape[1] // 64, y_buf.shape[1] // 64, a_buf.shape[1] // 64, y_buf.shape[1] // 64
+  S16 = S.view(np.uint16)
+  cq, ck = 0, ((H * E + 63) // 64) * 64
+  cv = ck + ((K * E + 63) // 64) * 64
   x = x_TxD.copy()
   h = np.empty((T, D), np.float32)
   nmax = max(D, H * E, F)
@@ -288,55 +305,79 @@ def step(tid, nth, sync, x_TxD, out_TxD, an_LxD, fn_LxD, qkv_w, qkv_s, qkv_q4, w
   xd = np.empty((T, nmax // 32), np.float32)
   xs4 = np.empty((T, nmax // 32), np.int32)
   xs8 = np.empty((T, nmax // 4), np.int32)
+  kq = np.empty((T, nmax), np.int8)
+  kd = np.empty((T, max(1, nmax // 256)), np.float32)
+  kbs = np.empty((T, nmax // 16), np.int32)
+  xh = np.empty((T, nmax), np.float32)
+  xb = np.empty((T, nmax), np.float32)
   gu_tmp = np.empty((T, 128), np.float32)
   S_max = k_LxSxKxE.shape[1]
   p = np.empty(S_max + 16, np.float32)
   acc = np.empty(64 * E, np.float32)
   scale = np.float32(1.0) / np.sqrt(np.float32(E))
   for l in range(L):
+    dl = desc[l]
     # attention block
-    rms_norm(x, an_LxD[l], eps, h)
-    act_q8(h, xq[:, :D], xd[:, :nbD], xs4[:, :nbD], xs8[:, :nbD * 8])
-    g0, g1 = _share(gq, tid, nth)
-    matmul_groups(qkv_w[l], qkv_s[l], qkv_q4, nbD, g0, g1, xq[:, :D].view(np.int32), xd[:, :nbD], xs4[:, :nbD],
-                  xs8[:, :nbD * 8], qkv_buf)
+    rms_norm(x, V[vd[l, V_ATTN_NORM]:vd[l, V_ATTN_NORM] + D], eps, h)
+    prep(h, D, _mask(dl[S_Q]) | _mask(dl[S_K]) | _mask(dl[S_V]), xq, xd, xs4, xs8, kq, kd, kbs, xh, xb)
+    for sl, c0 in ((S_Q, cq), (S_K, ck), (S_V, cv)):
+      g0, g1 = _share(dl[sl, 3], tid, nth)
+      _mm(dl[sl], W, S, S16, g0, g1, h, D, xq, xd, xs4, xs8, kq, kd, kbs, xh, xb, qkv_buf, c0, 0, tiny)
     barrier(sync, nth)
     for kh in range(tid, K, nth):
       for t in range(T):
         pos = pos0 + t
-        rope(qkv_buf[t], kh * G * E, G, E, cos_SxE2[pos], sin_SxE2[pos])
-        rope(qkv_buf[t], (H + kh) * E, 1, E, cos_SxE2[pos], sin_SxE2[pos])
+        row = qkv_buf[t]
+        for hh in range(kh * G, kh * G + G):
+          if vd[l, V_BQ] >= 0:
+            for e in range(E):
+              row[cq + hh * E + e] = row[cq + hh * E + e] + V[vd[l, V_BQ] + hh * E + e]
+          if vd[l, V_QNORM] >= 0:
+            rms_norm_row(row, cq + hh * E, E, V[vd[l, V_QNORM]:vd[l, V_QNORM] + E], eps)
+        if vd[l, V_BK] >= 0:
+          for e in range(E):
+            row[ck + kh * E + e] = row[ck + kh * E + e] + V[vd[l, V_BK] + kh * E + e]
+        if vd[l, V_KNORM] >= 0:
+          rms_norm_row(row, ck + kh * E, E, V[vd[l, V_KNORM]:vd[l, V_KNORM] + E], eps)
+        if vd[l, V_BV] >= 0:
+          for e in range(E):
+            row[cv + kh * E + e] = row[cv + kh * E + e] + V[vd[l, V_BV] + kh * E + e]
+        if neox:
+          rope_neox(row, cq + kh * G * E, G, E, cos_SxE2[pos], sin_SxE2[pos])
+          rope_neox(row, ck + kh * E, 1, E, cos_SxE2[pos], sin_SxE2[pos])
+        else:
+          rope(row, cq + kh * G * E, G, E, cos_SxE2[pos], sin_SxE2[pos])
+          rope(row, ck + kh * E, 1, E, cos_SxE2[pos], sin_SxE2[pos])
         for e in range(E):
-          k_LxSxKxE[l, pos, kh, e] = qkv_buf[t, (H + kh) * E + e]
-          v_LxSxKxE[l, pos, kh, e] = qkv_buf[t, (H + K + kh) * E + e]
+          k_LxSxKxE[l, pos, kh, e] = row[ck + kh * E + e]
+          v_LxSxKxE[l, pos, kh, e] = row[cv + kh * E + e]
       for t in range(T):
         for g in range(G):
           hh = kh * G + g
-          attend(qkv_buf[t], hh * E, k_LxSxKxE[l], v_LxSxKxE[l], kh, pos0 + t + 1, scale, tiny, att_buf[t], hh * E,
-                 p, acc)
+          attend(qkv_buf[t], cq + hh * E, k_LxSxKxE[l], v_LxSxKxE[l], kh, pos0 + t + 1, scale, tiny, att_buf[t],
+                 hh * E, p, acc)
     barrier(sync, nth)
-    act_q8(att_buf, xq[:, :H * E], xd[:, :nbA], xs4[:, :nbA], xs8[:, :nbA * 8])
-    g0, g1 = _share(go, tid, nth)
-    matmul_groups(wo_w[l], wo_s[l], wo_q4, nbA, g0, g1, xq[:, :H * E].view(np.int32), xd[:, :nbA], xs4[:, :nbA],
-                  xs8[:, :nbA * 8], y_buf)
+    prep(att_buf, H * E, _mask(dl[S_O]), xq, xd, xs4, xs8, kq, kd, kbs, xh, xb)
+    g0, g1 = _share(dl[S_O, 3], tid, nth)
+    _mm(dl[S_O], W, S, S16, g0, g1, att_buf, H * E, xq, xd, xs4, xs8, kq, kd, kbs, xh, xb, y_buf, 0, 0, tiny)
     barrier(sync, nth)
     for t in range(T):
       for i in range(D):
         x[t, i] = y_buf[t, i] + x[t, i]
-    # feed-forward block: gate/up groups interleaved (2j = gate rows 64j.., 2j+1 = up rows 64j..)
-    rms_norm(x, fn_LxD[l], eps, h)
-    act_q8(h, xq[:, :D], xd[:, :nbD], xs4[:, :nbD], xs8[:, :nbD * 8])
-    j0, j1 = _share(gf, tid, nth)
+    # feed-forward block: a thread owning gate group j also computes up group j and applies SwiGLU on the spot
+    tf = tiny and l != cut
+    rms_norm(x, V[vd[l, V_FFN_NORM]:vd[l, V_FFN_NORM] + D], eps, h)
+    prep(h, D, _mask(dl[S_GATE]) | _mask(dl[S_UP]), xq, xd, xs4, xs8, kq, kd, kbs, xh, xb)
+    j0, j1 = _share(dl[S_GATE, 3], tid, nth)
     for j in range(j0, j1):
-      matmul_groups(gu_w[l], gu_s[l], gu_q4, nbD, 2 * j, 2 * j + 2, xq[:, :D].view(np.int32), xd[:, :nbD],
-                    xs4[:, :nbD], xs8[:, :nbD * 8], gu_tmp, 2 * j)
+      _mm(dl[S_GATE], W, S, S16, j, j + 1, h, D, xq, xd, xs4, xs8, kq, kd, kbs, xh, xb, gu_tmp, 0, j, tf)
+      _mm(dl[S_UP], W, S, S16, j, j + 1, h, D, xq, xd, xs4, xs8, kq, kd, kbs, xh, xb, gu_tmp, 64, j, tf)
       for t in range(T):
         vswiglu(gu_tmp[t], 0, gu_tmp[t], 64, a_buf[t], 64 * j, 4)
     barrier(sync, nth)
-    act_q8(a_buf[:, :F], xq[:, :F], xd[:, :nbF], xs4[:, :nbF], xs8[:, :nbF * 8])
-    g0, g1 = _share(gd, tid, nth)
-    matmul_groups(dn_w[l], dn_s[l], dn_q4, nbF, g0, g1, xq[:, :F].view(np.int32), xd[:, :nbF], xs4[:, :nbF],
-                  xs8[:, :nbF * 8], y_buf)
+    prep(a_buf, F, _mask(dl[S_DOWN]), xq, xd, xs4, xs8, kq, kd, kbs, xh, xb)
+    g0, g1 = _share(dl[S_DOWN, 3], tid, nth)
+    _mm(dl[S_DOWN], W, S, S16, g0, g1, a_buf, F, xq, xd, xs4, xs8, kq, kd, kbs, xh, xb, y_buf, 0, 0, tf)
     barrier(sync, nth)
     for t in range(T):
       for i in range(D):
@@ -348,30 +389,31 @@ def step(tid, nth, sync, x_TxD, out_TxD, an_LxD, fn_LxD, qkv_w, qkv_s, qkv_q4, w
 # Control block shared by the caller and the kernel threads of a planes.Team (int64; gen alone on its line).
 C_GEN, C_STOP, C_T, C_POS, C_TINY, C_L0, C_L1, C_S, C_X, C_OUT, C_K, C_V, C_QKV, C_ATT, C_Y, C_A = (
     0, 8, 9, 10, 11, 12, 13, 14, 15, 16, 17, 18, 19, 20, 21, 22)
-C_SLEEPERS = 24
+C_SLEEPERS, C_CUT = 24, 23
 
 
 @_jit(nogil=True)
-def worker(tid, nth, sync, ctrl, seen, an_LxD, fn_LxD, qkv_w, qkv_s, qkv_q4, wo_w, wo_s, wo_q4, gu_w, gu_s, gu_q4, dn_w,
-           dn_s, dn_q4, cos_SxE2, sin_SxE2, H, K, E, F, eps):  # pragma: no cover - compiled
+def worker(tid, nth, sync, ctrl, seen, desc, W, S, V, vd, cos_SxE2, sin_SxE2, H, K, E, F, eps,
+           neox):  # pragma: no cover - compiled
   """A kernel thread's life: wait for the next job in ``ctrl`` (spin, then sleep), run ``step`` on it as thread
   ``tid``, until ctrl[C_STOP]. The per-call arrays travel as addresses the caller keeps alive. ``seen``: the
   job counter when the team was made (a job published while this thread was still starting is not missed)."""
-  D = an_LxD.shape[1]
-  cq, cy, ca = qkv_w.shape[1] * 64, wo_w.shape[1] * 64, gu_w.shape[1] * 32
+  D = desc[0, S_O, 4]
+  cq = ((H * E + 63) // 64) * 64 + 2 * ((K * E + 63) // 64) * 64
+  cy = ((D + 63) // 64) * 64
+  ca = ((F + 63) // 64) * 64
   while True:
     wait_change(ctrl, C_GEN, seen, C_SLEEPERS)
     seen = atomic_load(ctrl, C_GEN)
     if ctrl[C_STOP]:
       return
-    T, pos0, l0, l1, S = ctrl[C_T], ctrl[C_POS], ctrl[C_L0], ctrl[C_L1], ctrl[C_S]
+    T, pos0, l0, l1, Sl = ctrl[C_T], ctrl[C_POS], ctrl[C_L0], ctrl[C_L1], ctrl[C_S]
     L = l1 - l0
     x = numba.carray(f32_ptr(ctrl[C_X]), (T, D))
     out = numba.carray(f32_ptr(ctrl[C_OUT]), (T, D))
-    kc = numba.carray(f32_ptr(ctrl[C_K]), (L, S, K, E))
-    vc = numba.carray(f32_ptr(ctrl[C_V]), (L, S, K, E))
-    step(tid, nth, sync, x, out, an_LxD[l0:l1], fn_LxD[l0:l1], qkv_w[l0:l1], qkv_s[l0:l1], qkv_q4, wo_w[l0:l1],
-         wo_s[l0:l1], wo_q4, gu_w[l0:l1], gu_s[l0:l1], gu_q4, dn_w[l0:l1], dn_s[l0:l1], dn_q4, kc, vc, cos_SxE2,
-         sin_SxE2, pos0, H, K, E, F, eps, ctrl[C_TINY] != 0, numba.carray(f32_ptr(ctrl[C_QKV]), (T, cq)),
+    kc = numba.carray(f32_ptr(ctrl[C_K]), (L, Sl, K, E))
+    vc = numba.carray(f32_ptr(ctrl[C_V]), (L, Sl, K, E))
+    step(tid, nth, sync, x, out, desc[l0:l1], W, S, V, vd[l0:l1], kc, vc, cos_SxE2, sin_SxE2, pos0, H, K, E, F, eps,
+         neox, ctrl[C_TINY] != 0, ctrl[C_CUT], numba.carray(f32_ptr(ctrl[C_QKV]), (T, cq)),
          numba.carray(f32_ptr(ctrl[C_ATT]), (T, H * E)), numba.carray(f32_ptr(ctrl[C_Y]), (T, cy)),
          numba.carray(f32_ptr(ctrl[C_A]), (T, ca)))

@@ -132,7 +132,7 @@ def _worker(rank: int, world: int, base: int, model_path: str, windows: list, sp
         if fault and n_fwd == fault[0]:
           os.kill(os.getpid(), fault[1])
         c = header["cycle"]
-        y = dev.run_window(c, x, header["pos0"], header["t"], header.get("bi", False))
+        y = dev.run_window(c, x, header["pos0"], header["t"], header.get("bi", False), header.get("lo", False))
         t = dev.clock.now + (spec.link_time(y.nbytes) if spec is not None else 0.0)
         _send(push, dict(header, t=t), y)
         dev.after_send(c)
@@ -185,17 +185,17 @@ class RingEngine:
   def clock(self):
     return self.head.clock
 
-  def forward(self, tokens, pos0: int, batch_invariant: bool = False) -> np.ndarray:
+  def forward(self, tokens, pos0: int, batch_invariant: bool = False, last_only: bool = False) -> np.ndarray:
     """Logits for tokens at positions pos0..; ``batch_invariant``: every token's result equals a one-token
-    pass (speculative verification; planes.layers)."""
+    pass (speculative verification; planes.layers); ``last_only``: only the last token's (GGUFLlama.forward)."""
     h = self.head
     x = h.embed(tokens)
     for c in range(self.k):
-      x = h.run_window(c, x, pos0, h.clock.now, batch_invariant)
+      x = h.run_window(c, x, pos0, h.clock.now, batch_invariant, last_only)
       if self.world > 1:
         spec = self.specs[0]
         t = h.clock.now + (spec.link_time(x.nbytes) if spec is not None else 0.0)
-        _send(self.push, {"op": "fwd", "cycle": c, "pos0": pos0, "t": t, "bi": batch_invariant}, x)
+        _send(self.push, {"op": "fwd", "cycle": c, "pos0": pos0, "t": t, "bi": batch_invariant, "lo": last_only}, x)
         h.after_send(c)
         header, x = _recv(self.pull, self.procs, self.peer_timeout_s, self.names)
         if header["t"] > h.clock.now:
@@ -203,7 +203,7 @@ class RingEngine:
           h.clock.now = header["t"]
       else:
         h.after_send(c)
-    return h.logits(x)
+    return h.logits(x[-1:] if last_only else x)
 
   def stats(self) -> list:
     out = [dict(self.head.stats(), rank=0)]

@@ -1,6 +1,10 @@
-"""python -m ondevice.run --model model.gguf [--devices devices.yaml] --prompt "..." --max-tokens N [--greedy]
+"""python -m ondevice.run --model model.gguf [--devices devices.yaml] --prompt "..." --max-tokens N
+    [--chat "message" [--system "..."]]
+    [--temperature T --top-k K --top-p P --min-p M --repeat-penalty R --seed S]
 
-Streams the generated text to stdout; a JSON summary (plan, TPOT, per-device stats) goes to stderr.
+Text is tokenized with the file's own tokenizer (SPM or BPE from its metadata), as llama.cpp tokenizes it;
+``--chat`` formats a user message with the file's chat template. Decoding is greedy unless --temperature > 0
+(ondevice/sampling.py). Streams the generated text to stdout; a JSON summary (plan, TPOT, per-device stats) goes to stderr.
 Without --devices: one local device, wall-clock timing. With --devices: a ring of emulated devices
 (one process each), planned by Halda unless --plan says otherwise; times are on the emulated clock.
 Everything knowable before the first token (context, plan, files, draft) is checked first; bad input
@@ -95,24 +99,38 @@ def _main(args) -> int:
   from ondevice import generate, gguf_check
   from ondevice.forward import GGUFLlama
   from ondevice.gguf_io import read_info
-  from ondevice.tokenizer import ByteTokenizer, piece_bytes
+  from ondevice import chat as chat_lib
+  from ondevice import sampling
+  from ondevice import vocab as vocab_lib
   from ondevice.weights import MappedGGUF
   info = read_info(args.model)
   gguf_check.check_runnable(info)
-  if args.prompt_ids:
-    try:
-      prompt = [int(t) for t in args.prompt_ids.split(",") if t.strip()]
-    except ValueError:
-      raise InputError(f"--prompt-ids {args.prompt_ids!r}: pass comma-separated integers") from None
-  elif info.byte_tokenizer:
-    prompt = ([info.bos_id] if info.bos_id is not None else []) + ByteTokenizer(info.cfg.vocab_size).encode(args.prompt)
-  else:
-    raise InputError("this file's vocabulary is not PrismLLM's byte tokenizer; pass --prompt-ids")
+  try:
+    voc = vocab_lib.load(args.model)
+    if args.prompt_ids:
+      try:
+        prompt = [int(t) for t in args.prompt_ids.split(",") if t.strip()]
+      except ValueError:
+        raise InputError(f"--prompt-ids {args.prompt_ids!r}: pass comma-separated integers") from None
+    elif args.chat is not None:
+      msgs = ([{"role": "system", "content": args.system}] if args.system else []) + [
+          {"role": "user", "content": args.chat}]
+      prompt = chat_lib.Chat(voc).tokens(msgs)
+    else:
+      prompt = voc.encode(args.prompt, add_special=True)
+  except (vocab_lib.VocabError, chat_lib.ChatError) as e:
+    raise InputError(str(e)) from None
+  params = sampling.SamplingParams(args.temperature, args.top_k, args.top_p, args.min_p, args.repeat_penalty,
+                                   seed=args.seed)
+  if params.check():
+    raise InputError(f"--{params.check().replace('_', '-')}")
+  if args.draft and not params.greedy:
+    raise InputError("--draft verifies greedy tokens: drop --temperature (or --draft)")
   check_generation(prompt, args.max_tokens, args.ctx, info.cfg.vocab_size, args.gamma,
                    trained_ctx=info.cfg.max_seq_len, allow_long=args.allow_long_context)
   if len(prompt) + args.max_tokens > info.cfg.max_seq_len:
     print(f"warning: generating up to position {len(prompt) + args.max_tokens}, past the model's trained context of "
-          f"{info.cfg.max_seq_len} tokens ({LONG_CONTEXT_FLAG}): untrained positions, no RoPE scaling",
+          f"{info.cfg.max_seq_len} tokens ({LONG_CONTEXT_FLAG}): untrained positions",
           file=sys.stderr)
   if args.draft:
     check_draft(args.model, args.draft, args.gamma)
@@ -125,7 +143,7 @@ def _main(args) -> int:
   pending = bytearray()
 
   def emit(tok: int):
-    pending.extend(piece_bytes(info.tokens[tok], info.token_types[tok]))
+    pending.extend(voc.piece(tok))
     try:
       s = pending.decode("utf-8")
     except UnicodeDecodeError:
@@ -140,7 +158,7 @@ def _main(args) -> int:
                            args.peer_timeout)
   if args.no_prefetch:
     eng.head.opts = eng.head.opts.__class__(**{**eng.head.opts.__dict__, "prefetch": False})
-  stop = None if args.no_stop else info.eos_id
+  stop = None if args.no_stop else voc.eog
   draft = GGUFLlama(MappedGGUF(args.draft), max_len=args.ctx) if args.draft else None
   done: list = []
   recoveries = []
@@ -149,7 +167,7 @@ def _main(args) -> int:
     done.append(t)
     emit(t)
 
-  sys.stdout.write(args.prompt if not args.prompt_ids else "")
+  sys.stdout.write(args.prompt if not (args.prompt_ids or args.chat is not None) else "")
   try:
     while True:
       try:
@@ -157,7 +175,8 @@ def _main(args) -> int:
         if draft is not None:
           st = generate.speculative(eng, generate.Draft(draft, eng), prompt + done, left, args.gamma, stop, on_token)
         else:
-          st = generate.greedy(eng, prompt + done, left, stop, on_token)
+          st = generate.greedy(eng, prompt + done, left, stop, on_token,
+                               None if params.greedy and params.repeat_penalty == 1 else sampling.Sampler(params))
         break
       except PeerError as e:
         if args.on_peer_failure != "replan" or e.hung or e.rank < 1 or not args.devices:
@@ -194,7 +213,15 @@ def main(argv=None) -> int:
   ap.add_argument("--prompt", default="")
   ap.add_argument("--prompt-ids", default=None, help="comma-separated token ids instead of --prompt")
   ap.add_argument("--max-tokens", type=int, default=32)
-  ap.add_argument("--greedy", action="store_true", help="greedy decoding (the only mode implemented)")
+  ap.add_argument("--chat", default=None, help="a user message, formatted with the file's chat template")
+  ap.add_argument("--system", default=None, help="with --chat: a system message before it")
+  ap.add_argument("--greedy", action="store_true", help="greedy decoding (the default; same as --temperature 0)")
+  ap.add_argument("--temperature", type=float, default=0.0, help="> 0 samples (ondevice/sampling.py)")
+  ap.add_argument("--top-k", type=int, default=40)
+  ap.add_argument("--top-p", type=float, default=0.95)
+  ap.add_argument("--min-p", type=float, default=0.05)
+  ap.add_argument("--repeat-penalty", type=float, default=1.0)
+  ap.add_argument("--seed", type=int, default=None, help="sampling seed (the same seed gives the same text)")
   ap.add_argument("--draft", default=None, help="draft GGUF for speculative decoding (same vocab)")
   ap.add_argument("--gamma", type=int, default=4)
   ap.add_argument("--plan", default="halda", choices=["halda", "memory", "equal", "single"])
@@ -206,7 +233,7 @@ def main(argv=None) -> int:
   ap.add_argument("--no-prefetch", action="store_true")
   ap.add_argument("--policy", default="plan", choices=["plan", "os"])
   ap.add_argument("--real-io", action="store_true", help="issue real madvise/fadvise prefetch/release")
-  ap.add_argument("--no-stop", action="store_true", help="do not stop at the file's EOS token")
+  ap.add_argument("--no-stop", action="store_true", help="do not stop at the file's end-of-generation tokens")
   ap.add_argument("--threads", type=int, default=1, help="kernel threads per device process (planes.set_threads)")
   ap.add_argument("--peer-timeout", type=float, default=60.0, help="seconds a ring pass may take (hang detection)")
   ap.add_argument("--on-peer-failure", default="replan", choices=["replan", "fail"],
@@ -214,6 +241,8 @@ def main(argv=None) -> int:
   args = ap.parse_args(argv)
   if args.k != "auto" and not args.k.isdigit():
     ap.error(f"--k {args.k}: pass a positive integer or auto")
+  if args.greedy:
+    args.temperature = 0.0
   return cli(_main, args)
 
 

@@ -249,7 +249,7 @@ if HAVE_NUMBA:
   @intrinsic
   def vdot_f32(typingctx, x, xo, y, yo, n):
     """ggml_vec_dot_f32 on AVX-512: 4 x 16-lane fma accumulators over 64-element steps, (0+2)+(1+3), the
-    16-lane tree sum, then fma leftovers one by one."""
+    16-lane tree sum, then the leftovers as GCC compiled them (see below)."""
     def codegen(context, builder, sig, args):
       xa, xo_, ya, yo_, n_ = args
       v16f = _vec(F32, 16)
@@ -264,9 +264,25 @@ if HAVE_NUMBA:
       a = [builder.load(p) for p in acc]
       s = cgutils.alloca_once_value(builder, _reduce16(builder, builder.fadd(builder.fadd(a[0], a[2]),
                                                                              builder.fadd(a[1], a[3]))))
-      with cgutils.for_range_slice(builder, n64, n_, ir.Constant(I64, 1), inc=True) as (i, _):
+      # The leftovers loop `sumf += x[i]*y[i]` as GCC vectorised it: blocks of 16 (when >= 16 are left) and then one
+      # of 8 are multiplied, then added one by one (no fma); the last < 8 are scalar fmas.
+      r = builder.sub(n_, n64)
+      e16 = builder.add(n64, builder.select(builder.icmp_signed(">=", r, ir.Constant(I64, 16)),
+                                            builder.and_(r, ir.Constant(I64, ~15)), ir.Constant(I64, 0)))
+      rem = builder.sub(n_, e16)
+      e8 = builder.add(e16, builder.select(builder.icmp_signed(">=", rem, ir.Constant(I64, 8)), ir.Constant(I64, 8),
+                                           ir.Constant(I64, 0)))
+
+      def term(i):
         xv = builder.load(_f32_ptr(context, builder, sig.args[0], xa, builder.add(xo_, i), 1))
         yv = builder.load(_f32_ptr(context, builder, sig.args[2], ya, builder.add(yo_, i), 1))
+        return xv, yv
+
+      with cgutils.for_range_slice(builder, n64, e8, ir.Constant(I64, 1), inc=True) as (i, _):
+        xv, yv = term(i)
+        builder.store(builder.fadd(builder.load(s), builder.fmul(xv, yv)), s)
+      with cgutils.for_range_slice(builder, e8, n_, ir.Constant(I64, 1), inc=True) as (i, _):
+        xv, yv = term(i)
         builder.store(_fma(builder, xv, yv, builder.load(s)), s)
       return builder.load(s)
     return nbt.float32(x, nbt.int64, y, nbt.int64, nbt.int64), codegen

@@ -51,12 +51,3 @@ class ByteTokenizer:
         tokens.append(f"<0x{i:02X}>")
         types.append(TokenType.BYTE)
     return tokens, [0.0] * self.vocab_size, types
-
-
-def piece_bytes(token: str, token_type: int) -> bytes:
-  """Bytes of one GGUF SPM vocab entry, as llama.cpp's token_to_piece renders it."""
-  if token_type == 6 and token.startswith("<0x") and token.endswith(">"):  # BYTE
-    return bytes([int(token[3:-1], 16)])
-  if token_type in (3, 5):  # CONTROL, UNUSED render as nothing
-    return b""
-  return token.replace(SPACE_PIECE, " ").encode("utf-8")

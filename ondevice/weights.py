@@ -20,7 +20,9 @@ import numpy as np
 from ondevice.gguf_io import GGUFError, GGUFInfo, read_info
 
 PAGE = mmap.PAGESIZE
-_QBLOCK = {"Q8_0": (32, 34), "Q4_0": (32, 18)}
+_QBLOCK = {"Q8_0": (32, 34), "Q4_0": (32, 18), "Q4_K": (256, 144), "Q5_K": (256, 176), "Q6_K": (256, 210)}
+# byte offset and count of each block's f16 scales: d (and dmin) first, except Q6_K's d at the end
+_SCALES = {"Q8_0": (0, 1), "Q4_0": (0, 1), "Q4_K": (0, 2), "Q5_K": (0, 2), "Q6_K": (208, 1)}
 
 
 def _round_out(start: int, end: int) -> tuple:
@@ -54,11 +56,13 @@ class MappedGGUF:
       v = raw.view(np.float32).reshape(t.shape)
     elif t.qtype == "F16":
       v = raw.view(np.float16).reshape(t.shape)
+    elif t.qtype == "BF16":
+      v = raw.view(np.uint16).reshape(t.shape)
     elif t.qtype in _QBLOCK:
       v = raw.reshape(t.shape[0], -1) if len(t.shape) == 2 else raw
     else:
-      raise NotImplementedError(f"{name} is {t.qtype}; the runtime computes on F32/F16/Q8_0/Q4_0 files "
-                                f"(re-export with --quant q8_0 or q4_0)")
+      raise NotImplementedError(f"{name} is {t.qtype}; the runtime computes on F32/F16/Q8_0/Q4_0/Q4_K/Q5_K/Q6_K "
+                                f"files (re-export with --quant q8_0 or q4_0)")
     self._views[name] = v
     return v
 
@@ -118,14 +122,16 @@ def _verify(info: GGUFInfo, name: str, raw: np.ndarray) -> None:
   """The tensor's CRC32 (files we exported) and finite scales / values (any file): a damaged file fails
   here, naming the tensor, instead of producing NaN logits or silently wrong tokens."""
   fix = "re-export it with `python -m ondevice.export` or re-copy it"
-  want = info.crc.get(name)
-  if want is not None and zlib.crc32(raw) != want:
+  want, qtype = info.crc.get(name, (None, None))
+  if want is not None and qtype in (None, info.tensors[name].qtype) and zlib.crc32(raw) != want:
     raise GGUFError(f"{info.path}: tensor {name} fails its CRC32 check (the file changed after export); {fix}")
   t = info.tensors[name]
   if t.qtype in _QBLOCK:
-    vals = raw.reshape(-1, _QBLOCK[t.qtype][1])[:, :2].copy().view(np.float16)
-  elif t.qtype in ("F32", "F16"):
-    vals = raw.view(np.float32 if t.qtype == "F32" else np.float16)
+    o, n = _SCALES[t.qtype]
+    vals = raw.reshape(-1, _QBLOCK[t.qtype][1])[:, o:o + 2 * n].copy().view(np.float16)
+  elif t.qtype in ("F32", "F16", "BF16"):
+    vals = raw.view(np.float32) if t.qtype == "F32" else raw.view(np.float16) if t.qtype == "F16" else \
+        (raw.view(np.uint16).astype(np.uint32) << 16).view(np.float32)
   else:
     return
   if not np.isfinite(vals).all():

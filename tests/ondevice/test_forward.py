@@ -40,7 +40,7 @@ def test_kv_cache_incremental_equals_full_and_rollback_overwrites(tiny, files):
 @pytest.mark.parametrize("q", ["f16", "q4_0", "q8_0"])
 def test_quantized_files_match_framework_on_dequantized_weights(files, q):
   """Reference = framework.model run on the file's own (dequantised) weights, so the only differences
-  left are float rounding (F16) or, for Q8_0/Q4_0, the activation quantisation to Q8_0 that llama.cpp
+  left are the activations' rounding to f16 (F16) or, for Q8_0/Q4_0, their quantisation to Q8_0 that llama.cpp
   also does (the exact ggml semantics are checked kernel by kernel below and against llama.cpp itself)."""
   import jax
   from framework import model as fm
@@ -54,8 +54,8 @@ def test_quantized_files_match_framework_on_dequantized_weights(files, q):
   err = np.abs(got - ref).max()
   if q in ("q8_0", "q4_0"):
     assert err <= 0.1 * scale and (got.argmax(-1) == ref.argmax(-1)).mean() >= 0.8, err
-  else:
-    assert err <= 1e-5 * scale, err
+  else:  # F16 dots read activations rounded to f16, as ggml's do (measured 1.9e-3 of the scale)
+    assert err <= 5e-3 * scale and (got.argmax(-1) == ref.argmax(-1)).mean() >= 0.9, err
 
 
 def _ggml_reference(qt, w_OxI, x_TxI):
@@ -95,7 +95,7 @@ def test_kernels_match_dequantized_references(T):
     assert np.abs(kernels.matmul(qt, qw, x, 96, 128) - ref).max() <= tol, qt
     # planes: 96 rows = one full group of 64 + a padded one; packed together with a second matrix
     qw2, ref2 = _ggml_reference(qt, w[:40] * 3, x)
-    got, got2 = planes.repack(qt, [qw, qw2], 128)(x)
+    got, got2 = planes.repack(qt, [qw, qw2], 128)(x, batched=T >= 2)
     assert got.shape == (T, 96) and got2.shape == (T, 40)
     assert np.abs(got - ref).max() <= tol and np.abs(got2 - ref2).max() <= 3 * tol, qt
 
@@ -147,10 +147,10 @@ def test_kernel_threads_give_the_same_bits(files, q):
 
 @pytest.mark.parametrize("q", ["q4_0", "q8_0"])
 def test_fused_planes_layer_equals_unfused_mmap_path(files, q):
-  """planes.layer (one numba call per block, repacked weights, numba attention) vs the numpy layer on
+  """planes.layers (one numba call per step, repacked weights, numba attention) vs the numpy layer on
   the mmap kernels: same ggml semantics, so only float32 summation order differs; prefill then decode."""
   fused, plain = _model(files[q]), _model(files[q], repack=False)
-  assert all(w.fused for w in fused.layers.values()) and not any(w.fused for w in plain.layers.values())
+  assert fused.pack is not None and plain.pack is None
 
   def run(m):
     c = m.new_cache()
@@ -171,3 +171,41 @@ def test_greedy_generation_with_cache_equals_recompute(files):
   for _ in range(8):
     seq.append(int(m.forward(seq, 0, m.new_cache())[-1].argmax()))
   assert out == seq[len(PROMPT):]
+
+
+@pytest.mark.parametrize("qt", ["Q4_K", "Q5_K", "Q6_K"])
+def test_k_quant_vector_kernels_equal_their_loop_statement(qt):
+  """simd_k's vector kernels (what runs) = matvec's plain loops (the arithmetic written out), for every mode
+  (Q4_K gemv / gemm, Q5_K / Q6_K vec_dot / tiled), on random K-quant blocks with finite scales. The plain loops
+  in turn equal llama.cpp (test_hub.py)."""
+  import numba
+  from ondevice import kquants, matvec, simd_k
+  rng = np.random.default_rng(3)
+  n_out, n_in = 80, 512
+  nb = n_in // 256
+  raw = rng.integers(0, 256, (n_out, nb, kquants.BLOCK_BYTES[qt]), np.uint8)
+  half = rng.uniform(1e-4, 1e-2, (n_out, nb, 2)).astype(np.float16).view(np.uint8)
+  if qt == "Q6_K":
+    raw[..., 208:210] = half[..., :2]
+  else:
+    raw[..., 0:4] = half
+  q, s = kquants.repack(qt, raw.reshape(n_out, -1), n_in)
+  W, S, G = q.ravel(), s.ravel(), q.shape[0]
+  x = rng.normal(size=(1, n_in)).astype(np.float32)
+  kq, kd, kbs = np.empty((1, n_in), np.int8), np.empty((1, nb), np.float32), np.empty((1, n_in // 16), np.int32)
+  matvec.act_q8k(x, kq, kd, kbs)
+  names = {"Q4_K": ("q4k_gemv", "q4k_gemm"), "Q5_K": ("q5k_vec", "q5k_tiled"), "Q6_K": ("q6k_vec", "q6k_tiled")}[qt]
+  for mode, name in enumerate(names):
+    f = getattr(simd_k, name)
+    run = numba.njit(lambda W, qo, S, so, nb, x32, kd, kbs, out, oo: f(W, qo, S, so, nb, x32, 0, kd, kbs, out, oo))
+    a, b = np.zeros(64 * G, np.float32), np.zeros(64 * G, np.float32)
+    for g in range(G):
+      qo = g * nb * kquants.QUANT_BYTES[qt]
+      so = g * nb * kquants.SCALE_BYTES[qt]
+      if qt == "Q4_K":
+        matvec.q4k_rows(W, qo, S, so, nb, kq[0], kd[0], kbs[0], bool(mode), a, 64 * g)
+      else:
+        matvec.q56k_rows(W, qo, S, so, nb, kq[0], kd[0], kbs[0], qt == "Q6_K", bool(mode), a, 64 * g)
+      run(W, qo, S, so, nb, kq[0].view(np.int32), kd[0], kbs[0], b, 64 * g)
+    np.testing.assert_array_equal(a, b, err_msg=name)
+    assert np.isfinite(a).all() and np.abs(a[:n_out]).max() > 0
