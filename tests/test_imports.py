@@ -132,4 +132,6 @@ def test_perfmodel_core_size():
     if _is_core(m):
       with open(path) as f:
         total += sum(1 for _ in f)
-  assert total <= 4200, f"perfmodel core is {total} lines (budget ~4k)"
+  # ~4.5k: graph + cost (~2k), the one timeline with each framework's overlap rules and the pipeline model (~0.5k),
+  # predict / program / target (~1k), hardware, memory, compose, search. Growth past it asks for a split, not a bump.
+  assert total <= 4600, f"perfmodel core is {total} lines (budget ~4.5k)"
