@@ -93,11 +93,29 @@ FRAMEWORKS = {
 }
 
 
+OVERLAP_OPTIONS = ("tp_comm", "grad_reduce", "param_gather")
+
+
+def overlap_options(text: Optional[str]) -> Optional[tuple]:
+  """The overlap options a framework spec ``name:opt,opt`` names (``name:none``: none), or None when the spec
+  names only the framework (its published defaults, perfmodel/predict.py OVERLAP)."""
+  if not text or ":" not in text:
+    return None
+  opts = tuple(o.strip() for o in text.split(":", 1)[1].split(",") if o.strip() and o.strip() != "none")
+  bad = [o for o in opts if o not in OVERLAP_OPTIONS]
+  if bad:
+    raise ConfigError(f"framework {text!r}: unknown overlap option {bad[0]!r}; name some of "
+                      f"{', '.join(OVERLAP_OPTIONS)} after the colon, or 'none'")
+  return opts
+
+
 def framework_key(text: Optional[str]) -> Optional[str]:
-  """A FRAMEWORKS key for a framework named as the published tables name it (None: PrismLLM's own step)."""
+  """A FRAMEWORKS key for a framework named as the published tables name it (None: PrismLLM's own step). A spec
+  may name the overlap options after a colon (``megatron:grad_reduce,param_gather``; :func:`overlap_options`)."""
   if not text:
     return None
-  t = text.lower()
+  overlap_options(text)
+  t = text.split(":", 1)[0].lower()
   for key, words in (("maxtext", ("maxtext",)), ("paxml", ("paxml", "praxis")), ("nemo", ("nemo",)),
                      ("megatron", ("megatron",)), ("torchtitan", ("torchtitan",)),
                      ("llm-foundry", ("llm-foundry", "composer"))):

@@ -219,7 +219,9 @@ def _parser():
   pr.add_argument("--framework", default=None,
                   help="price the step as this framework runs it (parallelism/target_flags.py: maxtext, paxml, megatron, "
                        "nemo, torchtitan, llm-foundry): its XLA flags for the target go into the compile, its "
-                       "overlap options into the timeline (default: PrismLLM's step, the compiler's defaults)")
+                       "overlap options into the timeline; name the options after a colon to override its defaults: "
+                       "megatron:grad_reduce,param_gather,tp_comm, torchtitan:tp_comm, nemo:none (default: "
+                       "PrismLLM's step, the compiler's defaults)")
   pr.add_argument("--profile-nodes", action="store_true",
                   help="time every compute instruction of this program alone on this host first (into the user's "
                        "cache; automatic when the backend resolves to profiled or hybrid)")

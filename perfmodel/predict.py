@@ -219,22 +219,27 @@ def _mesh(cfg: Config) -> dict:
 # ---------------------------------------------------------------- routes
 
 def _overlap(cfg: Config, framework: Optional[str], fwd_s: float, bwd_s: float) -> Optional[timeline.Overlap]:
-  """The framework's overlap options (OVERLAP) on this config's mesh; the windows are one
-  micro-batch's forward and backward compute."""
-  key = target_flags.framework_key(framework)
-  if key not in OVERLAP:
+  """The framework's overlap options (OVERLAP, or those its spec names: target_flags.overlap_options) on this
+  config's mesh; the windows are one micro-batch's forward and backward compute."""
+  key, opts = target_flags.framework_key(framework), target_flags.overlap_options(framework)
+  if opts is None:
+    opts = target_flags.OVERLAP_OPTIONS if key in OVERLAP else ()
+  if not opts:
     return None
   mesh = cfg.mesh
   local = cfg.model.n_params(embeddings=True) / (mesh.tensor * mesh.pipeline)
-  bucket = max(OVERLAP[key][0], 1_000_000 * mesh.data * mesh.fsdp if key == "megatron" else 0)
-  return timeline.Overlap(tp_comm=True, grad_reduce=True, param_gather=True, sizes=tuple(mesh.sizes().items()),
-                          bwd_window_s=bwd_s, fwd_window_s=fwd_s, bucket_fraction=min(1.0, bucket / max(1.0, local)))
+  bucket = max(OVERLAP.get(key, OVERLAP["megatron"])[0], 1_000_000 * mesh.data * mesh.fsdp if key != "nemo" else 0)
+  return timeline.Overlap(tp_comm="tp_comm" in opts, grad_reduce="grad_reduce" in opts,
+                          param_gather="param_gather" in opts, sizes=tuple(mesh.sizes().items()), bwd_window_s=bwd_s,
+                          fwd_window_s=fwd_s, bucket_fraction=min(1.0, bucket / max(1.0, local)))
 
 
 def _overlap_info(ov: Optional[timeline.Overlap], framework: Optional[str]) -> Optional[dict]:
   if ov is None:
     return None
-  src = OVERLAP[target_flags.framework_key(framework)][1]
+  key = target_flags.framework_key(framework)
+  src = OVERLAP[key][1] if key in OVERLAP and target_flags.overlap_options(framework) is None else \
+      f"the options named by the framework spec {framework!r}; bucket: Megatron-Core's rule ({OVERLAP['megatron'][1]})"
   return {"options": [k for k in ("tp_comm", "grad_reduce", "param_gather") if getattr(ov, k)], "source": src,
           "bwd_window_s": ov.bwd_window_s, "fwd_window_s": ov.fwd_window_s, "bucket_fraction": ov.bucket_fraction}
 

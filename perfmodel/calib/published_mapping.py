@@ -151,6 +151,9 @@ def row_features(r: P.PublishedRun) -> dict:
                           + ("" if r.remat_exact else f" (nearest policy '{r.remat}')"))
   if r.sequence == 1:
     f["context_parallel"] = Fact("none", "CSV cp = 1")
+  elif megatron_like and r.pipeline > 1:
+    f["context_parallel"] = Fact("ring_in_pipeline", SRC["megatron_cp"] + "; ring attention inside pipeline stages "
+                                 "is not built (parallelism/README.md, Limits): K/V all-gathered over the cp ranks")
   elif megatron_like:
     f["context_parallel"] = Fact("ring", SRC["megatron_cp"])
   elif fam == "torchtitan":
@@ -181,16 +184,16 @@ def row_features(r: P.PublishedRun) -> dict:
 # does this without a key. A key set to None is declared not modelled: the row compiles without it and says so.
 FEATURE_KEYS = {
     "optimizer_sharding": {"data": {"optim.shard_optimizer_state": True}, "fsdp": {}, "none": {}},
-    "master_weights": {"f32": {"optim.master_weights": "f32", "model.param_dtype": "bfloat16"},
+    "master_weights": {"f32": {"optim.master_weights": True, "model.param_dtype": "bfloat16"},
                        "params": {"model.param_dtype": "float32"}},
-    "schedule": {"none": {}, "1f1b": {"mesh.schedule": "1f1b"},  # 1f1b: the stashing 1F1B
-                 "interleaved": {"mesh.schedule": "interleaved"}, "circular": {"mesh.schedule": "circular"}},
+    # 1f1b stashes activations; with virtual stages 1f1b is Megatron's interleaved 1F1B, gpipe MaxText's circular
+    "schedule": {"none": {}, "1f1b": {"mesh.schedule": "1f1b"}, "interleaved": {"mesh.schedule": "1f1b"},
+                 "circular": {"mesh.schedule": "gpipe"}},
     "virtual_stages": {"key": "mesh.virtual_stages"},  # set when > 1
-    "context_parallel": {"none": {}, "ring": {"model.attention": "ring"},
-                         "all_gather": {"model.attention": "all_gather_kv"}},
+    # sequence > 1 all-gathers K/V with any attention kernel: all_gather needs no key
+    "context_parallel": {"none": {}, "ring": {"model.attention": "ring"}, "all_gather": {},
+                         "ring_in_pipeline": {"model.attention": None}},
     "matmul_precision": {"bf16": {}, "fp8": {"model.matmul_precision": "fp8"}},
-    "overlap": {"grad_reduce": {"optim.overlap_grad_reduce": True}, "param_gather": {"optim.overlap_param_gather": True},
-                "tp_comm": {"mesh.tp_comm_overlap": True}},
     "recompute": {"key": "model.remat"},
     "program_layers": {"key": "model.n_layers"},
 }
@@ -204,12 +207,24 @@ def _known_keys() -> set:
 
 def feature_pairs(name: str, fact: Fact) -> dict:
   """{"section.key": value} one fact asks for (FEATURE_KEYS)."""
+  if name == "overlap":
+    return {}  # not a config key: the framework spec's options (:func:`framework_spec`)
   table = FEATURE_KEYS[name]
   if "key" in table:
     return {table["key"]: fact.value} if name != "virtual_stages" or fact.value > 1 else {}
-  if name == "overlap":
-    return {k: v for o in fact.value for k, v in table[o].items()}
   return dict(table[fact.value])
+
+
+# family -> the framework predict prices the step as (parallelism/target_flags.py): its XLA flags for the target;
+# the overlap options are the row's ``overlap`` fact. Meta's Llama 3 stack and MegaScale are PyTorch / Megatron.
+FRAMEWORK_OF = {"maxtext": "maxtext", "paxml": "paxml", "megatron_2021": "megatron", "megatron_core": "megatron",
+                "nemo": "nemo", "torchtitan": "torchtitan", "llmfoundry": "llm-foundry", "llama3": "torchtitan",
+                "megatron_megascale": "megatron", "megascale": "megatron"}
+
+
+def framework_spec(r: P.PublishedRun, features: dict) -> str:
+  """``predict --framework`` for the row: the framework and the overlap options it ran (``name:none`` when none)."""
+  return f"{FRAMEWORK_OF[family(r)]}:{','.join(features['overlap'].value) or 'none'}"
 
 
 def features_to_overrides(features: dict) -> dict:
@@ -235,6 +250,7 @@ class RowMapping:
   topology: Optional[str]
   notes: list  # where the program differs from the row
   features: dict  # {feature: Fact}
+  framework: str = ""  # predict --framework: XLA flags and overlap options (framework_spec)
   error: str = ""  # 'not compiled: ...' when a feature has no path in this checkout
 
 
@@ -295,6 +311,8 @@ def row_config(r: P.PublishedRun) -> RowMapping:
   for name in ("schedule", "context_parallel"):
     if features[name].value not in ("none",):
       notes.append(f"{name} {features[name].value}: {features[name].source}")
+  if features["overlap"].value:
+    notes.append(f"overlap {'+'.join(features['overlap'].value)}: {features['overlap'].source}")
   ov = [f"--config.{k}={v}" for k, v in flat.items()] + [f"--config.name={r.id}"]
   k = _slices(r)
   topology = targets.plan(r.hardware, r.n_chips // k).topology if r.hardware.startswith("tpu") and k > 1 else None
@@ -302,7 +320,7 @@ def row_config(r: P.PublishedRun) -> RowMapping:
     notes.append(f"{k} slices of {topology} over the data-center network")
   if not error:
     error = _validate(r, ov, features)
-  return RowMapping(ov, topology, notes, features, error)
+  return RowMapping(ov, topology, notes, features, framework_spec(r, features), error)
 
 
 def build_config(overrides: list, n_chips: int):

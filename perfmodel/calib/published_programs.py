@@ -62,13 +62,14 @@ def export(r: P.PublishedRun, m: M.RowMapping, folder: str = DIR) -> str:
   """Copies the row's program from the compile cache into ``folder``; returns the path. Raises FileNotFoundError
   when the cache holds no program of this config (compiled under other sources, or never compiled)."""
   cfg = M.build_config(m.overrides, r.n_chips)
-  cache = os.path.join(target.cache_dir(), target.key(cfg, r.hardware, m.topology) + ".json.gz")
+  cache = os.path.join(target.cache_dir(), target.key(cfg, r.hardware, m.topology, m.framework) + ".json.gz")
   cap = target._load(cache)  # noqa: SLF001 - the cache's own reader
   if cap is None:
     raise FileNotFoundError(f"program not saved: no compiled program of row {r.id}'s config in {cache}")
   d = {f.name: getattr(cap, f.name) for f in dataclasses.fields(cap) if f.name not in ("compiled", "route_detail")}
   d["placement"] = dataclasses.asdict(cap.placement) if cap.placement is not None else None
   d["provenance"] = {"row": r.id, "hardware": r.hardware, "topology": m.topology, "overrides": m.overrides,
+                     "framework": m.framework,
                      "config_fingerprint": fingerprint(cfg, r.hardware, m.topology), "commit": _commit(),
                      **code_version(), "saved": time.strftime("%Y-%m-%d")}
   out = path_of(r.id, folder)
@@ -105,6 +106,8 @@ def freshness(r: P.PublishedRun, m: M.RowMapping, prov: dict) -> list:
     old, new = _as_dict(prov["overrides"]), _as_dict(m.overrides)
     diff = [f"{k}: {old.get(k, '-')} -> {new.get(k, '-')}" for k in sorted(set(old) | set(new)) if old.get(k) != new.get(k)]
     reasons.append("mapping: compiled from another config (" + ("; ".join(diff) or "base config changed") + ")")
+  if not m.error and prov.get("framework") != m.framework:
+    reasons.append(f"mapping: priced as framework {prov.get('framework')!r}, the mapping now says {m.framework!r}")
   now = code_version()
   if prov.get("sources") != now["sources"]:
     reasons.append(f"code: built from framework / parallelism sources {prov.get('sources')}, this checkout's are "
@@ -124,7 +127,7 @@ def reprice(r: P.PublishedRun, m: M.RowMapping, backend: str = "auto", folder: s
     return {"error": f"{m.error + '; ' if m.error else ''}{e}"}
   t0 = time.perf_counter()
   p = predict.predict(M.build_config(prov["overrides"], r.n_chips), r.hardware, backend=backend, captured=cap,
-                      method="target_compile")
+                      method="target_compile", framework=prov.get("framework"))
   out = p.to_dict()
   out["price_s"] = time.perf_counter() - t0
   out["program_overrides"] = prov["overrides"]

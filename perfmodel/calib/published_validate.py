@@ -47,7 +47,7 @@ def predict_row(r: P.PublishedRun, m: M.RowMapping, backend: str = "auto", timeo
   if m.error:
     return {"error": m.error}
   argv = [sys.executable, "-m", "perfmodel", "predict", "--config", BASE_CONFIG, "--hardware", r.hardware,
-          "--backend", backend, "--compile-budget", str(compile_budget)]
+          "--backend", backend, "--compile-budget", str(compile_budget), "--framework", m.framework]
   argv += (["--topology", m.topology] if m.topology else []) + m.overrides
   env = dict(os.environ)
   env["PYTHONPATH"] = ROOT + os.pathsep + env.get("PYTHONPATH", "")

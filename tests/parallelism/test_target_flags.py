@@ -71,3 +71,13 @@ def test_tpu_flag_sets_are_options_of_the_installed_libtpu():
   assert lowered.compile(flags).as_text()
   with pytest.raises(Exception, match="No such compile option"):
     lowered.compile({"xla_tpu_enable_async_collective_fusion_no_such_flag": "true"})
+
+
+def test_a_framework_spec_names_its_overlap_options():
+  assert tf.framework_key("megatron:grad_reduce,param_gather") == "megatron"
+  assert tf.overlap_options("megatron") is None  # the framework's published defaults
+  assert tf.overlap_options("megatron:grad_reduce, tp_comm") == ("grad_reduce", "tp_comm")
+  assert tf.overlap_options("nemo:none") == ()
+  assert tf.flag_set("h100", "torchtitan:tp_comm").name == "nvidia_jax_gpu"
+  with pytest.raises(ConfigError, match="unknown overlap option 'dp_overlap'; name some of tp_comm"):
+    tf.framework_key("megatron:dp_overlap")

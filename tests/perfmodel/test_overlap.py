@@ -212,3 +212,16 @@ def test_param_gather_overlaps_the_next_steps_first_forward(fwd_ms, bucket, tail
   base = 4.0 + 0.001 + 1.0
   assert tl.exposed_comm == pytest.approx((0.001 + tail_ms) * MS)
   assert tl.makespan == pytest.approx((base + tail_ms) * MS)
+
+
+def test_a_framework_spec_selects_the_overlap_options_predict_models():
+  from framework.config import from_dict, validate  # noqa: PLC0415
+  from perfmodel import predict as pr  # noqa: PLC0415
+  cfg = validate(from_dict({"mesh": {"data": 2, "tensor": 2}}), 4)
+  every = pr._overlap(cfg, "megatron", 1.0, 2.0)  # noqa: SLF001
+  assert (every.tp_comm, every.grad_reduce, every.param_gather) == (True, True, True)
+  assert pr._overlap(cfg, "megatron:none", 1.0, 2.0) is None  # noqa: SLF001
+  assert pr._overlap(cfg, "maxtext", 1.0, 2.0) is None  # noqa: SLF001 - XLA's scheduler, no Megatron options
+  only = pr._overlap(cfg, "torchtitan:tp_comm", 1.0, 2.0)  # noqa: SLF001
+  assert (only.tp_comm, only.grad_reduce, only.param_gather) == (True, False, False)
+  assert "framework spec" in pr._overlap_info(only, "torchtitan:tp_comm")["source"]  # noqa: SLF001
