@@ -3,7 +3,7 @@
    python -m ondevice.bench --model m.gguf --suite ring --devices devices.yaml [--draft d.gguf]
    python -m ondevice.bench --model m.gguf --suite halda-real --devices benchmarks/ondevice_devices_real.yaml
 
-Prints one JSON object and appends a row to benchmarks/RESULTS.md.
+Prints one JSON object; --record also appends it as a row to the committed benchmarks/RESULTS.md.
 single: TPOT / prefill of our engine vs llama.cpp (exact and default configurations) on the same file, the
         same token stream and 1 and 2 threads (bench_single.py), and a jitted JAX f32 decode step
         (framework.model on the file's dequantised weights; --no-jax skips it).
@@ -168,7 +168,7 @@ def main(argv=None) -> int:
   ap.add_argument("--threads", default="1,2", help="single: thread counts to compare (ours and llama.cpp alike)")
   ap.add_argument("--rounds", type=int, default=3, help="single: repetitions of the paired stream (noise floor)")
   ap.add_argument("--no-jax", action="store_true")
-  ap.add_argument("--no-append", action="store_true")
+  ap.add_argument("--record", action="store_true", help="append this run as a row to the committed benchmarks/RESULTS.md")
   ap.add_argument("--scenarios", default="", help="ring: 'all' adds prima.cpp's runtime on Halda's windows")
   args = ap.parse_args(argv)
   from ondevice.gguf_io import describe, read_info
@@ -213,7 +213,7 @@ def main(argv=None) -> int:
     res["ring"] = bench_ring.run(args.model, args.devices, args.tokens, prompt, args.draft, args.gamma,
                                  tuple(x for x in args.scenarios.split(",") if x))
   print(json.dumps(res))
-  if not args.no_append:
+  if args.record:
     append_results("python -m ondevice.bench " + " ".join(argv if argv is not None else sys.argv[1:]), res)
   return 0
 

@@ -122,14 +122,15 @@ def cmd_calibrate(a, overrides):
     _regime(a, trace=not a.profiled)  # the profiler's worker enables its own tracing
   program.ensure_devices(VALIDATE_DEVICES)  # the multi-device calibration programs compile on virtual devices
   from perfmodel.calib import calibrate, refit  # noqa: PLC0415
-  prof = calibrate.PROFILE
+  prof = calibrate.destination(commit=a.commit)
+  _log(f"calibrating {prof}" + ("" if a.commit else " (the user's profile; --commit writes the committed one)"))
   if a.refit_composition:
     return _print(refit.refit(prof, a.refit_composition, log=_log))
   if a.refit_hybrid:
     return _print(refit.refit_hybrid(prof, a.refit_hybrid, log=_log))
   if a.profiled:
     return _print(refit.fit_profiled(prof, a.hlo_cache, log=_log))
-  snap = calibrate.snapshot(calibrate.committed_files("cpu"))
+  snap = calibrate.snapshot(calibrate.files(prof))
   res = calibrate.run(quick=a.quick, nodes_stage=not a.no_nodes, nodes_only=a.nodes_only,
                       step_rounds=a.step_rounds or calibrate.STEP_ROUNDS, step_statistic=a.step_statistic,
                       prof_path=prof, log=_log)
@@ -156,7 +157,8 @@ def cmd_validate(a, overrides):
   _regime(a)
   program.ensure_devices(VALIDATE_DEVICES)
   from perfmodel.calib import validate  # noqa: PLC0415
-  _print(validate.run(a.suite, reps=a.reps, backend=a.backend, png=a.png or "benchmarks/perfmodel_validate.png", results=not a.no_results,
+  png = a.png or (validate.COMMITTED_PNG if a.record else os.path.join(tempfile.gettempdir(), "perfmodel_validate.png"))
+  _print(validate.run(a.suite, reps=a.reps, backend=a.backend, png=png, results=a.record,
                       limit=a.limit, measurements=a.measurements, hlo_cache=a.hlo_cache, isolate=not a.in_process,
                       rounds=a.rounds))
 
@@ -229,8 +231,12 @@ def _parser():
   pr.add_argument("--batch", type=int, default=1)
   pr.add_argument("--prompt-len", type=int, default=32)
   pr.add_argument("--gen-len", type=int, default=32)
-  ca = sub.add_parser("calibrate", help="fit the cpu profile on this host (about an hour; --quick: minutes)")
+  ca = sub.add_parser("calibrate", help="fit the cpu profile on this host (about an hour; --quick: minutes); "
+                                         "writes the user's profile in ~/.cache/prismllm/profiles ($PRISMLLM_CACHE), "
+                                         "which predict and validate then use")
   ca.add_argument("--quick", action="store_true")
+  ca.add_argument("--commit", action="store_true",
+                  help="write the committed perfmodel/profiles/cpu.json and its node data instead of the user's")
   ca.add_argument("--no-nodes", action="store_true", help="micro-benchmarks only (skip the calibration programs)")
   ca.add_argument("--nodes-only", action="store_true", help="only the calibration programs (keep the curves)")
   ca.add_argument("--max-loo", type=float, default=None, metavar="PCT",
@@ -258,8 +264,8 @@ def _parser():
   va.add_argument("--reps", type=int, default=7)
   va.add_argument("--backend", default="auto")
   va.add_argument("--png", default=None,
-                  help="default benchmarks/perfmodel_validate.png (--published: perfmodel_published.png in the "
-                       "temporary folder)")
+                  help="default perfmodel_validate.png (--published: perfmodel_published.png) in the temporary "
+                       "folder; with --record (host suite) the committed benchmarks/perfmodel_validate.png")
   va.add_argument("--published", action="store_true",
                   help="predict every included bf16 / fp8 / fp16 row of the published training runs (compiled for their "
                        "chips) instead of measuring the suite on this host")
@@ -274,13 +280,12 @@ def _parser():
   va.add_argument("--strict", action="store_true",
                   help="--published: a stale committed program (other mapping, code or compiler) is an error")
   va.add_argument("--record", action="store_true",
-                  help="--published: write benchmarks/data/published_validation.json and its benchmarks/RESULTS.md "
-                       "row from this run (with --reprice or --save-programs)")
+                  help="write the committed record of this run: a benchmarks/RESULTS.md row and, without --png, "
+                       "benchmarks/perfmodel_validate.png; --published: benchmarks/data/published_validation.json and "
+                       "its RESULTS.md row (with --reprice or --save-programs)")
   va.add_argument("--compile-budget", default="75", metavar="SECONDS|full",
                   help="--published: each row's predict --compile-budget (default 75, as predict: the programs a "
                        "user's predict prices; 'full': finished executables, minutes per TPU row)")
-  va.add_argument("--no-results", action="store_true",
-                  help="do not append to benchmarks/RESULTS.md (--published appends only with --record)")
   va.add_argument("--limit", type=int, default=0, help="run only the first N configs (smoke)")
   va.add_argument("--measurements", default=None, nargs="+", metavar="FILE",
                   help="JSON of measurements by config name: reused if present, filled if not; several files: their "

@@ -1,5 +1,9 @@
 """Hardware profiles: one typed, frozen dataclass per device kind, loaded from ``perfmodel/profiles/*.json``.
 
+A profile calibrated on this host by ``python -m perfmodel calibrate`` lives in the user's cache
+(``$PRISMLLM_CACHE/profiles``, else ``~/.cache/prismllm/profiles``) and is loaded in place of the committed one of
+the same name; ``calibrate --commit`` writes the committed one instead.
+
 Every number in a profile file is ``{"value": ..., "source": "..."}`` so a reader can check it; the
 loader keeps the sources next to the values (``HardwareProfile.sources``). A profile whose
 efficiency curves were not fitted on the device is ``calibrated=False`` and predictions made with
@@ -19,6 +23,23 @@ from typing import Optional
 from perfmodel.calibration import Calibration
 
 PROFILE_DIR = os.path.join(os.path.dirname(__file__), "profiles")
+CACHE_ENV = "PRISMLLM_CACHE"
+
+
+def cache_root() -> str:
+  """The user's PrismLLM cache: ``$PRISMLLM_CACHE``, else ``~/.cache/prismllm`` (never the repository)."""
+  return os.environ.get(CACHE_ENV) or os.path.join(os.path.expanduser("~"), ".cache", "prismllm")
+
+
+def user_profile_dir() -> str:
+  """Where ``calibrate`` writes profiles calibrated on this host (without ``--commit``)."""
+  return os.path.join(cache_root(), "profiles")
+
+
+def profile_path(name: str) -> str:
+  """The file ``load(name)`` reads: the user's calibrated profile when there is one, else the committed one."""
+  user = os.path.join(user_profile_dir(), f"{name}.json")
+  return user if os.path.exists(user) else os.path.join(PROFILE_DIR, f"{name}.json")
 
 
 @dataclasses.dataclass(frozen=True)
@@ -130,11 +151,12 @@ def from_dict(d: dict) -> HardwareProfile:
 
 
 def available() -> list:
-  return sorted(f[:-5] for f in os.listdir(PROFILE_DIR) if f.endswith(".json"))
+  dirs = [d for d in (PROFILE_DIR, user_profile_dir()) if os.path.isdir(d)]
+  return sorted({f[:-5] for d in dirs for f in os.listdir(d) if f.endswith(".json")})
 
 
 def load(name_or_path: str) -> HardwareProfile:
-  path = name_or_path if name_or_path.endswith(".json") else os.path.join(PROFILE_DIR, f"{name_or_path}.json")
+  path = name_or_path if name_or_path.endswith(".json") else profile_path(name_or_path)
   if not os.path.exists(path):
     raise FileNotFoundError(f"no hardware profile {name_or_path!r}; available: {', '.join(available())} "
                             f"(or pass a path to a .json profile)")

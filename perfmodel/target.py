@@ -30,7 +30,7 @@ from framework.config import Config
 from parallelism import target_flags, targets
 from perfmodel import program
 from perfmodel.cost import collectives
-from perfmodel.cost.database import CACHE_ENV
+from perfmodel.hardware import cache_root
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 # the code a compiled step is made of (parallelism.step.build_step and what it imports; the GPU descriptions)
@@ -41,8 +41,7 @@ _PACKAGES = ("jax", "jaxlib", "libtpu", "jax-cuda12-plugin", "jax-cuda12-pjrt", 
 
 
 def cache_dir() -> str:
-  return os.path.join(os.environ.get(CACHE_ENV) or os.path.join(os.path.expanduser("~"), ".cache", "prismllm"),
-                      "programs")
+  return os.path.join(cache_root(), "programs")
 
 
 def _versions() -> dict:

@@ -10,8 +10,8 @@ and sampling are off so the loop times only training steps.
 
 Commands:
   # once per host, before emulating for the cpu target: measure this host's 2-process gloo collective curves
-  # (~1 min; overwrites the committed perfmodel/emulate/calibration/cpu_gloo.json, measured on the development
-  # host; without it the emulator prices collectives with that host's curves)
+  # (~1 min; into ~/.cache/prismllm/emulate/cpu_gloo.json, which the emulator then reads; without it the emulator
+  # prices collectives with the committed perfmodel/emulate/calibration/cpu_gloo.json, the development host's curves)
   python -m perfmodel.emulate.gloo_calibration
   # the real run (one process per core, gloo over loopback)
   python -m experiments.run --config experiments/configs/emulate_validate.py:layout=data --workdir /tmp/ev \

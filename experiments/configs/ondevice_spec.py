@@ -6,8 +6,8 @@ One host device (no mesh), batch 8 x 64 bytes; :steps=N (default 200, a smoke ru
 ondevice/README.md use 8000, ~40 min each on a loaded 2-core CPU). Both models stay weak (a byte-level model
 this small on CPU-minutes of training): report acceptance, never assume it.
 
-Commands (train both, export, benchmark; prompts are cut from the stdlib source the pair is trained on; each bench
-appends a row to the committed benchmarks/RESULTS.md, --no-append skips it):
+Commands (train both, export, benchmark; prompts are cut from the stdlib source the pair is trained on; --record
+makes a bench append its row to the committed benchmarks/RESULTS.md):
   python -m experiments.run --config experiments/configs/ondevice_spec.py:role=target,steps=8000 --host-devices 1 --workdir /tmp/od_target
   python -m experiments.run --config experiments/configs/ondevice_spec.py:role=draft,steps=8000 --host-devices 1 --workdir /tmp/od_draft
   python -m ondevice.export --workdir /tmp/od_target --out /tmp/od_target_q8.gguf --quant q8_0

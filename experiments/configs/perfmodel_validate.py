@@ -1,12 +1,12 @@
 """Perfmodel accuracy study (Charon-style figure): the validation suite of perfmodel/calib/suite.py on this host.
 
 Commands:
-  # fit the cpu profile (up to an hour on 2 cores). Overwrites the committed perfmodel/profiles/cpu.json, its node
-  # samples and profiled database with this host's fit (kept only if it passes the gate; `git checkout` restores)
+  # fit the cpu profile (up to an hour on 2 cores) into ~/.cache/prismllm/profiles, which validate then reads (kept
+  # only if it passes the gate); --commit would overwrite the committed perfmodel/profiles/cpu.json and its node data
   python -m perfmodel calibrate
-  # measured vs predicted; --png and --no-results keep the committed benchmarks/perfmodel_validate.png and
-  # benchmarks/RESULTS.md as they are (without them validate overwrites the PNG and appends a RESULTS row)
-  python -m perfmodel validate --rounds 3 --png /tmp/perfmodel_validate.png --no-results > /tmp/perfmodel_validate.json
+  # measured vs predicted (--record would also write the committed benchmarks/perfmodel_validate.png and append a
+  # benchmarks/RESULTS.md row)
+  python -m perfmodel validate --rounds 3 --png /tmp/perfmodel_validate.png > /tmp/perfmodel_validate.json
   python experiments/figures/perfmodel_accuracy.py /tmp/perfmodel_validate.json /tmp/perfmodel_accuracy.png
 Reproduces: predicted-vs-measured scatter and per-config signed error with the run-to-run noise beside it
 (perfmodel/README.md). get_config returns the suite's base training config (a valid experiment, already CPU-sized:

@@ -39,7 +39,7 @@ def _diag(ax, xs, ys):
         # measured and priced in one sitting: on this shared host one config measured in different sittings moves
         # by more than the model's error (`python -m perfmodel floor`), so stored sets are not rescored here
         rerun=(f"rm -f /tmp/perfmodel_measurements.json && python -m perfmodel validate --rounds 1 --measurements "
-               f"/tmp/perfmodel_measurements.json --no-results --png /tmp/perfmodel_validate.png "
+               f"/tmp/perfmodel_measurements.json --png /tmp/perfmodel_validate.png "
                f"> /tmp/perfmodel_validate.out && grep '^{{' /tmp/perfmodel_validate.out | tail -1 > {HOST} && "
                f"cp /tmp/perfmodel_measurements.json {HOST_MEASUREMENTS}"),
         paper_number="<5.35% error overall (training and inference)")

@@ -5,7 +5,7 @@ Halda + pipelined ring, across model sizes, on the EMULATED 4-device setup of be
 
   # run the sweep (random-weight "small"-shape Q8_0 models of 4, 8, 16 layers) and plot
   PYTHONPATH=. python experiments/figures/ondevice_latency.py --sweep 4,8,16 --out benchmarks/ondevice_latency.png
-  # or plot saved `python -m ondevice.bench --suite ring --no-append` JSON outputs
+  # or plot saved `python -m ondevice.bench --suite ring` JSON outputs
   PYTHONPATH=. python experiments/figures/ondevice_latency.py ring_a.json ring_b.json --out fig.png
 """
 import argparse

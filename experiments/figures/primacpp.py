@@ -44,12 +44,12 @@ PAPER_NAME, SRC, _D = "prima.cpp", "arXiv 2504.08791", "benchmarks/data/"
 RERUN = {
     RING: ("python -c \"from experiments.figures.primacpp import small_model; small_model('/tmp/small_q8.gguf')\" && "
            "nice -n 10 python -m ondevice.bench --model /tmp/small_q8.gguf --suite ring --devices "
-           "benchmarks/ondevice_devices4.yaml --tokens 24 --scenarios all --no-append > /tmp/ring.json && "
+           "benchmarks/ondevice_devices4.yaml --tokens 24 --scenarios all > /tmp/ring.json && "
            "python -m experiments.figures.primacpp --store ring /tmp/ring.json"),
     KSWEEP: "nice -n 10 python -m experiments.figures.primacpp --rerun ksweep",
     SIZES: "nice -n 10 python -m experiments.figures.primacpp --rerun sizes",
     SPEC: ("nice -n 10 python -m ondevice.bench --model T.gguf --suite spec --draft D.gguf --tokens 48 --gammas 1,2,4 "
-           "--no-append > /tmp/spec.json && python -m experiments.figures.primacpp --store spec /tmp/spec.json "
+           "> /tmp/spec.json && python -m experiments.figures.primacpp --store spec /tmp/spec.json "
            "(T, D: experiments/configs/ondevice_spec.py)"),
     PAPER: "python -m experiments.figures.primacpp --plan-paper",  # Halda plans, nothing runs: the data is the paper's
 }

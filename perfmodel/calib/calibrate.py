@@ -1,4 +1,8 @@
-"""`python -m perfmodel calibrate`: fit the ``cpu`` profile on this host (writes the committed profile and node data).
+"""`python -m perfmodel calibrate`: fit the ``cpu`` profile on this host.
+
+It writes the profile and its node data into the user's cache (``<cache>/profiles/cpu.json`` and
+``<cache>/profiles/db/``, ``<cache>`` = ``$PRISMLLM_CACHE`` or ``~/.cache/prismllm``), which prediction then reads in
+place of the committed ones (perfmodel/hardware.py); ``--commit`` writes the committed ``perfmodel/profiles/`` files.
 
 Two stages:
   1. micro-benchmarks (:func:`curves`; never the validation configs, so validation stays an honest test):
@@ -14,7 +18,7 @@ Two stages:
      each bracketed by the host-speed probe (perfmodel/calib/host.py), their nodes traced in fresh one-device
      children, and the learned backend with its composition fitted (perfmodel/calib/nodes.py, fit.py).
 A calibration whose own leave-one-program-out error is above ``MAX_LOO_PCT`` is refused (:func:`gate`): the
-previous files are put back and the new ones kept aside for inspection.
+previous files are put back and the new ones kept aside (``rejected/`` beside the profile) for inspection.
 """
 from __future__ import annotations
 
@@ -50,8 +54,19 @@ TRACE_ROUNDS = 3
 # calibrations came out at 7.4-14.0%; one taken while a measuring child ran in a slow window of the host came out
 # at 20% and validated far worse than the ones before it.
 MAX_LOO_PCT = 15.0
-PROFILE = os.path.join(hardware.PROFILE_DIR, "cpu.json")
-REJECTED_DIR = os.path.join(hardware.PROFILE_DIR, "rejected")
+PROFILE = os.path.join(hardware.PROFILE_DIR, "cpu.json")  # the committed profile (``calibrate --commit``)
+
+
+def destination(commit: bool = False, profile: str = "cpu") -> str:
+  """The profile file a calibration writes: the committed one with ``commit``, else the user's, which starts as a
+  copy of the profile in effect (its sourced fields and any composition a partial calibration keeps)."""
+  if commit:
+    return os.path.join(hardware.PROFILE_DIR, f"{profile}.json")
+  dst = os.path.join(hardware.user_profile_dir(), f"{profile}.json")
+  if not os.path.exists(dst):
+    with open(hardware.profile_path(profile), "rb") as f:
+      store.write_bytes(dst, f.read())
+  return dst
 
 
 def curves(quick: bool = False, prof_path: str = PROFILE) -> dict:
@@ -179,13 +194,14 @@ def snapshot(paths: list) -> dict:
   return out
 
 
-def gate(snap: dict, loo_mape, max_loo: float = MAX_LOO_PCT, rejected_dir: str = REJECTED_DIR) -> dict:
+def gate(snap: dict, loo_mape, max_loo: float = MAX_LOO_PCT, rejected_dir: str = None) -> dict:
   """Keeps a fresh calibration when its leave-one-program-out error is at most ``max_loo`` percent. Otherwise the
   fresh files move to ``rejected_dir`` (same file names, for inspection) and the ones in ``snap`` (written by
   :func:`snapshot` before the calibration) are put back, so a calibration taken while the host swung does not
   silently replace a good profile. Nothing is lost either way."""
   if loo_mape is None or loo_mape <= max_loo:
     return {"accepted": True, "loo_mape": loo_mape, "max_loo": max_loo}
+  rejected_dir = rejected_dir or os.path.join(os.path.dirname(next(iter(snap))), "rejected")
   os.makedirs(rejected_dir, exist_ok=True)
   moved = []
   for path, old in snap.items():
@@ -235,7 +251,7 @@ def node_stage(quick: bool = False, prof_path: str = PROFILE, step_rounds: int =
     traced = nodes.pool_traced([runners.child_json("trace", {"profile": os.path.abspath(prof_path), "trace_reps": 2},
                                                    1, "calibration trace child") for _ in range(TRACE_ROUNDS)])
   res = nodes.run(hw, reps=3 if quick else 5, trace_reps=2, log=log, step_times=steps, traced=traced)
-  store.write_json(learned.samples_path(hw.name), {
+  store.write_json(database.calibration_db_path(database.samples_name(hw.name), os.path.dirname(prof_path)), {
       "meta": {"source": src, "method": "XLA TraceMe per thunk, p25 (t), median (t50), mean (tm) of occurrences, "
                                         "calibration suite perfmodel/calib/suite.py:CALIBRATION(+_INFER)",
                "features_version": learned.FEATURES_VERSION}, "samples": res["samples"]})
@@ -271,7 +287,8 @@ def run(quick: bool = False, nodes_stage: bool = True, nodes_only: bool = False,
   return out
 
 
-def committed_files(profile: str = "cpu") -> list:
-  """What a calibration writes: the profile, its node samples and its profiled database."""
-  return [os.path.join(hardware.PROFILE_DIR, f"{profile}.json"), learned.samples_path(profile),
-          database.committed_path(database.db_name(profile))]
+def files(prof_path: str) -> list:
+  """What a calibration of ``prof_path`` writes: the profile, its node samples and its profiled database."""
+  profile, folder = os.path.basename(prof_path)[:-len(".json")], os.path.dirname(prof_path)
+  return [prof_path, database.calibration_db_path(database.samples_name(profile), folder),
+          database.calibration_db_path(database.db_name(profile), folder)]

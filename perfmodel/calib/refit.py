@@ -118,8 +118,7 @@ def refit(prof_path: str, hlo_dir: str, log=print) -> dict:
   or compiled and stored there. Samples written by another ``learned.FEATURES_VERSION`` get their classes and
   features re-derived, then k, beta, statistic and composition are chosen as ``calibrate`` chooses them."""
   hw = hardware.load(prof_path)
-  spath = learned.samples_path(hw.name)
-  data = store.read_json(spath)
+  data = store.read_json(learned.samples_path(hw.name))
   progs = [{"name": name, "graph": g, "n": cap.n_devices, "measured": c["measured_s"], "noise": c.get("noise_pct", 0.0),
             "region": region, "temp": cap.memory.get("temp_size_in_bytes", 0.0), "pow2": pow2}
            for name, c, g, cap, region, pow2 in programs(hw, lambda n, fn: runners.cached_capture(hlo_dir, n, fn), log)]
@@ -134,7 +133,7 @@ def refit(prof_path: str, hlo_dir: str, log=print) -> dict:
   data["samples"] = samples
   data["meta"] = {**data.get("meta", {}), "features_version": learned.FEATURES_VERSION,
                   "refit": f"classes and features re-derived {datetime.datetime.now().isoformat(timespec='minutes')}"}
-  store.write_json(spath, data)
+  store.write_json(database.calibration_db_path(database.samples_name(hw.name), os.path.dirname(prof_path)), data)
   comp = dataclasses.replace(res["composition"], source=hw.calibration.compositions["learned"].source)
   store.update_calibration(prof_path, compositions={**hw.calibration.compositions, "learned": comp},
                            neighbours={**hw.calibration.neighbours, "learned": res["neighbours"]})
@@ -145,12 +144,12 @@ def refit(prof_path: str, hlo_dir: str, log=print) -> dict:
 
 def fit_profiled(prof_path: str, hlo_cache: str = None, log=print, samples_file: str = None, db: str = None) -> dict:
   """``calibrate --profiled``: every calibration program's compute instructions timed alone (into ``db``, default
-  the committed profiled database), then the profiled backend's composition on those prices, with its own
+  the profiled database beside the profile ``prof_path``), then the profiled backend's composition on those prices, with its own
   leave-one-program-out error, and the hybrid's (:func:`fit_hybrid`). Nodes the profiler leaves out are priced by
   the learned backend without the program's own samples, as ``--backend profiled`` prices them."""
   hw = hardware.load(prof_path)
   samples = _samples(hw, samples_file)
-  db = db or database.committed_path(database.db_name(hw.name))
+  db = db or database.calibration_db_path(database.db_name(hw.name), os.path.dirname(prof_path))
   skipped = {}
   profiled_date = datetime.datetime.now().isoformat(timespec="seconds")
 
@@ -186,7 +185,7 @@ def refit_hybrid(prof_path: str, hlo_cache: str = None, log=print) -> dict:
   if "hybrid" not in hw.calibration.compositions:
     raise ValueError(f"{prof_path}: no hybrid composition to refit: run `python -m perfmodel calibrate --profiled`")
   progs = programs(hw, lambda name, compile_fn: runners.cached_capture(hlo_cache, name, compile_fn), log)
-  db = database.committed_path(database.db_name(hw.name))
+  db = database.calibration_db_path(database.db_name(hw.name), os.path.dirname(prof_path))
   hyb = fit_hybrid(hw, progs, _samples(hw), database.Profiled(hw, db), log)
   old = hw.calibration.compositions["hybrid"].source
   comp = dataclasses.replace(hyb["composition"], source=f"{old}; refit by python -m perfmodel calibrate "

@@ -6,8 +6,8 @@ pooled per config and read in the statistic the profile was fitted on (perfmodel
 its compiled program with ``perfmodel.predict`` and scored. One headline error: the training step-time MAPE
 (``mape``; decode: ``tpot_mape``), with beside it what a perfect model scores on the same rounds (``host_floor``:
 each round predicted by the median of the others). Also Kendall's tau of the training ranking, the regret of picking
-the predicted-fastest config, and the peak-memory error against the compiler's memory_analysis. Writes a PNG and
-appends a row to benchmarks/RESULTS.md (``results=False``: not).
+the predicted-fastest config, and the peak-memory error against the compiler's memory_analysis. Writes a PNG where
+asked; ``results=True`` (``validate --record``) appends a row to the committed benchmarks/RESULTS.md.
 """
 from __future__ import annotations
 
@@ -23,6 +23,9 @@ from perfmodel import hardware, predict, program
 from perfmodel.calib import bench, fusion_profiler, runners, store
 from perfmodel.calib.host import HostSpeed, kendall_tau
 from perfmodel.cost import chain as chain_lib
+
+REPO = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+COMMITTED_PNG = os.path.join(REPO, "benchmarks", "perfmodel_validate.png")  # written by ``validate --record``
 
 
 def _clock(caches: list, pinned_now: bool) -> str:
@@ -53,7 +56,7 @@ def measure(suite, suite_path, caches: list, entries: list, reps: int, isolate: 
       save()
 
 
-def run(suite_path=None, reps: int = 7, backend: str = "auto", png: str = None, results: bool = True,
+def run(suite_path=None, reps: int = 7, backend: str = "auto", png: str = None, results: bool = False,
         limit: int = 0, hardware_name: str = "cpu", measurements=None, hlo_cache: str = None,
         isolate: bool = True, rounds: int = 1) -> dict:
   """``measurements``: a JSON file of measurements by config name (one round, or ``{"rounds": [...]}``), or a list
@@ -132,7 +135,7 @@ def run(suite_path=None, reps: int = 7, backend: str = "auto", png: str = None, 
     # a row priced from stored measurements says so (and which), so it is not read as a fresh measurement
     tail = (f" --backend {backend}" if backend != "auto" else "") + (
         f" --rounds {len(caches)}" if len(caches) > 1 and not stored else "")
-    _append_results(out, tail + (f" --measurements {' '.join(stored)} (stored, written {taken})" if stored else ""))
+    _append_results(out, " --record" + tail + (f" --measurements {' '.join(stored)} (stored, written {taken})" if stored else ""))
   return out
 
 
@@ -184,9 +187,8 @@ def _plot(rows, path):
 
 
 def _append_results(out, command_tail: str = ""):
-  path = os.path.join("benchmarks", "RESULTS.md")
+  path = os.path.join(REPO, "benchmarks", "RESULTS.md")
   if not os.path.exists(path):
-    os.makedirs("benchmarks", exist_ok=True)
     with open(path, "w") as f:
       f.write("# Benchmark results\n\n| date | command | machine | numbers |\n|---|---|---|---|\n")
   nums = {k: (round(v, 3) if isinstance(v, float) else v) for k, v in out.items()

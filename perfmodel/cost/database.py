@@ -7,9 +7,11 @@ Two kinds of files, both keyed by profile name and jax version:
 * the **profiled database** (``<profile>-jax<v>.json``): each node fingerprint's time, its instruction cut out of the
   program and timed alone (perfmodel/calib/fusion_profiler.py).
 
-Both are read from ``perfmodel/profiles/db/`` (committed, written by ``calibrate`` only) and from the user's cache
-(``$PRISMLLM_CACHE``, else ``~/.cache/prismllm``), where profiling a program during ``predict`` or ``validate``
-writes. A cache entry takes precedence over a committed one of the same key: it was timed later, on this host.
+Both are read from ``perfmodel/profiles/db/`` (committed, written by ``calibrate --commit`` only), from the user's
+calibration (``<cache>/profiles/db/``, written by ``calibrate``) and from the user's cache (``<cache>/db/``, where
+profiling a program during ``predict`` or ``validate`` writes); ``<cache>`` is ``$PRISMLLM_CACHE``, else
+``~/.cache/prismllm``. The node samples of a user's calibration replace the committed ones; a profiled entry of the
+user's takes precedence over a committed one of the same key: it was timed later, on this host.
 """
 from __future__ import annotations
 
@@ -20,15 +22,14 @@ from typing import Optional
 import jax
 
 from perfmodel.graph.nodes import Node
-from perfmodel.hardware import HardwareProfile
+from perfmodel.hardware import CACHE_ENV, HardwareProfile, cache_root, user_profile_dir  # noqa: F401 (tests set it)
 from perfmodel.cost.physical import Priced
 
 DB_DIR = os.path.join(os.path.dirname(os.path.dirname(__file__)), "profiles", "db")
-CACHE_ENV = "PRISMLLM_CACHE"
 
 
 def cache_dir() -> str:
-  return os.path.join(os.environ.get(CACHE_ENV) or os.path.join(os.path.expanduser("~"), ".cache", "prismllm"), "db")
+  return os.path.join(cache_root(), "db")
 
 
 def db_name(profile: str) -> str:
@@ -47,8 +48,15 @@ def cache_path(name: str) -> str:
   return os.path.join(cache_dir(), name)
 
 
+def calibration_db_path(name: str, profile_dir: str) -> str:
+  """``name`` in the node-data folder of the calibration whose profiles are in ``profile_dir``."""
+  return os.path.join(profile_dir, "db", name)
+
+
 def samples_path(profile: str) -> str:
-  return committed_path(samples_name(profile))
+  """The node samples prediction reads: the user's calibration's when it has them, else the committed ones."""
+  user = calibration_db_path(samples_name(profile), user_profile_dir())
+  return user if os.path.exists(user) else committed_path(samples_name(profile))
 
 
 _LOADED = {}  # (path, mtime, size) -> parsed JSON
@@ -77,9 +85,10 @@ def read_entries(paths: list) -> dict:
 
 
 def profiled_paths(profile: str) -> list:
-  """The profiled database of ``profile`` as prediction reads it: committed, then the user's cache."""
+  """The profiled database of ``profile`` as prediction reads it: committed, the user's calibration, the user's
+  cache."""
   name = db_name(profile)
-  return [committed_path(name), cache_path(name)]
+  return [committed_path(name), calibration_db_path(name, user_profile_dir()), cache_path(name)]
 
 
 class Profiled:

@@ -119,7 +119,7 @@ def emulate(cfg: Config, ranks: Optional[Sequence[int]] = None, hardware: str = 
   notes = list(notes)
   coll_source = "profile %s" % target_hw.name
   if gloo_calibration and target_hw.device_kind == "cpu":
-    target_hw, cal = gc.with_gloo_curves(target_hw, gc.DEFAULT_PATH if gloo_calibration == "auto" else gloo_calibration)
+    target_hw, cal = gc.with_gloo_curves(target_hw, gc.current_path() if gloo_calibration == "auto" else gloo_calibration)
     if cal is not None:
       coll_source = cal["source"]
   prog = rank_program.build(cfg)

@@ -17,7 +17,11 @@ Beside each lone call, the same kind is timed with ``MANY`` buffers issued toget
 one tuple instruction, which XLA:CPU runs as one gloo call per buffer): ``next_curves`` is the cost of each
 further buffer of such a combined call.
 
-  python -m perfmodel.emulate.gloo_calibration            # ~1 min; writes perfmodel/emulate/calibration/cpu_gloo.json
+  python -m perfmodel.emulate.gloo_calibration            # ~1 min; writes ~/.cache/prismllm/emulate/cpu_gloo.json
+  python -m perfmodel.emulate.gloo_calibration --commit   # writes the committed perfmodel/emulate/calibration/cpu_gloo.json
+
+Emulation reads the user's curves (``$PRISMLLM_CACHE/emulate/cpu_gloo.json``, else ``~/.cache/prismllm/...``) when
+there are some, else the committed ones (the development host's): :func:`current_path`.
 
 The result is data (``[[payload bytes, seconds], ...]`` per kind, n=2, payload in the
 ``perfmodel.cost.collectives`` convention). The hook into the shared collective model is
@@ -29,6 +33,7 @@ as the program's: ``emulate --replay-collectives``.
 """
 from __future__ import annotations
 
+import argparse
 import dataclasses
 import datetime
 import json
@@ -39,8 +44,19 @@ import time
 from typing import Optional
 
 from perfmodel.calib import bench, collective_bench
+from perfmodel.hardware import cache_root
 
-DEFAULT_PATH = os.path.join(os.path.dirname(__file__), "calibration", "cpu_gloo.json")
+DEFAULT_PATH = os.path.join(os.path.dirname(__file__), "calibration", "cpu_gloo.json")  # committed (--commit)
+
+
+def user_path() -> str:
+  """Where a calibration on this host goes unless told otherwise: the user's cache, never the repository."""
+  return os.path.join(cache_root(), "emulate", "cpu_gloo.json")
+
+
+def current_path() -> str:
+  """The curves emulation prices ``cpu`` collectives with: the user's when measured, else the committed ones."""
+  return user_path() if os.path.exists(user_path()) else DEFAULT_PATH
 KINDS = ("all-reduce", "all-gather", "reduce-scatter", "collective-permute")
 SIZES = tuple(4 ** p for p in range(5, 13))  # 1 KB .. 16 MB
 MANY = 4  # buffers issued together for the further-operand curve (a combined tuple collective)
@@ -201,10 +217,12 @@ def merge_partial(res: dict, old: Optional[dict], kinds) -> dict:
   return res
 
 
-def calibrate(path: str = DEFAULT_PATH, reps: int = 7, k: int = 8, timeout_s: float = 600.0,
+def calibrate(path: Optional[str] = None, reps: int = 7, k: int = 8, timeout_s: float = 600.0,
               burst_dim: int = BURST_DIM, kinds: tuple = KINDS) -> dict:
-  """Measures the curves of ``kinds`` and writes them to ``path``. Kinds not measured keep the curves already
-  stored there (so a quick re-measure of the kinds one program uses leaves the others as they were)."""
+  """Measures the curves of ``kinds`` and writes them to ``path`` (default :func:`user_path`). Kinds not measured
+  keep the curves in effect before (``path``'s, else :func:`current_path`'s), so a quick re-measure of the kinds one
+  program uses leaves the others as they were."""
+  path = path or user_path()
   unknown = set(kinds) - set(KINDS)
   if unknown or not kinds:
     raise ValueError(f"gloo calibration: unknown collective kinds {sorted(unknown)}; known: {KINDS}")
@@ -233,15 +251,30 @@ def calibrate(path: str = DEFAULT_PATH, reps: int = 7, k: int = 8, timeout_s: fl
                     f"median of {reps}"),
          "burst_dim": burst_dim,
          "n": 2, "load_avg_1m": [load0, os.getloadavg()[0]], "wall_s": done.wall_s}
-  old = None
-  if set(kinds) != set(KINDS) and os.path.exists(path):
-    with open(path) as f:
+  old, before = None, path if os.path.exists(path) else current_path()
+  if set(kinds) != set(KINDS) and os.path.exists(before):
+    with open(before) as f:
       old = json.load(f)
   res = merge_partial(res, old, kinds)
   os.makedirs(os.path.dirname(path), exist_ok=True)
   with open(path, "w") as f:
     json.dump(res, f, indent=1)
   return res
+
+
+def main(argv=None) -> int:
+  ap = argparse.ArgumentParser(prog="python -m perfmodel.emulate.gloo_calibration",
+                               description="measure this host's 2-process gloo collective curves (~1 min)")
+  ap.add_argument("--out", default=None, help=f"write the curves here (default {user_path()}, which emulation reads)")
+  ap.add_argument("--commit", action="store_true", help=f"write the committed {os.path.relpath(DEFAULT_PATH)}")
+  ap.add_argument("--reps", type=int, default=7)
+  a = ap.parse_args(argv)
+  if a.commit and a.out:
+    ap.error("--commit and --out name two destinations: pass one")
+  r = calibrate(DEFAULT_PATH if a.commit else a.out, reps=a.reps)
+  print(json.dumps({"curves": r["curves"], "next_curves": r["next_curves"], "load_avg_1m": r["load_avg_1m"],
+                    "wall_s": r["wall_s"], "path": DEFAULT_PATH if a.commit else (a.out or user_path())}))
+  return 0
 
 
 if __name__ == "__main__":
@@ -254,5 +287,4 @@ if __name__ == "__main__":
            int(sys.argv[6]) if len(sys.argv) > 6 else 0,
            tuple(sys.argv[7].split(",")) if len(sys.argv) > 7 else KINDS)
   else:
-    r = calibrate()
-    print(json.dumps({"curves": r["curves"], "next_curves": r["next_curves"], "load_avg_1m": r["load_avg_1m"], "wall_s": r["wall_s"]}))
+    sys.exit(main(sys.argv[1:]))

@@ -34,15 +34,15 @@ CONFIGS = sorted(p for p in (REPO / "experiments" / "configs").glob("*.py") if p
 TOP = ("benchmarks/", "experiments/", "perfmodel/", "ondevice/", "resilience/", "framework/", "parallelism/")
 
 # Commands whose entry point has no argparse parser: how many arguments each takes.
-NO_PARSER = {"perfmodel.emulate.gloo_calibration": 0, "experiments/figures/perfmodel_accuracy.py": 2}
+NO_PARSER = {"experiments/figures/perfmodel_accuracy.py": 2}
 
-# (command key, committed file it writes, the flag that stops that write or None).
+# (command key, committed file it writes, the flag that makes a user command write it; None: a benchmark script,
+# which records by default and says so).
 WRITES = [
-    ("perfmodel calibrate", "perfmodel/profiles/cpu.json", None),
-    ("perfmodel validate", "benchmarks/perfmodel_validate.png", "--png"),
-    ("perfmodel validate", "benchmarks/RESULTS.md", "--no-results"),
-    ("perfmodel.emulate.gloo_calibration", "perfmodel/emulate/calibration/cpu_gloo.json", None),
-    ("ondevice.bench", "benchmarks/RESULTS.md", "--no-append"),
+    ("perfmodel calibrate", "perfmodel/profiles/cpu.json", "--commit"),
+    ("perfmodel validate", "benchmarks/RESULTS.md", "--record"),
+    ("perfmodel.emulate.gloo_calibration", "perfmodel/emulate/calibration/cpu_gloo.json", "--commit"),
+    ("ondevice.bench", "benchmarks/RESULTS.md", "--record"),
     ("benchmarks/emulate_validate.py", "benchmarks/RESULTS.md", None),
     ("benchmarks/emulate_validate.py", "benchmarks/emulate_validate.png", None),
     ("benchmarks/emulate_scale.py", "benchmarks/RESULTS.md", None),
@@ -188,12 +188,13 @@ def test_commands_found():
 def test_committed_writes_are_named(name):
   doc = DOCS[name]
   for argv in commands(doc):
-    for k, path, opt_out in WRITES:
-      if key(argv) == k and not (opt_out and any(a == opt_out or a.startswith(opt_out + "=") for a in argv)):
+    for k, path, opt_in in WRITES:
+      if key(argv) == k and (opt_in is None or opt_in in argv):
         assert path in doc, f"{name}: `{' '.join(argv)}` writes the committed {path}; say so in the docstring"
-      if opt_out and opt_out in argv:
-        value = argv[argv.index(opt_out) + 1] if opt_out == "--png" else None
-        assert not (value and value.startswith(TOP)), f"{name}: {opt_out} {value} writes into the repository"
+    for flag in ("--png", "--out"):
+      value = argv[argv.index(flag) + 1] if flag in argv[:-1] else None
+      assert not (value and value.startswith(TOP) and "--record" not in argv and "--commit" not in argv), \
+          f"{name}: {flag} {value} writes into the repository"
 
 
 @pytest.mark.parametrize("path", CONFIGS, ids=lambda p: p.name)

@@ -21,7 +21,7 @@ def test_learned_repricing_of_the_committed_sets_is_unchanged(tmp_path):
   for name, want in sorted(golden["sets"].items()):
     path = os.path.join("benchmarks", "data", f"{name}.json")
     r = subprocess.run([sys.executable, "-m", "perfmodel", "validate", "--measurements", path, "--backend",
-                        golden["backend"], "--no-results", "--png", str(tmp_path / f"{name}.png")],
+                        golden["backend"], "--png", str(tmp_path / f"{name}.png")],
                        cwd=ROOT, env=env, capture_output=True, text=True, timeout=1800)
     assert r.returncode == 0, r.stderr[-2000:]
     got = json.loads(r.stdout.strip().splitlines()[-1])
