@@ -4,7 +4,8 @@ Started by its node agent *before* it is needed (a warm standby: jax, flax, opta
 imported, the corpus loaded), it waits for an assignment (generation, rank, coordinator, restore
 plan), then joins ``jax.distributed`` on that generation's coordinator, builds the mesh and the
 compiled step (persistent compilation cache: a swap recompiles from disk, not from scratch),
-restores the state (own shared memory, a replica fetched by the agent, or orbax), and trains.
+restores the state (own shared memory, a replica fetched by the agent, or orbax), and trains in
+``framework.train.loop``: snapshots, step reports and heartbeats are the loop's hooks (``_Report``).
 
 Standbys are forked from the agent's zygote (a fork server that imported everything once), so a
 fresh warm standby costs milliseconds, not a jax import. A worker never survives a generation change: on any failure the controller fences every worker of
