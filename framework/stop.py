@@ -10,7 +10,9 @@ step all of them can reach (``multihost_utils.reached_preemption_sync_point``). 
 notifier as a SIGTERM to this process, so Ctrl-C goes the same way. A Python SIGTERM handler is never
 installed then: it would replace the notifier's.
 A second signal exits at once (``os._exit``): a save still being written stays an orbax temp folder that the
-next run removes, and the last complete checkpoint is untouched.
+next run removes, and the last complete checkpoint is untouched. A signal the process ignores (``SIG_IGN``
+inherited from its parent, as hot-swap workers ignore the terminal's Ctrl-C that their launcher turns into a stop)
+stays ignored.
 """
 from __future__ import annotations
 
@@ -67,9 +69,9 @@ class StopOnSignal:
     if threading.current_thread() is not threading.main_thread():
       return self  # handlers can only be set from the main thread (e.g. a notebook's worker thread: no change)
     self._multi = _multi_process() and _sync_manager() is not None
-    self._old[signal.SIGINT] = signal.signal(signal.SIGINT, self._on_signal)
-    if not self._multi:
-      self._old[signal.SIGTERM] = signal.signal(signal.SIGTERM, self._on_signal)
+    for sig in (signal.SIGINT,) if self._multi else (signal.SIGINT, signal.SIGTERM):
+      if signal.getsignal(sig) is not signal.SIG_IGN:  # ignored: the parent decided (e.g. Ctrl-C is for another)
+        self._old[sig] = signal.signal(sig, self._on_signal)
     return self
 
   def __exit__(self, *exc):

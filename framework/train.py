@@ -1,5 +1,11 @@
 """Training loop: config -> compiled step -> loop (data, metrics, orbax) -> workdir.
 
+:func:`loop` is the project's one training loop: batches in, the step called, checkpoints on a schedule, a
+stop on SIGINT / SIGTERM saved at a step boundary (``framework/stop.py``). Whatever else a caller does around
+the steps goes in through :class:`Hooks` (before and after a step, on a checkpoint, on a heartbeat):
+:func:`train_and_evaluate` adds metrics, evaluation and a progress bar this way, and the hot-swap worker
+(``resilience/worker.py``) its snapshots, step reports and liveness heartbeats.
+
 The loop does not build the step: its caller passes ``build`` (config -> compiled step on this job's
 devices; ``parallelism.step.build_on_devices``, wired up by ``experiments.run.train``), so the training
 core sits below the parallelism that lays it out.
@@ -9,11 +15,14 @@ arrays until then, so dispatch of step t+1 overlaps the compute of step t.
 """
 from __future__ import annotations
 
+import contextlib
+import dataclasses
 import json
 import logging
 import os
+import threading
 import time
-from typing import Any, Callable, Optional
+from typing import Any, Callable, List, Optional
 
 import jax
 import numpy as np
@@ -35,13 +44,6 @@ def _progress(total: int, start: int, enabled: bool):
     return None
   from tqdm import tqdm  # noqa: PLC0415
   return tqdm(total=total, initial=start, unit="step", dynamic_ncols=True, mininterval=1.0)
-
-
-def _last_good(ckpt, workdir: str) -> str:
-  """Names the newest complete checkpoint (for the line a second signal prints)."""
-  steps = ckpt_lib.step_dirs(ckpt_lib.checkpoint_dir(workdir))
-  return f"the last complete checkpoint, step {steps[0]} in {ckpt_lib.checkpoint_dir(workdir)}, is intact" if steps \
-      else "no complete checkpoint was written yet"
 
 
 def evaluate(step_obj, params, eval_data: np.ndarray, cfg: Config, n_batches: int) -> float:
@@ -96,11 +98,202 @@ def _lock(workdir: str):
   return lock
 
 
+# ------------------------------------------------------------------------------------------- the loop
+
+@dataclasses.dataclass
+class Hooks:
+  """What a caller runs around the loop's steps; each field is a list of callables, run in order.
+
+  ``before_step(step, state)``: before step ``step`` (= steps done so far) takes its batch.
+  ``after_step(done, state, metrics)``: after step ``done`` is dispatched; ``metrics`` are device arrays, so
+  reading one waits for the step (the loop itself never does).
+  ``on_checkpoint(done, saved)``: after the loop started the scheduled save of step ``done`` (``saved``: orbax
+  took it); not called for the save of a stop or of the last step.
+  ``on_heartbeat(done)``: every ``heartbeat_s`` seconds from a background thread while the loop runs, also
+  while a step blocks (``done``: steps finished so far). A caller that must show it is alive before the loop
+  (set-up, compilation) and after it opens :meth:`heartbeats` around all of it; the loop then starts none."""
+  before_step: List[Callable[[int, Any], None]] = dataclasses.field(default_factory=list)
+  after_step: List[Callable[[int, Any, Any], None]] = dataclasses.field(default_factory=list)
+  on_checkpoint: List[Callable[[int, bool], None]] = dataclasses.field(default_factory=list)
+  on_heartbeat: List[Callable[[Optional[int]], None]] = dataclasses.field(default_factory=list)
+  heartbeat_s: float = 10.0
+  done: Optional[int] = None  # steps finished, set by the loop (None before it starts)
+  _beating: bool = dataclasses.field(default=False, repr=False)
+
+  @contextlib.contextmanager
+  def heartbeats(self):
+    """Runs the ``on_heartbeat`` callables every ``heartbeat_s`` seconds on a daemon thread until the block
+    ends (nothing when there are none, or when an enclosing block already runs them)."""
+    if not self.on_heartbeat or self._beating:
+      yield self
+      return
+    stop = threading.Event()
+
+    def beat():
+      while not stop.wait(self.heartbeat_s):
+        for fn in self.on_heartbeat:
+          fn(self.done)
+    thread = threading.Thread(target=beat, name="prismllm-heartbeat", daemon=True)
+    self._beating = True
+    thread.start()
+    try:
+      yield self
+    finally:
+      stop.set()
+      thread.join(timeout=self.heartbeat_s)
+      self._beating = False
+
+
+class Saves:
+  """Where and when the loop saves: every ``every`` steps (0: never on a schedule), the last step when ``last``,
+  and the step a stop ends at. The orbax manager is ``ckpt`` when the caller opened one (to restore from it),
+  else it opens at the first save (its start-up is a collective: seconds on a busy host)."""
+
+  def __init__(self, workdir: str, cfg: config_lib.CheckpointConfig, every: int, last: bool,
+               ckpt: Optional[ckpt_lib.Checkpointer] = None):
+    self.workdir, self.cfg, self.every, self.last, self.ckpt = workdir, cfg, every, last, ckpt
+    self.last_saved: Optional[int] = None
+
+  def open(self) -> ckpt_lib.Checkpointer:
+    self.ckpt = self.ckpt or ckpt_lib.Checkpointer(self.workdir, self.cfg)
+    return self.ckpt
+
+  def due(self, done: int) -> bool:
+    return self.every > 0 and done % self.every == 0
+
+  def save(self, done: int, state, data_state: dict, force: bool = False) -> bool:
+    saved = self.open().save(done, state, data_state, force=force)
+    self.last_saved = done
+    return saved
+
+  def last_good(self) -> str:
+    """Names the newest complete checkpoint (for the line a second signal prints)."""
+    d = ckpt_lib.checkpoint_dir(self.workdir)
+    steps = ckpt_lib.step_dirs(d)
+    return f"the last complete checkpoint, step {steps[0]} in {d}, is intact" if steps \
+        else "no complete checkpoint was written yet"
+
+  def close(self):
+    if self.ckpt is not None:
+      self.ckpt.close()
+
+
+def loop(step_obj, state, batches: data_lib.BatchIterator, total: int, saves: Saves,
+         hooks: Optional[Hooks] = None):
+  """Runs steps ``state.step`` .. ``total`` - 1 and returns the final state (the last step saved when
+  ``saves.last``, every save finished).
+
+  ``step_obj``: ``put_batch(host rows) -> batch`` and ``step_obj(state, batch) -> (state, metrics)`` (a
+  ``parallelism.compiled.CompiledStep``, or any executable behind the same two calls); ``batches``: this
+  process's host rows, positioned at the state's step. SIGINT / SIGTERM stop after the current step with that
+  step saved (all processes agree on it) and raise :class:`framework.stop.Stopped`."""
+  hooks = hooks or Hooks()
+  start = int(jax.device_get(state.step))
+  hooks.done = start
+  stopper = stop_lib.StopOnSignal(saves.last_good)
+
+  def stop_if_asked(done: int, state):
+    """After step ``done``: on a signal (all processes agree on the step), save it, wait, raise Stopped."""
+    if not stopper.should_stop(done):
+      return
+    if done == start:  # no step taken since the last checkpoint (or the start)
+      raise stop_lib.Stopped(stopper.signum, done, None, note=" (no step was taken, nothing new to save)")
+    ckpt = saves.open()
+    if done not in (ckpt.latest_step(), saves.last_saved):
+      saves.save(done, state, batches.state(), force=True)
+    ckpt.wait()
+    raise stop_lib.Stopped(stopper.signum, done, os.path.join(ckpt.dir, str(done)))
+
+  with stopper, hooks.heartbeats():
+    stop_if_asked(start, state)  # a signal during set-up or compilation
+    for step in range(start, total):
+      for fn in hooks.before_step:
+        fn(step, state)
+      batch = step_obj.put_batch(next(batches))
+      state, metrics = step_obj(state, batch)
+      done = hooks.done = step + 1
+      for fn in hooks.after_step:
+        fn(done, state, metrics)
+      if saves.due(done):
+        saved = saves.save(done, state, batches.state())
+        for fn in hooks.on_checkpoint:
+          fn(done, saved)
+      stop_if_asked(done, state)
+    if saves.last and total > 0 and (saves.ckpt is None or saves.ckpt.latest_step() != total):
+      saves.save(total, state, batches.state(), force=True)
+    if saves.ckpt is not None:
+      saves.ckpt.wait()  # inside the signal handlers: a second signal still exits at once
+  return state
+
+
+# ------------------------------------------------------------------------------ train_and_evaluate's run
+
+class _Metrics:
+  """train_and_evaluate's hooks: metrics.jsonl, the progress bar and evaluation. Step time is measured between
+  log steps, restarted after an evaluation or a checkpoint (they are not training steps)."""
+
+  def __init__(self, cfg: Config, step_obj, corpus, workdir: str, start: int, total: int, is_main: bool):
+    self.cfg, self.step_obj, self.eval_data, self.total = cfg, step_obj, corpus.eval, total
+    self.f = open(os.path.join(workdir, "metrics.jsonl"), "a") if is_main else None
+    self.bar = _progress(total, start, cfg.train.progress)
+    self.tokens_per_step = cfg.data.global_batch * cfg.data.seq_len
+    self.fpt = flops_lib.train_flops_per_token(cfg.model, cfg.data.seq_len)
+    self.peak, self.peak_src = flops_lib.peak_flops(cfg.train.peak_flops)
+    self.history, self.first_loss, self.last_t, self.last_step, self.m = [], None, None, start, None
+
+  def hooks(self) -> Hooks:
+    return Hooks(after_step=[self.after_step], on_checkpoint=[lambda done, saved: self.restart_clock(done)])
+
+  def write(self, rec: dict):
+    if self.f:
+      self.f.write(json.dumps(rec) + "\n")
+      self.f.flush()
+
+  def restart_clock(self, done: int):
+    jax.block_until_ready(self.m.loss)
+    self.last_t, self.last_step = time.perf_counter(), done
+
+  def after_step(self, done: int, state, m):
+    self.m = m
+    if self.bar is not None:
+      self.bar.update(1)
+    if self.last_t is None:  # first step includes compilation: time from its end
+      self.restart_clock(done)
+      self.first_loss = float(m.loss)
+      self.write({"step": done, "loss": self.first_loss, "compile_step": True})
+      return
+    if done % self.cfg.train.log_every == 0 or done == self.total:
+      loss = float(m.loss)  # blocks: the only host sync in the loop
+      now = time.perf_counter()
+      dt = (now - self.last_t) / max(done - self.last_step, 1)
+      self.last_t, self.last_step = now, done
+      tps = self.tokens_per_step / dt
+      rec = {"step": done, "loss": loss, "grad_norm": float(m.grad_norm), "step_time_s": dt, "tokens_per_s": tps,
+             "mfu": self.fpt * tps / self.peak}
+      self.history.append(rec)
+      self.write(rec)
+      if self.bar is not None:
+        self.bar.set_postfix(loss=f"{loss:.3f}", tok_s=f"{tps:,.0f}", mfu=f"{rec['mfu']:.1%}")
+    if self.cfg.train.eval_every and done % self.cfg.train.eval_every == 0:
+      ev = evaluate(self.step_obj, state.params, self.eval_data, self.cfg, self.cfg.train.eval_batches)
+      self.write({"step": done, "eval_loss": ev})
+      if self.bar is not None:
+        self.bar.write(f"step {done}: eval loss {ev:.3f} nats/byte")
+      self.restart_clock(done)
+
+  def close(self):
+    if self.bar is not None:
+      self.bar.close()
+    if self.f:
+      self.f.close()
+
+
 def _train(cfg: Config, workdir: str, build, max_steps: Optional[int]) -> dict:
   is_main = jax.process_index() == 0
   corpus = data_lib.split(data_lib.load_corpus(cfg.data), cfg.data)  # bad corpus fails before compiling
   step_obj = build(cfg)
   ckpt = ckpt_lib.Checkpointer(workdir, cfg.checkpoint) if cfg.checkpoint.every > 0 else None
+  saves = Saves(workdir, cfg.checkpoint, cfg.checkpoint.every, last=ckpt is not None, ckpt=ckpt)
 
   data_state = None
   if ckpt is not None and cfg.checkpoint.restore and ckpt.latest_step() is not None:
@@ -119,94 +312,18 @@ def _train(cfg: Config, workdir: str, build, max_steps: Optional[int]) -> dict:
       json.dump(config_lib.to_dict(cfg), f, indent=1, default=str)
 
   total = cfg.train.steps if max_steps is None else min(cfg.train.steps, start + max_steps)
-  tokens_per_step = cfg.data.global_batch * cfg.data.seq_len
-  fpt = flops_lib.train_flops_per_token(cfg.model, cfg.data.seq_len)
-  peak, peak_src = flops_lib.peak_flops(cfg.train.peak_flops)
+  metrics = _Metrics(cfg, step_obj, corpus, workdir, start, total, is_main)
   if is_main:
     log.info("model %.2fM params | mesh %s | form %s | %d devices, %d processes | peak %.3g FLOP/s (%s)",
              cfg.model.n_params() / 1e6, cfg.mesh.sizes(), cfg.mesh.form, jax.device_count(),
-             jax.process_count(), peak, peak_src)
-  metrics_f = open(os.path.join(workdir, "metrics.jsonl"), "a") if is_main else None
-  bar = _progress(total, start, cfg.train.progress)
-  history, last_t, last_step = [], None, start
-  first_loss = None
-  stopper = stop_lib.StopOnSignal(lambda: _last_good(ckpt, workdir))
-  last_saved = None
-
-  def stop_if_asked(done: int, state):
-    """After step ``done``: on a signal (all processes agree on the step), save it, wait, raise Stopped."""
-    nonlocal ckpt
-    if not stopper.should_stop(done):
-      return
-    if done == start:  # no step taken since the last checkpoint (or the start)
-      raise stop_lib.Stopped(stopper.signum, done, None, note=" (no step was taken, nothing new to save)")
-    ckpt = ckpt or ckpt_lib.Checkpointer(workdir, cfg.checkpoint)
-    if done not in (ckpt.latest_step(), last_saved):
-      ckpt.save(done, state, it.state(), force=True)
-    ckpt.wait()
-    raise stop_lib.Stopped(stopper.signum, done, os.path.join(ckpt.dir, str(done)))
-
+             jax.process_count(), metrics.peak, metrics.peak_src)
   try:
-    with stopper:
-      stop_if_asked(start, state)  # a signal during set-up or compilation
-      for step in range(start, total):
-        batch = step_obj.put_batch(next(it))
-        state, m = step_obj(state, batch)
-        done = step + 1
-        if bar is not None:
-          bar.update(1)
-        if last_t is None:  # first step includes compilation: time from its end
-          jax.block_until_ready(m.loss)
-          last_t, last_step = time.perf_counter(), done
-          first_loss = float(m.loss)
-          if metrics_f:
-            metrics_f.write(json.dumps({"step": done, "loss": first_loss, "compile_step": True}) + "\n")
-            metrics_f.flush()
-          stop_if_asked(done, state)
-          continue
-        if done % cfg.train.log_every == 0 or done == total:
-          loss = float(m.loss)  # blocks: the only host sync in the loop
-          now = time.perf_counter()
-          dt = (now - last_t) / max(done - last_step, 1)
-          last_t, last_step = now, done
-          tps = tokens_per_step / dt
-          rec = {"step": done, "loss": loss, "grad_norm": float(m.grad_norm), "step_time_s": dt,
-                 "tokens_per_s": tps, "mfu": fpt * tps / peak}
-          history.append(rec)
-          if metrics_f:
-            metrics_f.write(json.dumps(rec) + "\n")
-            metrics_f.flush()
-          if bar is not None:
-            bar.set_postfix(loss=f"{loss:.3f}", tok_s=f"{tps:,.0f}", mfu=f"{rec['mfu']:.1%}")
-        if cfg.train.eval_every and done % cfg.train.eval_every == 0:
-          ev = evaluate(step_obj, state.params, corpus.eval, cfg, cfg.train.eval_batches)
-          if metrics_f:
-            metrics_f.write(json.dumps({"step": done, "eval_loss": ev}) + "\n")
-            metrics_f.flush()
-          if bar is not None:
-            bar.write(f"step {done}: eval loss {ev:.3f} nats/byte")
-        if ckpt is not None and done % cfg.checkpoint.every == 0:
-          ckpt.save(done, state, it.state())
-          last_saved = done
-        if (cfg.train.eval_every and done % cfg.train.eval_every == 0) or (
-            ckpt is not None and done % cfg.checkpoint.every == 0):
-          # Eval and the checkpoint's device->host copy are not training steps: restart the
-          # step-time window after them so step_time_s / tokens_per_s / mfu measure steps only.
-          jax.block_until_ready(m.loss)
-          last_t, last_step = time.perf_counter(), done
-        stop_if_asked(done, state)
-      if ckpt is not None and total > start and ckpt.latest_step() != total:
-        ckpt.save(total, state, it.state(), force=True)
-      if ckpt is not None:
-        ckpt.wait()  # inside the signal handlers: a second signal still exits at once
+    state = loop(step_obj, state, it, total, saves, metrics.hooks())
   finally:
-    if bar is not None:
-      bar.close()
-    if ckpt is not None:
-      ckpt.close()
-    if metrics_f:
-      metrics_f.close()
+    metrics.close()
+    saves.close()
 
+  history, first_loss = metrics.history, metrics.first_loss
   summary = {"workdir": workdir, "steps": total, "first_loss": first_loss,
              "final_loss": history[-1]["loss"] if history else first_loss,
              "flop_convention": flops_lib.CONVENTION}

@@ -121,27 +121,53 @@ class CompiledStep:
   def local_rows(self) -> slice:
     """The global-batch rows this process's devices hold (contiguous for meshes built by make_mesh).
     Not always B/P: when the batch axes do not span the processes, every process needs them all."""
-    d = self.cfg.data
-    idx = self.batch_shardings["inputs"].addressable_devices_indices_map((d.global_batch, d.seq_len))
-    starts = [(i[0].start or 0) for i in idx.values()]
-    stops = [(d.global_batch if i[0].stop is None else i[0].stop) for i in idx.values()]
-    rows = slice(min(starts), max(stops))
-    covered = sum(b - a for a, b in sorted(set(zip(starts, stops))))
-    if covered != rows.stop - rows.start:
-      raise ValueError(f"process {jax.process_index()} holds non-contiguous batch rows {sorted(set(zip(starts, stops)))}")
-    return rows
+    return local_rows(self.batch_shardings, self.cfg.data.global_batch, self.cfg.data.seq_len)
 
   def put_batch(self, batch_local: dict) -> dict:
     """Host numpy rows of this process (``local_rows()``) -> global sharded arrays."""
-    out = {}
-    d = self.cfg.data
-    for k, v in batch_local.items():
-      sh = self.batch_shardings[k]
-      if jax.process_count() == 1:
-        out[k] = jax.device_put(v, sh)
-      else:
-        out[k] = jax.make_array_from_process_local_data(sh, v, (d.global_batch,) + v.shape[1:])
-    return out
+    return put_batch(self.batch_shardings, batch_local, self.cfg.data.global_batch)
+
+
+@dataclasses.dataclass
+class Executables:
+  """Compiled ``(state, batch) -> (state, metrics)`` executables of one step (e.g. loaded from disk, or a donating
+  and a non-donating variant) behind ``CompiledStep``'s ``put_batch`` and call, so the training loop runs them as
+  it runs a ``CompiledStep``; ``use`` names the one the next call runs."""
+  runs: dict  # name -> executable
+  batch_shardings: dict  # {'inputs','targets'} -> NamedSharding
+  global_batch: int
+  use: str = "run"
+
+  def put_batch(self, batch_local: dict) -> dict:
+    return put_batch(self.batch_shardings, batch_local, self.global_batch)
+
+  def __call__(self, state, batch):
+    return self.runs[self.use](state, batch)
+
+
+def local_rows(batch_shardings: dict, global_batch: int, seq_len: int) -> slice:
+  """The rows of a ``global_batch`` x ``seq_len`` batch laid out by ``batch_shardings`` that this process holds."""
+  idx = batch_shardings["inputs"].addressable_devices_indices_map((global_batch, seq_len))
+  starts = [(i[0].start or 0) for i in idx.values()]
+  stops = [(global_batch if i[0].stop is None else i[0].stop) for i in idx.values()]
+  rows = slice(min(starts), max(stops))
+  covered = sum(b - a for a, b in sorted(set(zip(starts, stops))))
+  if covered != rows.stop - rows.start:
+    raise ValueError(f"process {jax.process_index()} holds non-contiguous batch rows {sorted(set(zip(starts, stops)))}")
+  return rows
+
+
+def put_batch(batch_shardings: dict, batch_local: dict, global_batch: int) -> dict:
+  """This process's host rows {'inputs', 'targets'} -> global arrays laid out by ``batch_shardings``: what
+  every step of the project takes, whether a ``CompiledStep`` or an executable loaded from disk runs it."""
+  out = {}
+  for k, v in batch_local.items():
+    sh = batch_shardings[k]
+    if jax.process_count() == 1:
+      out[k] = jax.device_put(v, sh)
+    else:
+      out[k] = jax.make_array_from_process_local_data(sh, v, (global_batch,) + v.shape[1:])
+  return out
 
 
 def assemble(cfg: Config, mesh: Mesh, model: nn.Module, tx, rules: tuple, state_sh, step: Callable,

@@ -4,7 +4,8 @@ Started by its node agent *before* it is needed (a warm standby: jax, flax, opta
 imported, the corpus loaded), it waits for an assignment (generation, rank, coordinator, restore
 plan), then joins ``jax.distributed`` on that generation's coordinator, builds the mesh and the
 compiled step (persistent compilation cache: a swap recompiles from disk, not from scratch),
-restores the state (own shared memory, a replica fetched by the agent, or orbax), and trains.
+restores the state (own shared memory, a replica fetched by the agent, or orbax), and trains in
+``framework.train.loop``: snapshots, step reports and heartbeats are the loop's hooks (``_Report``).
 
 Standbys are forked from the agent's zygote (a fork server that imported everything once), so a
 fresh warm standby costs milliseconds, not a jax import. A worker never survives a generation change: on any failure the controller fences every worker of
@@ -20,7 +21,6 @@ import argparse
 import json
 import os
 import sys
-import threading
 import time
 import traceback
 
@@ -34,14 +34,18 @@ def _log(*a):
   print(time.strftime("%H:%M:%S"), *a, flush=True)
 
 
-def _heartbeat(ctx, addr, info, period, stop):
-  push = wire.new_socket(ctx, zmq.PUSH)
-  push.connect(addr)
-  try:
-    while not stop.wait(period):
-      wire.send(push, {"type": "hb", **info, "t": wire.now()})
-  finally:
-    push.close()
+def _heartbeat(ctx, addr, info):
+  """The loop's ``on_heartbeat``: an 'hb' message per beat, on a PUSH socket that the heartbeat thread opens
+  (a zmq socket stays in the thread that uses it)."""
+  push = None
+
+  def beat(done):
+    nonlocal push
+    if push is None:
+      push = wire.new_socket(ctx, zmq.PUSH)
+      push.connect(addr)
+    wire.send(push, {"type": "hb", **info, "step": done, "t": wire.now()})
+  return beat
 
 
 def _warm(workdir: str) -> dict:
@@ -49,7 +53,7 @@ def _warm(workdir: str) -> dict:
   t0 = time.time()
   import jax  # noqa: F401
   import numpy as np  # noqa: F401
-  from framework import checkpoint, config, data, model, train_step  # noqa: F401
+  from framework import checkpoint, config, data, model, train, train_step  # noqa: F401
   from parallelism import mesh, step  # noqa: F401
   from resilience import aot, layout, slots, snapshot  # noqa: F401
   aot.code_fingerprint()  # of the code as imported here: every worker forked from this zygote runs exactly it
@@ -121,18 +125,19 @@ def standby(agent_addr: str, name: str, warm: dict):
   t_start = wire.now()
   push = wire.new_socket(ctx, zmq.PUSH)
   push.connect(start["controller_pull"])
-  stop = threading.Event()
   info = {"rank": start["rank"], "gen": start["gen"], "pid": os.getpid(), "node": name}
-  threading.Thread(target=_heartbeat, args=(ctx, start["controller_pull"], info, start["settings"]["heartbeat_s"],
-                                            stop), daemon=True).start()
-  try:
-    _train(start, agent, push, ctx, t_start, name, warm)
-  except BaseException as e:  # noqa: BLE001 - report, then wait to be fenced (see module docstring)
-    wire.send(push, {"type": "error", **info, "error": f"{type(e).__name__}: {e}",
-                     "trace": traceback.format_exc()[-4000:]})
-    time.sleep(3600)
-    os._exit(3)
-  stop.set()
+  from framework.train import Hooks  # noqa: PLC0415 - imported by the zygote already
+  # Heartbeats from now until the process ends: set-up and compilation, the loop, and the wait to be fenced.
+  hooks = Hooks(on_heartbeat=[_heartbeat(ctx, start["controller_pull"], info)],
+                heartbeat_s=start["settings"]["heartbeat_s"])
+  with hooks.heartbeats():
+    try:
+      _train(start, agent, push, ctx, t_start, name, warm, hooks)
+    except BaseException as e:  # noqa: BLE001 - report, then wait to be fenced (see module docstring)
+      wire.send(push, {"type": "error", **info, "error": f"{type(e).__name__}: {e}",
+                       "trace": traceback.format_exc()[-4000:]})
+      time.sleep(3600)
+      os._exit(3)
   os._exit(0)  # skip interpreter teardown: gloo/zmq threads can hang on exit
 
 
@@ -170,14 +175,17 @@ def _cache_on_every_rank():
   compiler._cache_write = write
 
 
-def _train(start, agent, push, ctx, t_start, name, warm):
+def _train(start, agent, push, ctx, t_start, name, warm, hooks):
   import jax
   import numpy as np
   from framework import checkpoint as ckpt_lib
   from framework import config as config_lib
   from framework import data as data_lib
+  from framework import stop as stop_lib
+  from framework import train as train_lib
   from parallelism.mesh import make_mesh
   from jax.sharding import NamedSharding
+  from parallelism.compiled import Executables
   from parallelism.step import build_step
   from resilience import aot as aot_lib
   from resilience import layout as layout_lib
@@ -228,11 +236,7 @@ def _train(start, agent, push, ctx, t_start, name, warm):
     donated_obj = build_step(cfg, msh, donate=True) if probe else None
     abstract = step_obj.abstract_state()
     batch_spec = step_obj.batch_shardings["inputs"].spec
-  batch_sh = NamedSharding(msh, batch_spec)
-
-  def put_batch(local):  # this process's rows -> global arrays (as CompiledStep.put_batch)
-    return {k: jax.make_array_from_process_local_data(batch_sh, v, (v.shape[0] * n,) + v.shape[1:])
-            for k, v in local.items()}
+  batch_sh = {k: NamedSharding(msh, batch_spec) for k in ("inputs", "targets")}
   lay = layout_lib.make(abstract)
   corpus = warm["corpus"] if warm["data_cfg"] == cfg.data else data_lib.split(data_lib.load_corpus(cfg.data), cfg.data)
   t_built = wire.now()
@@ -248,8 +252,6 @@ def _train(start, agent, push, ctx, t_start, name, warm):
   # the orbax manager (a collective start-up: seconds on a busy host) is opened only to restore from it, else at
   # the first save: never on the way from a failure to the first step of the memory tier
   ckpt = ckpt_lib.Checkpointer(workdir, cfg.checkpoint) if plan["tier"] == "persistent" else None
-  # probe: a save every 2N steps only, so N-step windows after a save alternate with windows without one
-  persist_period = s["persist_every"] * (2 if s["persist_probe"] else 1)
   if plan["tier"] == "memory":
     slot = plan["slot"]
     view = slot_file.view(slot, lay.nbytes)
@@ -308,62 +310,32 @@ def _train(start, agent, push, ctx, t_start, name, warm):
     snap = Snapshotter(ctx, start["agent_local"], start["controller_pub"], slot_file, lay, gen, rank,
                        committed=start_step if plan["tier"] != "init" else -1, committed_slot=committed_slot)
   total = cfg.train.steps
-  block = s["overhead_probe_block"]
-  prev_on = None
-  t_prev = time.perf_counter()
-  first = True
-  after_save = False
-  stopped_at = None
-  from jax.experimental import multihost_utils
-  for step in range(start_step, total):
-    on = s["snapshot"] and (not probe or ((step - start_step) // block) % 2 == 0)
-    transition = prev_on is not None and on != prev_on
-    if prev_on and not on:
-      snap.drain()  # a donated step may overwrite buffers the snapshot thread still reads
-    prev_on = on
-    batch = put_batch(data_lib.batch_at(corpus.train, step, cfg.data, process_index=rank, process_count=n))
-    state, m = (run if on or not probe else run_donated)(state, batch)
-    loss = float(m.loss)  # blocks: the step time below is a completed step
-    t_now = time.perf_counter()
-    dt, t_prev = t_now - t_prev, t_now
-    version = step + 1
-    if on:
-      snap.offer(version, state)
-    wire.send(push, {"type": "step", **base, "step": version, "loss": loss, "dt": dt, "on": bool(on),
-                     "transition": transition, "first": first, "after_save": after_save, "t": wire.now()})
-    first = after_save = False
-    if persist_period > 0 and version % persist_period == 0 and version < total:
-      if not on and probe:
-        jax.block_until_ready(state)
-      ckpt = ckpt or ckpt_lib.Checkpointer(workdir, cfg.checkpoint)
-      after_save = ckpt.save(version, state, {"step": version, "seed": cfg.data.seed})  # dt of the next step
+  # probe: a save every 2N steps only, so N-step windows after a save alternate with windows without one
+  saves = train_lib.Saves(workdir, cfg.checkpoint, s["persist_every"] * (2 if s["persist_probe"] else 1),
+                          last=s["persist_every"] > 0, ckpt=ckpt)
+  exe = Executables({"run": run, "run_donated": run_donated}, batch_sh, cfg.data.global_batch)
+  report = _Report(push, base, snap, exe, saves, start_step, s["overhead_probe_block"] if probe else 0)
+  hooks.before_step.append(report.before_step)
+  hooks.after_step.append(report.after_step)
+  hooks.on_checkpoint.append(report.on_checkpoint)
+  batches = data_lib.BatchIterator(corpus.train, cfg.data, step=start_step, process_index=rank, process_count=n)
+  try:
     # The controller forwards a stop (SIGINT / SIGTERM to the launcher) as SIGTERM to every worker; jax's
-    # preemption notifier catches it and all ranks agree here on the first step each can reach.
-    if multihost_utils.reached_preemption_sync_point(version):
-      ckpt = ckpt or ckpt_lib.Checkpointer(workdir, cfg.checkpoint)
-      if ckpt.latest_step() != version:
-        ckpt.save(version, state, {"step": version, "seed": cfg.data.seed}, force=True)
-      stopped_at = version
-      break
-
-  if stopped_at is not None:
-    ckpt.wait()
+    # preemption notifier catches it and the loop saves at the first step every rank can reach.
+    state = train_lib.loop(exe, state, batches, total, saves, hooks)
+  except stop_lib.Stopped as e:
+    if e.checkpoint is None:
+      raise
     if snap is not None:
       snap.close()
-    wire.send(push, {"type": "stopped", **base, "step": stopped_at})
-    ckpt.close()
+    wire.send(push, {"type": "stopped", **base, "step": e.step})
+    saves.close()
     jax.distributed.shutdown()
     return
 
-  if s["persist_every"] > 0:
-    ckpt = ckpt or ckpt_lib.Checkpointer(workdir, cfg.checkpoint)
-    if ckpt.latest_step() != total:
-      ckpt.save(total, state, {"step": total, "seed": cfg.data.seed}, force=True)  # the final state is durable too
-  if ckpt is not None:
-    ckpt.wait()
-  final_crc, final_bytes = None, None
+  ckpt = saves.ckpt
   if snap is not None:
-    if prev_on is False:  # the last probe block ran without the layer: make the final state durable too
+    if report.prev_on is False:  # the last probe block ran without the layer: make the final state durable too
       snap.offer(total, state)
     if not snap.wait_committed(total, timeout=s["startup_timeout_s"]):
       raise RuntimeError(f"final snapshot v{total} was not committed in time")
@@ -383,9 +355,45 @@ def _train(start, agent, push, ctx, t_start, name, warm):
     stats.update(persist_saves=len(ckpt.save_s), persist_save_ms_median=1e3 * float(np.median(ckpt.save_s)))
   wire.send(push, {"type": "done", **base, "final_crc": final_crc, "final_bytes": final_bytes,
                    "snapshot_bytes": lay.nbytes, **stats})
-  if ckpt is not None:
-    ckpt.close()
+  saves.close()
   jax.distributed.shutdown()
+
+
+class _Report:
+  """The worker's hooks on the loop: which executable a step runs (``run``, or ``run_donated`` in the overhead
+  probe's blocks without the snapshot layer, which must not read a donated state), the state offered to the
+  snapshot layer, and one 'step' message per step to the controller (loss, completed-step time, flags)."""
+
+  def __init__(self, push, base: dict, snap, exe, saves, start_step: int, probe_block: int):
+    self.push, self.base, self.snap, self.exe, self.saves = push, base, snap, exe, saves
+    self.start_step, self.block = start_step, probe_block
+    self.prev_on, self.on, self.transition, self.first, self.after_save = None, False, False, True, False
+    self.t_prev = time.perf_counter()
+
+  def before_step(self, step: int, state):
+    on = self.snap is not None and (not self.block or ((step - self.start_step) // self.block) % 2 == 0)
+    self.transition = self.prev_on is not None and on != self.prev_on
+    if self.prev_on and not on:
+      self.snap.drain()  # a donated step may overwrite buffers the snapshot thread still reads
+    self.prev_on = self.on = on
+    self.exe.use = "run" if on or not self.block else "run_donated"
+
+  def after_step(self, done: int, state, m):
+    import jax  # noqa: PLC0415
+    loss = float(m.loss)  # blocks: the step time below is a completed step
+    t_now = time.perf_counter()
+    dt, self.t_prev = t_now - self.t_prev, t_now
+    if self.on and self.snap is not None:
+      self.snap.offer(done, state)
+    wire.send(self.push, {"type": "step", **self.base, "step": done, "loss": loss, "dt": dt, "on": bool(self.on),
+                          "transition": self.transition, "first": self.first, "after_save": self.after_save,
+                          "t": wire.now()})
+    self.first = self.after_save = False
+    if self.block and not self.on and self.saves.due(done):
+      jax.block_until_ready(state)  # before the save reads it
+
+  def on_checkpoint(self, done: int, saved: bool):
+    self.after_save = saved  # the next step's time includes this save's blocking part
 
 
 if __name__ == "__main__":

@@ -100,3 +100,32 @@ def test_interrupted_run_resumes_exactly(tmp_path):
   for x, y in zip(jax.tree.leaves(a), jax.tree.leaves(b)):
     np.testing.assert_array_equal(x, y)
   assert int(resumed["state"].step) == 4
+
+
+def test_loop_runs_hooks_in_order_and_the_same_steps(tmp_path):
+  """framework.train.loop with hooks: each hook sees the steps in order (a scheduled save between a step's
+  after_step and the next before_step), heartbeats arrive while the first step compiles, the last step is saved,
+  and the losses equal the same steps called by hand on the same batches."""
+  cfg = config_lib.validate(tiny_config(), jax.device_count())
+  corpus = data_lib.load_corpus(cfg.data)
+  step = build_step(cfg, make_mesh(cfg.mesh))
+  calls, beats = [], []
+  hooks = train.Hooks(before_step=[lambda s, st: calls.append(("before", s))],
+                      after_step=[lambda d, st, m: calls.append(("after", d, float(m.loss)))],
+                      on_checkpoint=[lambda d, saved: calls.append(("ckpt", d, saved))],
+                      on_heartbeat=[beats.append], heartbeat_s=0.01)
+  saves = train.Saves(str(tmp_path), CheckpointConfig(every=2, keep=5), every=2, last=True)
+  it = data_lib.BatchIterator(corpus, cfg.data, rows=step.local_rows())
+  final = train.loop(step, step.init_state(jax.random.key(0)), it, 5, saves, hooks)
+  saves.close()
+  assert [c[:2] for c in calls] == [("before", 0), ("after", 1), ("before", 1), ("after", 2), ("ckpt", 2),
+                                    ("before", 2), ("after", 3), ("before", 3), ("after", 4), ("ckpt", 4),
+                                    ("before", 4), ("after", 5)]
+  assert all(c[2] is True for c in calls if c[0] == "ckpt")
+  assert beats and beats[0] == 0 and beats == sorted(beats)
+  assert ckpt_lib.step_dirs(ckpt_lib.checkpoint_dir(str(tmp_path))) == [5, 4, 2] and int(final.step) == 5
+  state, ref_it, ref = step.init_state(jax.random.key(0)), data_lib.BatchIterator(corpus, cfg.data), []
+  for _ in range(5):
+    state, m = step(state, step.put_batch(next(ref_it)))
+    ref.append(float(m.loss))
+  assert [c[2] for c in calls if c[0] == "after"] == ref
