@@ -178,7 +178,16 @@ class OptimConfig:
 
 @dataclasses.dataclass(frozen=True)
 class MeshConfig:
-  """Mesh axis sizes. Their product must equal the number of devices (-1 = fill)."""
+  """Mesh axis sizes. Their product must equal the number of devices (-1 = fill).
+
+  ``tensor_sequence_parallel``: Megatron's sequence parallelism of the tensor axis (``--sequence-parallel``,
+  Korthikanti et al. 2022): between the matmuls the residual stream, the norms and the pipeline's activations
+  hold ``1/tensor`` of the (local) sequence per device instead of a copy of all of it; the normed input of each
+  column-parallel projection is all-gathered along the sequence over ``tensor`` and each row-parallel output is
+  reduce-scattered onto it (in place of the all-reduce). Same function and gradients, ``~tensor`` times less
+  activation memory outside the matmuls. Needs ``form='shard_map'`` and ``data.seq_len / sequence`` divisible by
+  ``tensor``; a no-op when ``tensor == 1``.
+  """
   data: int = 1
   fsdp: int = 1
   tensor: int = 1
@@ -192,6 +201,7 @@ class MeshConfig:
   # schedule=gpipe MaxText's circular pipeline (num_pipeline_repeats). The layer stack is stored as
   # virtual_stages x n_layers/virtual_stages.
   virtual_stages: int = 1
+  tensor_sequence_parallel: bool = False  # residual stream sharded along the sequence over 'tensor' (shard_map form)
 
   def sizes(self) -> dict:
     return {a: getattr(self, a) for a in MESH_AXES}
@@ -368,11 +378,26 @@ def validate(cfg: Config, n_devices: int, n_processes: int = 1) -> Config:
                       "model.param_dtype=bfloat16, or optim.master_weights=False")
   if cfg.data.seq_len % mesh.sequence:
     raise ConfigError(f"data.seq_len={cfg.data.seq_len} is not divisible by mesh.sequence={mesh.sequence}")
+  validate_tensor_sequence_parallel(cfg.data.seq_len, mesh)
   if cfg.data.seq_len > m.max_seq_len:
     raise ConfigError(f"data.seq_len={cfg.data.seq_len} exceeds model.max_seq_len={m.max_seq_len}")
   if cfg.model.vocab_size < 256:
     raise ConfigError("model.vocab_size must be >= 256 for the byte-level tokenizer")
   return dataclasses.replace(cfg, mesh=mesh)
+
+
+def validate_tensor_sequence_parallel(seq_len: int, mesh: MeshConfig) -> None:
+  """Sequence parallelism of the tensor axis: written out in the shard_map form, over whole local sequences."""
+  if not mesh.tensor_sequence_parallel or mesh.tensor == 1:
+    return
+  if mesh.form != "shard_map":
+    raise ConfigError("mesh.tensor_sequence_parallel=True writes its collectives per device: set "
+                      "--config.mesh.form=shard_map (the jit form leaves activation layouts to GSPMD)")
+  local = seq_len // mesh.sequence
+  if local % mesh.tensor:
+    raise ConfigError(f"mesh.tensor_sequence_parallel=True splits each device's {local} tokens (data.seq_len / "
+                      f"mesh.sequence) over mesh.tensor={mesh.tensor}: use a seq_len whose local length is a "
+                      f"multiple of {mesh.tensor}")
 
 
 def validate_virtual_stages(m: ModelConfig, mesh: MeshConfig) -> None:

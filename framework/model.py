@@ -14,6 +14,10 @@ The same module runs in two modes, chosen by :class:`ParallelCtx`:
   before use (their transpose is the reduce-scatter of the gradients), tensor-parallel dimensions
   stay local and the row-parallel matmuls end in an explicit ``psum`` (Megatron). Sequence
   (context) parallelism all-gathers K/V along the sequence, or passes them around it (``attention='ring'``).
+  With ``ctx.tensor_sequence_parallel`` (Megatron sequence parallelism) the residual stream between the
+  matmuls holds this tensor rank's ``T/tensor`` chunk: norms run on the chunk, the normed input of the
+  column-parallel projections is all-gathered along T, the row-parallel epilogue is a ``psum_scatter`` onto
+  the chunk instead of the ``psum``.
 
 Shapes are in names: B batch, T query length, S key length, D d_model, H query heads,
 K kv heads, G = H // K, E head_dim, F d_ff, V vocab, L layers.
@@ -82,6 +86,19 @@ class ParallelCtx:
   # 'layers'): sharding 'layers' over P pipeline stages then places chunks round-robin, layer order unchanged
   # (virtual pipeline stages, parallelism/schedules.py).
   layer_repeats: int = 1
+  # Megatron sequence parallelism over tensor_axis (mesh.tensor_sequence_parallel): see tp_sequence_sharded.
+  tensor_sequence_parallel: bool = False
+
+  @property
+  def tp_sequence_sharded(self) -> bool:
+    """True when activations between the matmuls hold this tensor rank's ``T/tensor`` chunk of the sequence."""
+    return (self.manual and self.tensor_sequence_parallel and bool(self.tensor_axis)
+            and self.size((self.tensor_axis,)) > 1)
+
+  def tensor_chunk(self, x, axis: int = 1):
+    """This tensor rank's contiguous ``1/tensor`` slice of ``x`` along ``axis``."""
+    n = x.shape[axis] // self.size((self.tensor_axis,))
+    return jax.lax.dynamic_slice_in_dim(x, jax.lax.axis_index(self.tensor_axis) * n, n, axis)
 
   def mesh_axes(self, logical: str) -> tuple:
     for name, axes in self.rules:
@@ -134,11 +151,21 @@ class _Base(nn.Module):
       return fp8.einsum(subscripts, x, w)
     return jnp.einsum(subscripts, x, w)
 
-  def tp_reduce(self, y):
-    """Row-parallel matmul epilogue: sum partial results across the tensor axis."""
+  def tp_reduce(self, y_BxTxD):
+    """Row-parallel matmul epilogue: sum partial results across the tensor axis; under sequence parallelism a
+    reduce-scatter that leaves this rank's chunk of the sequence (the residual stream's layout)."""
+    if self.ctx.tp_sequence_sharded:
+      return jax.lax.psum_scatter(y_BxTxD, self.ctx.tensor_axis, scatter_dimension=1, tiled=True)
     if self.ctx.manual and self.ctx.tensor_axis and self.ctx.size((self.ctx.tensor_axis,)) > 1:
-      return jax.lax.psum(y, self.ctx.tensor_axis)
-    return y
+      return jax.lax.psum(y_BxTxD, self.ctx.tensor_axis)
+    return y_BxTxD
+
+  def tp_gather(self, x_BxTxD):
+    """Column-parallel prologue under sequence parallelism: the chunks of the tensor ranks -> the whole sequence
+    (all-gather along T; its transpose reduce-scatters the input's gradient). Identity otherwise."""
+    if self.ctx.tp_sequence_sharded:
+      return jax.lax.all_gather(x_BxTxD, self.ctx.tensor_axis, axis=1, tiled=True)
+    return x_BxTxD
 
   def tag(self, x, name: str):
     """Names an activation for the remat policies that select by name; a no-op for the others, so their
@@ -241,17 +268,20 @@ class MLP(_Base):
 
 class Block(_Base):
   """One pre-norm decoder layer (``cfg.block``: sequential or parallel); signature fits ``nn.scan``:
-  (carry, *scanned) -> (carry, out)."""
+  (carry, *scanned) -> (carry, out). Under sequence parallelism ``x_BxTxD`` is this tensor rank's chunk of the
+  sequence and ``pos_BxT`` the whole (local) sequence's positions: the norms run on the chunk, attention and MLP
+  on the gathered sequence."""
 
   @nn.compact
   def __call__(self, x_BxTxD, pos_BxT, kv_cache, cache_index):
-    normed_BxTxD = RMSNorm(self.cfg, self.ctx, name="attn_norm")(x_BxTxD)
+    normed_BxTxD = self.tp_gather(RMSNorm(self.cfg, self.ctx, name="attn_norm")(x_BxTxD))
     h, new_cache = Attention(self.cfg, self.ctx, name="attn")(normed_BxTxD, pos_BxT, kv_cache, cache_index)
     if self.cfg.block == "parallel":  # both branches read the one normed input; their outputs add
       x_BxTxD = x_BxTxD + h + MLP(self.cfg, self.ctx, name="mlp")(normed_BxTxD)
       return self.constrain(x_BxTxD, ("batch", "seq", "act_embed")), new_cache
     x_BxTxD = self.constrain(x_BxTxD + h, ("batch", "seq", "act_embed"))
-    x_BxTxD = x_BxTxD + MLP(self.cfg, self.ctx, name="mlp")(RMSNorm(self.cfg, self.ctx, name="mlp_norm")(x_BxTxD))
+    normed_BxTxD = self.tp_gather(RMSNorm(self.cfg, self.ctx, name="mlp_norm")(x_BxTxD))
+    x_BxTxD = x_BxTxD + MLP(self.cfg, self.ctx, name="mlp")(normed_BxTxD)
     x_BxTxD = self.constrain(x_BxTxD, ("batch", "seq", "act_embed"))
     return x_BxTxD, new_cache
 
@@ -296,7 +326,10 @@ class Transformer(_Base):
 
   def embed(self, tokens_BxT):
     # Embedding is a gather, not a matmul: it is replicated over the tensor axis (its vocab dim
-    # has its own logical name, 'embed_vocab') so the lookup needs no collective.
+    # has its own logical name, 'embed_vocab') so the lookup needs no collective. Under sequence parallelism
+    # each tensor rank looks up its chunk of the sequence only.
+    if self.ctx.tp_sequence_sharded:
+      tokens_BxT = self.ctx.tensor_chunk(tokens_BxT)
     x_BxTxD = jnp.take(self.embedding(), tokens_BxT, axis=0)
     return self.constrain(x_BxTxD, ("batch", "seq", "act_embed"))
 
@@ -320,6 +353,11 @@ class Transformer(_Base):
     """Final norm + LM head -> logits (local vocab shard in manual TP mode), float32."""
     c = self.cfg
     x_BxTxD = self.final_norm(x_BxTxD)
+    if self.ctx.tp_sequence_sharded:
+      # The vocab-parallel head is a column-parallel matmul (gradient: reduce-scatter); a replicated head computes
+      # the same logits on every tensor rank, so its input is gathered as replicated (gradient: this rank's slice).
+      x_BxTxD = jax.lax.all_gather(x_BxTxD, self.ctx.tensor_axis, axis=1, tiled=True,
+                                   to="varying" if self.vocab_sharded_logits else "invarying")
     if c.tie_embeddings:
       logits_BxTxV = jnp.einsum("btd,vd->btv", x_BxTxD, self.embedding())
     else:

@@ -29,11 +29,14 @@ SEQUENCE_AXIS = "sequence"
 PIPELINE_AXIS = "pipeline"
 
 
-def manual_ctx(mesh: Mesh, rules: tuple, layer_repeats: int = 1) -> model_lib.ParallelCtx:
+def manual_ctx(mesh: Mesh, rules: tuple, layer_repeats: int = 1,
+               tensor_sequence_parallel: bool = False) -> model_lib.ParallelCtx:
   """The model's view of a mesh all of whose axes are manual (it writes its own TP/SP collectives);
-  ``layer_repeats``: the layer stack's virtual-stage chunks (parallelism.pipeline.layer_repeats)."""
+  ``layer_repeats``: the layer stack's virtual-stage chunks (parallelism.pipeline.layer_repeats);
+  ``tensor_sequence_parallel``: Megatron sequence parallelism over 'tensor' (``mesh.tensor_sequence_parallel``)."""
   return model_lib.ParallelCtx(manual=True, rules=rules, axis_sizes=tuple(mesh.shape.items()),
-                               tensor_axis=TENSOR_AXIS, sequence_axis=SEQUENCE_AXIS, layer_repeats=layer_repeats)
+                               tensor_axis=TENSOR_AXIS, sequence_axis=SEQUENCE_AXIS, layer_repeats=layer_repeats,
+                               tensor_sequence_parallel=tensor_sequence_parallel)
 
 
 def spec_axes(spec: P) -> tuple:

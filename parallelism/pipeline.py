@@ -135,9 +135,12 @@ def _body(params, inputs_BxT, targets_BxT, *, model, specs, sched: Schedule, n_t
   else:
     chunk_of = lambda j: jax.tree.map(lambda a: jax.lax.dynamic_index_in_dim(a, j, 0, keepdims=False), layers)  # noqa: E731
   # Typed templates: the activation flowing between stages varies over the batch axes and
-  # 'pipeline' (it is stage-dependent) and is invariant over 'tensor' (after the TP psum).
-  x_proto = manual.vary(jnp.zeros((mb, t_local, model.cfg.d_model), jnp.dtype(model.cfg.dtype)),
-                        batch_axes + (manual.PIPELINE_AXIS,))
+  # 'pipeline' (it is stage-dependent) and is invariant over 'tensor' (after the TP psum), or under sequence
+  # parallelism is this tensor rank's T/tensor chunk (after the TP psum_scatter), varying over 'tensor'.
+  t_res, x_vary = t_local, batch_axes + (manual.PIPELINE_AXIS,)
+  if model.ctx.tp_sequence_sharded:
+    t_res, x_vary = t_local // model.ctx.size((manual.TENSOR_AXIS,)), x_vary + (manual.TENSOR_AXIS,)
+  x_proto = manual.vary(jnp.zeros((mb, t_res, model.cfg.d_model), jnp.dtype(model.cfg.dtype)), x_vary)
   x_axes = tuple(manual.varying_axes(x_proto))
   loss_proto = manual.vary(jnp.zeros((), jnp.float32), batch_axes + (manual.PIPELINE_AXIS,))
 

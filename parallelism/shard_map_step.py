@@ -15,6 +15,9 @@ communication: here every collective is in our code, visible in the jaxpr:
 * **Megatron TP** (``tensor``): column/row-parallel matmuls, ``psum`` after the row-parallel ones
   (framework/model.py), and a vocab-parallel cross-entropy (``pmax``/``psum`` over ``tensor``) when
   the LM head is vocab-sharded, so full-vocab logits never exist on one device.
+* **Megatron SP** (``mesh.tensor_sequence_parallel``): the residual stream between the matmuls holds a
+  ``1/tensor`` chunk of the sequence; the column-parallel inputs are ``all_gather``-ed along it over ``tensor``
+  and the row-parallel outputs ``psum_scatter``-ed back onto it (framework/model.py).
 * **SP / CP** (``sequence``): each device holds a slice of the sequence; attention ``all_gather``-s K/V
   (and their positions) along ``sequence``, or with ``model.attention='ring'`` passes K/V blocks around the
   ``sequence`` ring over zig-zag chunks (framework/attention.py ``ring``, parallelism/manual.py ``sequence_layout``).
@@ -119,7 +122,8 @@ def build(cfg: Config, mesh: Mesh, donate: bool = True) -> compiled.CompiledStep
   accum = 1 if pipelined else cfg.mesh.microbatches
   if all_manual:
     manual_axes = frozenset(mesh.axis_names)
-    inner = model_lib.build(cfg.model, manual_ctx(mesh, rules, pipeline.layer_repeats(cfg)))
+    inner = model_lib.build(cfg.model, manual_ctx(mesh, rules, pipeline.layer_repeats(cfg),
+                                                  cfg.mesh.tensor_sequence_parallel))
     batch_axes = active(BATCH_AXES, mesh)
   else:
     # Manual over 'pipeline' only; the stage model is an ordinary auto-mode model of L/P layers.

@@ -50,13 +50,17 @@ def analytic(cfg: Config) -> MemoryBreakdown:
     tokens /= mesh.microbatches  # gradient accumulation: one micro-batch's activations at a time
   D, H, K, E, F, T = m.d_model, m.n_heads, m.n_kv_heads, m.hd, m.ff, d.seq_len
   tp = mesh.tensor
+  # Width per token of the residual stream and norms on one device: 1/tp of it under sequence parallelism
+  # (mesh.tensor_sequence_parallel), where remat=none still keeps the two all-gathered matmul inputs whole.
+  sp = mesh.tensor_sequence_parallel and tp > 1
+  Dr = D / tp if sp else D
   # Values saved for the backward pass per token per layer (elements), by remat policy.
-  full = 6 * D + ((H + 2 * K) * E + H * E) / tp + 4 * F / tp + 2 * H * T / tp
-  dots = ((H + 2 * K) * E + H * E) / tp + 2 * H * T / tp + 2 * F / tp + D
+  full = (4 * Dr + 2 * D if sp else 6 * D) + ((H + 2 * K) * E + H * E) / tp + 4 * F / tp + 2 * H * T / tp
+  dots = ((H + 2 * K) * E + H * E) / tp + 2 * H * T / tp + 2 * F / tp + Dr
   # MaxText's named policies keep the layer input plus their named outputs (offloaded ones: the input only)
   qkv, mlp_in = (H + 2 * K) * E / tp, (m.mlp_matrices - 1) * F / tp
-  saved = {"none": full, "dots": dots, "dots_no_batch": dots, "full": D, "minimal": 3 * D + qkv + mlp_in,
-           "save_qkv_proj": D + qkv, "save_dot_except_mlp": 2 * D + qkv, "save_out_proj": 2 * D}.get(m.remat, D)
+  saved = {"none": full, "dots": dots, "dots_no_batch": dots, "full": Dr, "minimal": 3 * Dr + qkv + mlp_in,
+           "save_qkv_proj": Dr + qkv, "save_dot_except_mlp": 2 * Dr + qkv, "save_out_proj": 2 * Dr}.get(m.remat, Dr)
   layers_here = m.n_layers / mesh.pipeline
   act = tokens * ab * (saved * layers_here + (full if m.remat != "none" else 0))
   logits = tokens * m.vocab_size / tp * 4 * 3  # f32 logits, softmax and its gradient

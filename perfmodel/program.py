@@ -204,7 +204,7 @@ def rank_program(cfg: Config) -> RankProgram:
     rules = rules_lib.without(rules, sms.PIPELINE_AXIS)
   repeats = pp_lib.layer_repeats(cfg)
   model = model_lib.build(cfg.model, model_lib.ParallelCtx(layer_repeats=repeats))
-  manual = model_lib.build(cfg.model, sms.manual_ctx(amesh, rules, repeats))
+  manual = model_lib.build(cfg.model, sms.manual_ctx(amesh, rules, repeats, cfg.mesh.tensor_sequence_parallel))
   tx = optim.make(cfg.optim, cfg.train.steps)
   with nn.logical_axis_rules(rules):
     boxed = jax.eval_shape(functools.partial(ts.init_state, model=model, tx=tx), jax.random.key(0))

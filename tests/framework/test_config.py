@@ -163,9 +163,16 @@ def test_other_validation_errors_name_the_fix():
       (dict(mesh=dict(form="pmap")), "choose 'jit' or 'shard_map'"),
       (dict(data=dict(seq_len=128)), "exceeds model.max_seq_len=64"),
       (dict(mesh=dict(data=4, sequence=2), data=dict(seq_len=33)), "not divisible by mesh.sequence=2"),
+      (dict(mesh=dict(data=4, tensor=2, tensor_sequence_parallel=True)),
+       r"mesh.tensor_sequence_parallel=True .*set --config.mesh.form=shard_map"),
+      (dict(mesh=dict(data=2, sequence=2, tensor=2, form="shard_map", tensor_sequence_parallel=True),
+            data=dict(seq_len=6)), r"splits each device's 3 tokens .* over mesh.tensor=2: .* multiple of 2"),
   ]:
     with pytest.raises(ConfigError, match=fix):
       config_lib.validate(tiny_config(**sections), 8)
+  # sequence parallelism of a tensor axis of size 1 is a no-op: accepted in either form, any length
+  sp_off = dict(data=8, tensor_sequence_parallel=True)
+  assert config_lib.validate(tiny_config(mesh=sp_off, data=dict(seq_len=7)), 8).mesh.tensor_sequence_parallel
   with pytest.raises(ConfigError, match="not divisible by 3 processes"):
     config_lib.validate(tiny_config(mesh=dict(data=1, fsdp=-1), data=dict(global_batch=8)), 8, n_processes=3)
 

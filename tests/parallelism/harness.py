@@ -18,7 +18,7 @@ BASE = {
     "optim": {"warmup_steps": 1},  # step 0 of the warm-up has lr 0; step 1 is a real update
     "train": {"steps": 10},
 }
-SCHEDULE_KEYS = ("microbatches", "schedule", "rules", "virtual_stages")
+SCHEDULE_KEYS = ("microbatches", "schedule", "rules", "virtual_stages", "tensor_sequence_parallel")
 
 
 def make_cfg(mesh: dict, form: str, model: dict | None = None, data: dict | None = None,
