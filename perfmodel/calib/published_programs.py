@@ -38,6 +38,10 @@ def fingerprint(cfg, hardware: str, topology) -> str:
   for section in ("name", "checkpoint", "train"):
     d.pop(section, None)
   d["data"] = {k: d["data"][k] for k in ("seq_len", "global_batch")}
+  # keys at their default are left out, so a key added to Config (off by default) leaves every fingerprint as it was
+  default = config_lib.to_dict(config_lib.Config())
+  d = {sec: {k: v for k, v in keys.items() if default.get(sec, {}).get(k, object()) != v}
+       if isinstance(keys, dict) else keys for sec, keys in d.items()}
   blob = json.dumps({"cfg": d, "hw": hardware, "topology": topology}, sort_keys=True, default=str)
   return hashlib.sha256(blob.encode()).hexdigest()[:20]
 
@@ -124,7 +128,7 @@ def reprice(r: P.PublishedRun, m: M.RowMapping, backend: str = "auto", folder: s
   try:
     cap, prov = load(r.id, folder)
   except FileNotFoundError as e:
-    return {"error": f"{m.error + '; ' if m.error else ''}{e}"}
+    return {"error": m.error or str(e)}  # a row whose mapping does not build has no program: its reason is the error
   t0 = time.perf_counter()
   p = predict.predict(M.build_config(prov["overrides"], r.n_chips), r.hardware, backend=backend, captured=cap,
                       method="target_compile", framework=prov.get("framework"))

@@ -27,8 +27,10 @@ def repriced():
 def test_freshness_names_what_changed():
   r = next(x for x in P.load() if x.id == "maxtext_v5e_16b_1x256")
   m = M.row_config(r)
-  prov = {"overrides": m.overrides, "topology": m.topology, **PP.code_version()}
+  prov = {"overrides": m.overrides, "topology": m.topology, "framework": m.framework, **PP.code_version()}
   assert PP.freshness(r, m, prov) == []
+  (why,) = PP.freshness(r, m, dict(prov, framework=None))  # priced as another framework
+  assert why.startswith("mapping:") and "'maxtext:none'" in why
   other = dict(prov, overrides=[o.replace("remat=full", "remat=minimal") for o in m.overrides])
   (why,) = PP.freshness(r, m, other)
   assert why.startswith("mapping:") and "model.remat: minimal -> full" in why
@@ -57,7 +59,9 @@ def _mapping_only(reasons):
 
 
 def test_reprice_reproduces_the_committed_json(committed, repriced):
-  assert committed["command"].split(" --reprice")[0] == repriced["command"].split(" --reprice")[0]
+  # the same rows and options; how the programs were obtained (--save-programs / --reprice) aside
+  how = re.compile(r" --(reprice|save-programs|compile-budget \S+)")
+  assert how.sub("", committed["command"]) == how.sub("", repriced["command"])
   got = {e["id"]: e for e in repriced["rows"]}
   assert set(got) == {e["id"] for e in committed["rows"]}
   for e in committed["rows"]:
