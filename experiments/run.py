@@ -165,10 +165,29 @@ def cli(argv=None) -> int:
     print(f"workdir error: {e.strerror} writing {e.filename or 'a file'}: free space or fix the permissions there, "
           f"or use another --workdir; then rerun to resume from the last checkpoint", file=sys.stderr)
     return 5
+  except Exception as e:  # noqa: BLE001 - a full disk surfaces from orbax's threads as ValueError and others too
+    from framework.checkpoint import checkpoint_dir, disk_full, remove_partial_saves  # noqa: PLC0415
+    if not disk_full(e):
+      raise
+    wd = _value_of(args, "--workdir")
+    removed = remove_partial_saves(checkpoint_dir(wd)) if wd else []
+    print(f"workdir error: no space left on device writing to {wd or 'the workdir'} ({type(e).__name__}): free "
+          f"space there (or use a --workdir on a larger disk) and rerun to resume from the last complete "
+          f"checkpoint{'; partial saves removed: ' + ', '.join(removed) if removed else ''}", file=sys.stderr)
+    return 5
   except KeyboardInterrupt:
     print("stopped by SIGINT outside the training steps (start-up or the final sample); the workdir's complete "
           "checkpoints are kept: run the same command again to resume", file=sys.stderr)
     return 130
+
+
+def _value_of(argv, flag: str) -> Optional[str]:
+  for i, a in enumerate(argv):
+    if a == flag and i + 1 < len(argv):
+      return argv[i + 1]
+    if a.startswith(flag + "="):
+      return a.split("=", 1)[1]
+  return None
 
 
 def _stopped_or(fn, args, stopped):

@@ -265,6 +265,16 @@ def partial_saves(ckpt_dir: str) -> List[str]:
   return sorted(os.path.join(ckpt_dir, x) for x in os.listdir(ckpt_dir) if ".orbax-checkpoint-tmp" in x)
 
 
+def remove_partial_saves(ckpt_dir: str) -> List[str]:
+  """Removes the folders of saves that never finished; returns their names."""
+  removed = [os.path.basename(p) for p in partial_saves(ckpt_dir)]
+  for _ in range(2):  # a writer coroutine may still create a file right after the first pass
+    for p in partial_saves(ckpt_dir):
+      shutil.rmtree(p, ignore_errors=True)
+    time.sleep(0.2)
+  return removed
+
+
 # ------------------------------------------------------------------------------ manager
 
 class Checkpointer:
@@ -326,12 +336,8 @@ class Checkpointer:
 
   def _remove_partial(self):
     import jax  # noqa: PLC0415
-    if jax.process_index() != 0:
-      return  # shared storage: process 0 removes
-    for _ in range(2):  # a writer coroutine may still create a file right after the first pass
-      for p in partial_saves(self.dir):
-        shutil.rmtree(p, ignore_errors=True)
-      time.sleep(0.2)
+    if jax.process_index() == 0:  # shared storage: process 0 removes
+      remove_partial_saves(self.dir)
 
   # -- restore ---------------------------------------------------------------------------------------
   def check_compatible(self, step: int, abstract_state: Any) -> Optional[str]:
