@@ -18,6 +18,7 @@ ATTENTION_KINDS = ("dense", "blockwise", "dot_product", "cudnn", "splash", "ring
 MLP_KINDS = ("swiglu", "gelu", "relu")
 BLOCK_KINDS = ("sequential", "parallel")
 MATMUL_PRECISIONS = ("default", "fp8")  # what each does: framework/fp8.py
+DATA_FORMATS = ("auto", "text", "jsonl", "parquet")
 
 
 class ConfigError(ValueError):
@@ -139,13 +140,31 @@ class ModelConfig:
 
 @dataclasses.dataclass(frozen=True)
 class DataConfig:
-  corpus: str = "stdlib"  # "stdlib" (Python's own source) or a path to a text file / folder
-  max_bytes: int = 16_000_000  # cap on corpus size read into memory
+  """Training data (framework/data.py, framework/documents.py, framework/tokenizer.py).
+
+  ``corpus``: ``stdlib`` (Python's own source), a text file or folder, or a document dataset: a ``.jsonl``
+  file (one JSON object per line, its ``text_key`` field a document), a ``.parquet`` file (its ``text_key``
+  column), or a folder of either. ``format``: ``auto`` decides by the file suffixes; ``text``, ``jsonl`` or
+  ``parquet`` says it. Text corpora are read into memory (at most ``max_bytes``) and sampled as random windows;
+  document datasets are streamed (a row group / a line at a time), each document followed by the tokenizer's
+  end-of-text token (``eos_token``: empty for the tokenizer's own), packed into ``seq_len + 1`` windows and
+  shuffled in blocks of ``shuffle_windows`` windows.
+
+  ``tokenizer``: ``bytes`` (vocab 256) or the path of a Hugging Face ``tokenizer.json``; ``model.vocab_size``
+  must be at least its vocabulary.
+  """
+  corpus: str = "stdlib"  # "stdlib", a text file / folder, or a .jsonl / .parquet file / folder
+  max_bytes: int = 16_000_000  # cap on a text corpus read into memory
   seq_len: int = 128
   global_batch: int = 16  # sequences per step, all processes together
   eval_fraction: float = 0.02
   seed: int = 0
-  extensions: tuple = (".py", ".txt", ".md", ".rst")
+  extensions: tuple = (".py", ".txt", ".md", ".rst")  # text files a text-corpus folder contributes
+  tokenizer: str = "bytes"  # "bytes" or a path to a Hugging Face tokenizer.json
+  format: str = "auto"  # one of DATA_FORMATS
+  text_key: str = "text"  # the document field of a jsonl row / the column of a parquet file
+  eos_token: str = ""  # the token that ends each document; "" -> the tokenizer's own (bytes: byte 0)
+  shuffle_windows: int = 1024  # document datasets: windows shuffled together (rounded up to global_batch)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -381,9 +400,21 @@ def validate(cfg: Config, n_devices: int, n_processes: int = 1) -> Config:
   validate_tensor_sequence_parallel(cfg.data.seq_len, mesh)
   if cfg.data.seq_len > m.max_seq_len:
     raise ConfigError(f"data.seq_len={cfg.data.seq_len} exceeds model.max_seq_len={m.max_seq_len}")
-  if cfg.model.vocab_size < 256:
-    raise ConfigError("model.vocab_size must be >= 256 for the byte-level tokenizer")
+  validate_data(cfg.data, m.vocab_size)
   return dataclasses.replace(cfg, mesh=mesh)
+
+
+def validate_data(d: DataConfig, vocab_size: int) -> None:
+  """Checks of the data section that need no file (a tokenizer.json's vocabulary is checked when it is read)."""
+  if d.format not in DATA_FORMATS:
+    raise ConfigError(f"data.format={d.format!r}; choose one of {DATA_FORMATS}")
+  if not d.text_key:
+    raise ConfigError("data.text_key is empty: name the field (jsonl) or column (parquet) holding the text")
+  if d.shuffle_windows < 0:
+    raise ConfigError(f"data.shuffle_windows={d.shuffle_windows} must be >= 0 (0: no shuffling)")
+  if d.tokenizer == "bytes" and vocab_size < 256:
+    raise ConfigError(f"model.vocab_size={vocab_size} is smaller than the byte tokenizer's 256 ids: set "
+                      f"--config.model.vocab_size=256 or more")
 
 
 def validate_tensor_sequence_parallel(seq_len: int, mesh: MeshConfig) -> None:

@@ -1,9 +1,11 @@
-"""Offline, deterministic text data.
+"""Training data: text corpora (random windows) and document datasets (packed windows, documents.py).
 
 The default corpus is the Python standard library's own source, which ships with every Python, so
-the quickstart needs no download. Users pass a text file or a folder instead (``data.corpus``).
+the quickstart needs no download. Users pass a text file or a folder instead (``data.corpus``), or a jsonl /
+parquet document dataset (framework/documents.py); :func:`load` reads either through ``data.tokenizer``
+(framework/tokenizer.py) and :func:`iterator` gives its checkpointable batch iterator.
 
-Batches are random windows whose offsets are a pure function of ``(seed, step)``: the iterator
+Text-corpus batches are random windows whose offsets are a pure function of ``(seed, step)``: the iterator
 state is one integer, so checkpoints restore the exact data position, a recovered run is
 bit-identical, and each process computes only its own rows (``process_index`` slice of the global
 batch) without any coordination.
@@ -14,11 +16,13 @@ import dataclasses
 import os
 import pathlib
 import sysconfig
-from typing import Iterator, Optional
+from typing import Any, Iterator, Optional
 
 import numpy as np
 
-from framework.config import ConfigError, DataConfig
+from framework import documents
+from framework import tokenizer as tokenizer_lib
+from framework.config import Config, ConfigError, DataConfig
 
 
 def _files(root: pathlib.Path, extensions) -> list:
@@ -55,13 +59,17 @@ def corpus_path(cfg: DataConfig) -> pathlib.Path:
   return pathlib.Path(os.path.expanduser(cfg.corpus))
 
 
-def load_corpus(cfg: DataConfig) -> np.ndarray:
-  """Reads the corpus into one uint8 array (files in sorted order, each preceded by its name); a file that is
-  not text (:func:`text_problem`) is refused by name."""
-  root = corpus_path(cfg)
+def _check_exists(cfg: DataConfig, root: pathlib.Path) -> None:
   if not root.exists():
-    raise ConfigError(f"data.corpus={cfg.corpus!r}: {root} does not exist; pass a text file or folder "
-                      f"(--config.data.corpus=/path) or 'stdlib'")
+    raise ConfigError(f"data.corpus={cfg.corpus!r}: {root} does not exist; pass a text file or folder, a .jsonl or "
+                      f".parquet file or folder (--config.data.corpus=/path), or 'stdlib'")
+
+
+def load_corpus(cfg: DataConfig) -> np.ndarray:
+  """Reads a text corpus into one uint8 array (files in sorted order, each preceded by its name); a file that
+  is not text (:func:`text_problem`) is refused by name."""
+  root = corpus_path(cfg)
+  _check_exists(cfg, root)
   files = _files(root, tuple(cfg.extensions))
   if not files:
     raise ConfigError(f"data.corpus={cfg.corpus!r}: no files with extensions {cfg.extensions} under {root}")
@@ -89,8 +97,54 @@ def load_corpus(cfg: DataConfig) -> np.ndarray:
 
 @dataclasses.dataclass
 class Split:
-  train: np.ndarray
+  """``train``: a token array (random windows, :class:`BatchIterator`) or a :class:`documents.Dataset` (packed
+  windows, :class:`documents.PackedIterator`); ``eval``: a token array; ``tokenizer``: what made them."""
+  train: Any
   eval: np.ndarray
+  tokenizer: Any = None
+
+
+def load(cfg: Config) -> Split:
+  """The training data of ``cfg`` (``data.corpus`` through ``data.tokenizer``), checked against
+  ``model.vocab_size``; every problem is a one-line ConfigError raised before anything is written."""
+  d = cfg.data
+  tok = tokenizer_lib.load(d.tokenizer, d.eos_token)
+  tokenizer_lib.check_vocab(tok, cfg.model.vocab_size)
+  root = corpus_path(d)
+  _check_exists(d, root)
+  kind = "text" if d.corpus == "stdlib" else documents.kind_of(root, d.format)
+  if kind == "text":
+    raw = load_corpus(d)
+    ids = raw if d.tokenizer == "bytes" else tokenize_text(raw, tok)
+    if ids.size < 2 * (d.seq_len + 1):
+      raise ConfigError(f"data.corpus={d.corpus!r} has {ids.size} tokens, too few for seq_len={d.seq_len}")
+    s = split(ids, d)
+    return Split(s.train, s.eval, tok)
+  ds = documents.open_dataset(root, kind, d, tok)
+  ev = documents.load_eval(ds, d) if cfg.train.eval_every > 0 else np.zeros(0, np.int32)
+  return Split(ds, ev, tok)
+
+
+def tokenize_text(raw: np.ndarray, tok, piece_bytes: int = 1 << 16) -> np.ndarray:
+  """A text corpus's bytes -> token ids, tokenized in pieces of about ``piece_bytes`` cut after a newline."""
+  text = raw.tobytes().decode("utf-8", errors="replace")
+  pieces, i = [], 0
+  while i < len(text):
+    j = text.find("\n", i + piece_bytes)
+    j = len(text) if j < 0 else j + 1
+    pieces.append(text[i:j])
+    i = j
+  ids = tok.encode_batch(pieces)
+  dtype = np.uint16 if tok.vocab_size <= 1 << 16 else np.int32
+  return np.concatenate(ids).astype(dtype) if ids else np.zeros(0, dtype)
+
+
+def iterator(split_: Split, cfg: DataConfig, step: int = 0, **kw):
+  """The checkpointable batch iterator of ``split_.train`` (``kw``: seed_offset, process_index,
+  process_count, rows as :class:`BatchIterator` takes them)."""
+  if isinstance(split_.train, documents.Dataset):
+    return documents.PackedIterator(split_.train, cfg, step=step, **kw)
+  return BatchIterator(split_.train, cfg, step=step, **kw)
 
 
 def split(data: np.ndarray, cfg: DataConfig) -> Split:
@@ -135,6 +189,9 @@ class BatchIterator:
 
   def restore(self, state: Optional[dict]) -> None:
     if state:
+      if state.get("kind", "windows") != "windows":
+        raise ConfigError(f"the checkpoint's data position is a {state['kind']} dataset's, not a text corpus's: "
+                          "resume with the same data.corpus, or start a fresh workdir")
       if int(state.get("seed", self.cfg.seed + self.seed_offset)) != self.cfg.seed + self.seed_offset:
         raise ConfigError(f"checkpointed data seed {state['seed']} != data.seed {self.cfg.seed}: "
                           "resume with the same data.seed or start a fresh workdir")

@@ -40,8 +40,11 @@ def generate(params, prompt_BxP, rng, *, model: nn.Module, max_new: int, tempera
   return out_BxN
 
 
-def sample_text(params, model: nn.Module, prompt: str, max_new: int, temperature: float = 0.0, seed: int = 0) -> str:
-  ids = tokenizer.encode(prompt)[None, :]
+def sample_text(params, model: nn.Module, prompt: str, max_new: int, temperature: float = 0.0, seed: int = 0,
+                tok=None) -> str:
+  """``prompt`` continued by ``max_new`` tokens of ``tok`` (a framework.tokenizer tokenizer; bytes if None)."""
+  tok = tok or tokenizer.Bytes()
+  ids = tok.encode(prompt)[None, :]
   out = generate(params, jnp.asarray(ids), jax.random.key(seed), model=model, max_new=max_new,
                  temperature=float(temperature))
-  return prompt + tokenizer.decode(jax.device_get(out)[0])
+  return prompt + tok.decode(jax.device_get(out)[0])

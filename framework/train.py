@@ -178,14 +178,14 @@ class Saves:
       self.ckpt.close()
 
 
-def loop(step_obj, state, batches: data_lib.BatchIterator, total: int, saves: Saves,
+def loop(step_obj, state, batches, total: int, saves: Saves,
          hooks: Optional[Hooks] = None):
   """Runs steps ``state.step`` .. ``total`` - 1 and returns the final state (the last step saved when
   ``saves.last``, every save finished).
 
   ``step_obj``: ``put_batch(host rows) -> batch`` and ``step_obj(state, batch) -> (state, metrics)`` (a
   ``parallelism.compiled.CompiledStep``, or any executable behind the same two calls); ``batches``: this
-  process's host rows, positioned at the state's step. SIGINT / SIGTERM stop after the current step with that
+  process's host rows, positioned at the state's step (``data.iterator``: ``next()``, ``state()``). SIGINT / SIGTERM stop after the current step with that
   step saved (all processes agree on it) and raise :class:`framework.stop.Stopped`."""
   hooks = hooks or Hooks()
   start = int(jax.device_get(state.step))
@@ -278,7 +278,7 @@ class _Metrics:
       ev = evaluate(self.step_obj, state.params, self.eval_data, self.cfg, self.cfg.train.eval_batches)
       self.write({"step": done, "eval_loss": ev})
       if self.bar is not None:
-        self.bar.write(f"step {done}: eval loss {ev:.3f} nats/byte")
+        self.bar.write(f"step {done}: eval loss {ev:.3f} nats/{'byte' if self.cfg.data.tokenizer == 'bytes' else 'token'}")
       self.restart_clock(done)
 
   def close(self):
@@ -290,7 +290,7 @@ class _Metrics:
 
 def _train(cfg: Config, workdir: str, build, max_steps: Optional[int]) -> dict:
   is_main = jax.process_index() == 0
-  corpus = data_lib.split(data_lib.load_corpus(cfg.data), cfg.data)  # bad corpus fails before compiling
+  corpus = data_lib.load(cfg)  # a bad corpus or tokenizer fails before compiling
   step_obj = build(cfg)
   ckpt = ckpt_lib.Checkpointer(workdir, cfg.checkpoint) if cfg.checkpoint.every > 0 else None
   saves = Saves(workdir, cfg.checkpoint, cfg.checkpoint.every, last=ckpt is not None, ckpt=ckpt)
@@ -304,7 +304,7 @@ def _train(cfg: Config, workdir: str, build, max_steps: Optional[int]) -> dict:
       log.warning("no complete checkpoint in %s: training starts at step 0", ckpt.dir)
     state = step_obj.init_state(jax.random.key(cfg.train.seed))
   start = int(jax.device_get(state.step))
-  it = data_lib.BatchIterator(corpus.train, cfg.data, step=start, rows=step_obj.local_rows())
+  it = data_lib.iterator(corpus, cfg.data, step=start, rows=step_obj.local_rows())
   it.restore(data_state)
   # Everything is checked: from here on the workdir changes.
   if is_main:
@@ -334,7 +334,7 @@ def _train(cfg: Config, workdir: str, build, max_steps: Optional[int]) -> dict:
   if cfg.train.sample_tokens > 0:
     with step_obj.context():
       text = sampling.sample_text(state.params, step_obj.model, cfg.train.sample_prompt, cfg.train.sample_tokens,
-                                  cfg.train.sample_temperature, seed=cfg.train.seed)
+                                  cfg.train.sample_temperature, seed=cfg.train.seed, tok=corpus.tokenizer)
     summary["sample"] = text
     if is_main:
       with open(os.path.join(workdir, "sample.txt"), "w") as f:
