@@ -59,7 +59,7 @@ def _warm(workdir: str) -> dict:
   aot.code_fingerprint()  # of the code as imported here: every worker forked from this zygote runs exactly it
   with open(os.path.join(workdir, "config.json")) as f:
     cfg0 = config.from_dict(json.load(f)["config"])
-  return {"data_cfg": cfg0.data, "corpus": data.split(data.load_corpus(cfg0.data), cfg0.data),
+  return {"data_cfg": cfg0.data, "corpus": data.load(cfg0),
           "warm_s": time.time() - t0}
 
 
@@ -238,7 +238,7 @@ def _train(start, agent, push, ctx, t_start, name, warm, hooks):
     batch_spec = step_obj.batch_shardings["inputs"].spec
   batch_sh = {k: NamedSharding(msh, batch_spec) for k in ("inputs", "targets")}
   lay = layout_lib.make(abstract)
-  corpus = warm["corpus"] if warm["data_cfg"] == cfg.data else data_lib.split(data_lib.load_corpus(cfg.data), cfg.data)
+  corpus = warm["corpus"] if warm["data_cfg"] == cfg.data else data_lib.load(cfg)
   t_built = wire.now()
   _log("built step; snapshot bytes", lay.nbytes)
 
@@ -318,7 +318,7 @@ def _train(start, agent, push, ctx, t_start, name, warm, hooks):
   hooks.before_step.append(report.before_step)
   hooks.after_step.append(report.after_step)
   hooks.on_checkpoint.append(report.on_checkpoint)
-  batches = data_lib.BatchIterator(corpus.train, cfg.data, step=start_step, process_index=rank, process_count=n)
+  batches = data_lib.iterator(corpus, cfg.data, step=start_step, process_index=rank, process_count=n)
   try:
     # The controller forwards a stop (SIGINT / SIGTERM to the launcher) as SIGTERM to every worker; jax's
     # preemption notifier catches it and the loop saves at the first step every rank can reach.

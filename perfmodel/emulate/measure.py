@@ -7,7 +7,7 @@ stand-ins (perfmodel/emulate/standins.py). Timing is the median of ``repeats`` s
 ``warmup`` steps, each step fed the state the previous one returned (as in training).
 
 What one timed step contains is what ``framework/train.py`` pays per logged step (log_every=1):
-this rank's rows of the global batch drawn by the framework's own ``BatchIterator`` (its
+this rank's rows of the global batch drawn by the framework's own iterator (``framework.data.iterator``, its
 data-parallel position as the process index), put on the device, the step dispatched, and the loss
 read back to the host (the loop's one sync). ``host_data=False`` feeds one fixed random batch instead.
 
@@ -96,8 +96,7 @@ def _data_iterator(prog: rp.RankProgram, rank: int):
   for a in axes:
     pc *= prog.space.axis_sizes[a]
   pi = prog.space.position(rank, axes) if axes else 0
-  corpus = data_lib.split(data_lib.load_corpus(cfg.data), cfg.data)
-  it = data_lib.BatchIterator(corpus.train, cfg.data, process_index=pi, process_count=pc)
+  it = data_lib.iterator(data_lib.load(cfg), cfg.data, process_index=pi, process_count=pc)
   seq = prog.space.axis_sizes.get("sequence", 1)
   t_local = prog.local_batch[0].shape[1]
   s_pos = prog.space.coords(rank).get("sequence", 0)
