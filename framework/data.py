@@ -61,8 +61,8 @@ def corpus_path(cfg: DataConfig) -> pathlib.Path:
 
 def _check_exists(cfg: DataConfig, root: pathlib.Path) -> None:
   if not root.exists():
-    raise ConfigError(f"data.corpus={cfg.corpus!r}: {root} does not exist; pass a text file or folder, a .jsonl or "
-                      f".parquet file or folder (--config.data.corpus=/path), or 'stdlib'")
+    raise ConfigError(f"data.corpus={cfg.corpus!r}: {root} does not exist; pass a text file or folder "
+                      f"(--config.data.corpus=/path), a .jsonl / .parquet file or folder, or 'stdlib'")
 
 
 def load_corpus(cfg: DataConfig) -> np.ndarray:
