@@ -217,8 +217,8 @@ class PackedIterator:
     return self
 
   def _stream(self, start):
-    """(epoch, position, ids) of the training documents from ``start`` on, endlessly; the first one's ids
-    begin at ``start``'s token offset."""
+    """(epoch, position, ids + EOS, first token) of the training documents from ``start`` on, endlessly; the
+    first document is read from ``start``'s token offset, every later one from 0."""
     epoch, f, u, r, off = start
     pos = (f, u, r)
     while True:
