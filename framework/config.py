@@ -227,6 +227,8 @@ class TrainConfig:
   sample_temperature: float = 0.0
   progress: bool = True
   peak_flops: float = 0.0  # device peak FLOP/s for MFU; 0 -> measured at start-up (matmul probe)
+  tensorboard: bool = True  # metrics.jsonl's records also as TensorBoard scalars in <workdir>/tensorboard/
+  profile_steps: tuple = ()  # (START, COUNT): a jax.profiler trace of those steps in <workdir>/profile/
 
 
 @dataclasses.dataclass(frozen=True)
@@ -383,7 +385,18 @@ def validate(cfg: Config, n_devices: int, n_processes: int = 1) -> Config:
     raise ConfigError(f"data.seq_len={cfg.data.seq_len} exceeds model.max_seq_len={m.max_seq_len}")
   if cfg.model.vocab_size < 256:
     raise ConfigError("model.vocab_size must be >= 256 for the byte-level tokenizer")
+  validate_profile_steps(cfg.train.profile_steps)
   return dataclasses.replace(cfg, mesh=mesh)
+
+
+def validate_profile_steps(steps: tuple) -> None:
+  """``train.profile_steps``: empty (no trace) or (START >= 0, COUNT >= 1)."""
+  if steps == ():
+    return
+  if (not isinstance(steps, tuple) or len(steps) != 2 or not all(isinstance(x, int) and not isinstance(x, bool) for x in steps)
+      or steps[0] < 0 or steps[1] < 1):
+    raise ConfigError(f"train.profile_steps={steps!r} must be START,COUNT (START >= 0, COUNT >= 1), e.g. "
+                      f"--config.train.profile_steps=5,3 traces steps 5, 6 and 7")
 
 
 def validate_tensor_sequence_parallel(seq_len: int, mesh: MeshConfig) -> None:
