@@ -140,18 +140,11 @@ class ModelConfig:
 
 @dataclasses.dataclass(frozen=True)
 class DataConfig:
-  """Training data (framework/data.py, framework/documents.py, framework/tokenizer.py).
+  """Training data (framework/data.py; document datasets: framework/documents.py; tokenizers: tokenizer.py).
 
-  ``corpus``: ``stdlib`` (Python's own source), a text file or folder, or a document dataset: a ``.jsonl``
-  file (one JSON object per line, its ``text_key`` field a document), a ``.parquet`` file (its ``text_key``
-  column), or a folder of either. ``format``: ``auto`` decides by the file suffixes; ``text``, ``jsonl`` or
-  ``parquet`` says it. Text corpora are read into memory (at most ``max_bytes``) and sampled as random windows;
-  document datasets are streamed (a row group / a line at a time), each document followed by the tokenizer's
-  end-of-text token (``eos_token``: empty for the tokenizer's own), packed into ``seq_len + 1`` windows and
-  shuffled in blocks of ``shuffle_windows`` windows.
-
-  ``tokenizer``: ``bytes`` (vocab 256) or the path of a Hugging Face ``tokenizer.json``; ``model.vocab_size``
-  must be at least its vocabulary.
+  Text corpora (``stdlib``, a text file or folder) are read into memory (``max_bytes``) and sampled as random
+  windows; jsonl / parquet documents are streamed, ended by an EOS token, packed into ``seq_len + 1`` windows and
+  shuffled in blocks of ``shuffle_windows``. ``model.vocab_size`` must cover ``tokenizer``'s vocabulary.
   """
   corpus: str = "stdlib"  # "stdlib", a text file / folder, or a .jsonl / .parquet file / folder
   max_bytes: int = 16_000_000  # cap on a text corpus read into memory
@@ -246,6 +239,8 @@ class TrainConfig:
   sample_temperature: float = 0.0
   progress: bool = True
   peak_flops: float = 0.0  # device peak FLOP/s for MFU; 0 -> measured at start-up (matmul probe)
+  tensorboard: bool = True  # metrics.jsonl's records also as TensorBoard scalars in <workdir>/tensorboard/
+  profile_steps: tuple = ()  # (START, COUNT): a jax.profiler trace of those steps in <workdir>/profile/
 
 
 @dataclasses.dataclass(frozen=True)
@@ -401,6 +396,7 @@ def validate(cfg: Config, n_devices: int, n_processes: int = 1) -> Config:
   if cfg.data.seq_len > m.max_seq_len:
     raise ConfigError(f"data.seq_len={cfg.data.seq_len} exceeds model.max_seq_len={m.max_seq_len}")
   validate_data(cfg.data, m.vocab_size)
+  validate_profile_steps(cfg.train.profile_steps)
   return dataclasses.replace(cfg, mesh=mesh)
 
 
@@ -415,6 +411,16 @@ def validate_data(d: DataConfig, vocab_size: int) -> None:
   if d.tokenizer == "bytes" and vocab_size < 256:
     raise ConfigError(f"model.vocab_size={vocab_size} is smaller than the byte tokenizer's 256 ids: set "
                       f"--config.model.vocab_size=256 or more")
+
+
+def validate_profile_steps(steps: tuple) -> None:
+  """``train.profile_steps``: empty (no trace) or (START >= 0, COUNT >= 1)."""
+  if steps == ():
+    return
+  if (not isinstance(steps, tuple) or len(steps) != 2 or not all(isinstance(x, int) and not isinstance(x, bool) for x in steps)
+      or steps[0] < 0 or steps[1] < 1):
+    raise ConfigError(f"train.profile_steps={steps!r} must be START,COUNT (START >= 0, COUNT >= 1), e.g. "
+                      f"--config.train.profile_steps=5,3 traces steps 5, 6 and 7")
 
 
 def validate_tensor_sequence_parallel(seq_len: int, mesh: MeshConfig) -> None:

@@ -314,9 +314,10 @@ class Transformer(_Base):
 
   @property
   def vocab_sharded_logits(self) -> bool:
-    """True when head() returns only this device's vocab shard (manual TP, untied head)."""
-    return (self.ctx.manual and not self.cfg.tie_embeddings
-            and self.ctx.size(self.ctx.mesh_axes("vocab")) > 1)
+    """True when head() returns only this device's vocab shard (manual TP). A tied head uses this rank's rows of the
+    shared table (Megatron's vocab-parallel output layer), when the vocabulary divides evenly."""
+    n = self.ctx.size(self.ctx.mesh_axes("vocab")) if self.ctx.manual else 1
+    return n > 1 and (not self.cfg.tie_embeddings or self.cfg.vocab_size % n == 0)
 
   @property
   def n_local_layers(self):
@@ -359,7 +360,12 @@ class Transformer(_Base):
       x_BxTxD = jax.lax.all_gather(x_BxTxD, self.ctx.tensor_axis, axis=1, tiled=True,
                                    to="varying" if self.vocab_sharded_logits else "invarying")
     if c.tie_embeddings:
-      logits_BxTxV = jnp.einsum("btd,vd->btv", x_BxTxD, self.embedding())
+      w_VxD = self.embedding()
+      if self.vocab_sharded_logits:
+        axes = self.ctx.mesh_axes("vocab")
+        n_local = c.vocab_size // self.ctx.size(axes)
+        w_VxD = jax.lax.dynamic_slice_in_dim(w_VxD, jax.lax.axis_index(axes) * n_local, n_local, 0)
+      logits_BxTxV = jnp.einsum("btd,vd->btv", x_BxTxD, w_VxD)
     else:
       logits_BxTxV = self.lm_head(x_BxTxD)
     return self.constrain(logits_BxTxV.astype(jnp.float32), ("batch", "seq", "act_vocab"))

@@ -31,6 +31,8 @@ from framework import checkpoint as ckpt_lib
 from framework import config as config_lib
 from framework import data as data_lib
 from framework import flops as flops_lib
+from framework import observe
+from framework import optim
 from framework import sampling
 from framework import stop as stop_lib
 from framework import workdir as workdir_lib
@@ -229,12 +231,15 @@ def loop(step_obj, state, batches, total: int, saves: Saves,
 # ------------------------------------------------------------------------------ train_and_evaluate's run
 
 class _Metrics:
-  """train_and_evaluate's hooks: metrics.jsonl, the progress bar and evaluation. Step time is measured between
-  log steps, restarted after an evaluation or a checkpoint (they are not training steps)."""
+  """train_and_evaluate's hooks: metrics.jsonl (and its TensorBoard scalars, framework/observe.py), the progress
+  bar and evaluation. Step time is measured between log steps, restarted after an evaluation or a checkpoint
+  (they are not training steps); ``lr`` is the schedule's rate of the logged step's update."""
 
   def __init__(self, cfg: Config, step_obj, corpus, workdir: str, start: int, total: int, is_main: bool):
     self.cfg, self.step_obj, self.eval_data, self.total = cfg, step_obj, corpus.eval, total
     self.f = open(os.path.join(workdir, "metrics.jsonl"), "a") if is_main else None
+    self.scalars = observe.Scalars(workdir) if is_main and cfg.train.tensorboard else None
+    self.lr = optim.schedule(cfg.optim, cfg.train.steps)
     self.bar = _progress(total, start, cfg.train.progress)
     self.tokens_per_step = cfg.data.global_batch * cfg.data.seq_len
     self.fpt = flops_lib.train_flops_per_token(cfg.model, cfg.data.seq_len)
@@ -248,6 +253,8 @@ class _Metrics:
     if self.f:
       self.f.write(json.dumps(rec) + "\n")
       self.f.flush()
+    if self.scalars:
+      self.scalars.write(rec)
 
   def restart_clock(self, done: int):
     jax.block_until_ready(self.m.loss)
@@ -268,8 +275,8 @@ class _Metrics:
       dt = (now - self.last_t) / max(done - self.last_step, 1)
       self.last_t, self.last_step = now, done
       tps = self.tokens_per_step / dt
-      rec = {"step": done, "loss": loss, "grad_norm": float(m.grad_norm), "step_time_s": dt, "tokens_per_s": tps,
-             "mfu": self.fpt * tps / self.peak}
+      rec = {"step": done, "loss": loss, "grad_norm": float(m.grad_norm), "lr": float(self.lr(done - 1)),
+             "step_time_s": dt, "tokens_per_s": tps, "mfu": self.fpt * tps / self.peak}
       self.history.append(rec)
       self.write(rec)
       if self.bar is not None:
@@ -286,6 +293,8 @@ class _Metrics:
       self.bar.close()
     if self.f:
       self.f.close()
+    if self.scalars:
+      self.scalars.close()
 
 
 def _train(cfg: Config, workdir: str, build, max_steps: Optional[int]) -> dict:
@@ -313,13 +322,18 @@ def _train(cfg: Config, workdir: str, build, max_steps: Optional[int]) -> dict:
 
   total = cfg.train.steps if max_steps is None else min(cfg.train.steps, start + max_steps)
   metrics = _Metrics(cfg, step_obj, corpus, workdir, start, total, is_main)
+  profile = observe.Profile(cfg.train.profile_steps, workdir, start, total)
+  hooks = metrics.hooks()
+  hooks.before_step.append(profile.before_step)
+  hooks.after_step.append(profile.after_step)
   if is_main:
     log.info("model %.2fM params | mesh %s | form %s | %d devices, %d processes | peak %.3g FLOP/s (%s)",
              cfg.model.n_params() / 1e6, cfg.mesh.sizes(), cfg.mesh.form, jax.device_count(),
              jax.process_count(), metrics.peak, metrics.peak_src)
   try:
-    state = loop(step_obj, state, it, total, saves, metrics.hooks())
+    state = loop(step_obj, state, it, total, saves, hooks)
   finally:
+    profile.close()
     metrics.close()
     saves.close()
 

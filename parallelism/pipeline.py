@@ -169,32 +169,46 @@ def _body(params, inputs_BxT, targets_BxT, *, model, specs, sched: Schedule, n_t
   fwd_perm = [(i, (i + 1) % p) for i in range(p if ring else p - 1)]
   bwd_perm = [((i + 1) % p, i) for i in range(p if ring else p - 1)]
 
+  def write(buf, val, slot, on):
+    """``buf[slot] = val`` where ``on``, else the slot unchanged: one slot is read and written, never the buffer."""
+    k = jnp.where(on, slot, 0)
+    old = jax.lax.dynamic_index_in_dim(buf, k, 0, keepdims=False)
+    return jax.lax.dynamic_update_index_in_dim(buf, jnp.where(on, val, old), k, 0)
+
+  def read(buf, slot):
+    return jax.lax.dynamic_index_in_dim(buf, jnp.maximum(slot, 0), 0, keepdims=False)
+
+  res_protos = [b[0] for b in split.zeros(1)]
+
+  # The stash buffers never enter a branch: a branch returns one unit's values and the slot is written (or read)
+  # outside it. A buffer passed through a conditional is copied whole by XLA on every tick (the idle branch's
+  # pass-through aliases it), which is n_slots times the stash's traffic and twice its memory.
   def tick(carry, row):
     recv_x, recv_dx, res_bufs, y_buf, g_layers, g_rest, loss_acc = carry
     fm, fj, fk, bm, bj, bk = (r[stage] for r in row)
 
-    # Forward slot: run the chunk, stash what its backward will read.
-    def fwd(res_bufs, y_buf):
+    # Forward slot: run the chunk; what its backward will read goes to the unit's stash slot.
+    def fwd():
       with jax.named_scope(SCOPE_FIRST):
         x = branch(is_first & (fj == 0), lambda: embed(rest, tok_MxBxT[fm]), lambda: recv_x)
-      y, res = split.forward(chunk_of(fj), x)
-      res_bufs = [jax.lax.dynamic_update_index_in_dim(buf, r, fk, 0) for buf, r in zip(res_bufs, res)]
-      y_buf = jax.lax.dynamic_update_index_in_dim(y_buf, y, head_slot(fk), 0)
-      return y, res_bufs, y_buf
+      return split.forward(chunk_of(fj), x)
     with jax.named_scope(SCOPE_FWD):
-      y, res_bufs, y_buf = branch(fm >= 0, fwd, lambda r, yb: (x_proto, r, yb), res_bufs, y_buf)
+      y, res = branch(fm >= 0, fwd, lambda: (x_proto, res_protos))
+    res_bufs = [write(buf, r, fk, fm >= 0) for buf, r in zip(res_bufs, res)]
+    y_buf = write(y_buf, y, head_slot(fk), fm >= 0)
     recv_x = jax.lax.ppermute(y, manual.PIPELINE_AXIS, fwd_perm)
 
     # Backward slot: the head (last virtual stage), the chunk's stashed pullback, the embedding (first).
+    res = [read(buf, bk) for buf in res_bufs]
+    y_in = read(y_buf, head_slot(bk))
+
     def bwd(g_layers, g_rest, loss_acc):
       def head(g_rest, loss_acc):
-        y_in = jax.lax.dynamic_index_in_dim(y_buf, head_slot(bk), 0, keepdims=False)
         loss, pullback = jax.vjp(lambda prm, yy: head_loss(prm, yy, tgt_MxBxT[bm]), rest, y_in)
         d_rest, dy = pullback(jnp.ones_like(loss))
         return manual.vary(dy, x_axes), jax.tree.map(jnp.add, g_rest, d_rest), loss_acc + loss
       with jax.named_scope(SCOPE_LAST):
         dy, g_rest, loss_acc = branch(is_last & (bj == v - 1), head, lambda g, l: (recv_dx, g, l), g_rest, loss_acc)
-      res = [jax.lax.dynamic_index_in_dim(buf, bk, 0, keepdims=False) for buf in res_bufs]
       d_chunk, dx = split.backward(chunk_of(bj), res, dy)
       g_layers = add_chunk(g_layers, d_chunk, bj)
 

@@ -56,6 +56,8 @@ def _log(msg):
 
 
 def cmd_predict(a, overrides):
+  if a.trace:
+    _check_writable(a.trace)
   raw = load(a.config, list(overrides))
   cfg0, uneven = _even_stages(raw, raw.model.n_layers)
   if uneven:  # validate the priced (even) config: the real one is refused by training, not by pricing
@@ -76,7 +78,7 @@ def cmd_predict(a, overrides):
   p = predict.predict(cfg, hw, mode=a.mode, method=a.method, backend=a.backend, batch=a.batch,
                       prompt_len=a.prompt_len, gen_len=a.gen_len, captured=cap, topology=a.topology,
                       compile_budget_s=None if a.compile_budget == "full" else float(a.compile_budget),
-                      framework=a.framework)
+                      framework=a.framework, trace=bool(a.trace))
   out = p.to_dict()
   # what the prediction cost: compile (compile_s), timing this program's instructions on this host (profile_s,
   # 0 unless the backend profiles), pricing (predict_s)
@@ -89,7 +91,20 @@ def cmd_predict(a, overrides):
       if out.get(k) is not None:
         out[k] *= scale
     out["assumptions"] = (out.get("assumptions") or []) + [uneven]
+  if a.trace:
+    from perfmodel import trace  # noqa: PLC0415
+    label = "predicted " + ("generation" if a.mode == "infer" else "step") + f" ({p.config} on {p.hardware})"
+    out["trace_file"] = trace.write_file(a.trace, trace.trace_events(p.events, 0, label), {
+        "config": p.config, "hardware": p.hardware, "route": p.route, "mesh": p.mesh,
+        "step_time_s": p.step_time_s, "generation_s": p.generation_s})
   _print(out)
+
+
+def _check_writable(path: str):
+  """A --trace FILE that cannot be written fails before anything compiles."""
+  folder = os.path.dirname(os.path.abspath(path))
+  if os.path.isdir(path) or not os.path.isdir(folder) or not os.access(folder, os.W_OK):
+    raise ConfigError(f"--trace {path}: cannot write a file there; give a file path in an existing writable folder")
 
 
 def _profile(a, cap, hw):
@@ -231,6 +246,9 @@ def _parser():
   pr.add_argument("--batch", type=int, default=1)
   pr.add_argument("--prompt-len", type=int, default=32)
   pr.add_argument("--gen-len", type=int, default=32)
+  pr.add_argument("--trace", default=None, metavar="FILE",
+                  help="write the predicted step's timeline as Chrome / Perfetto trace JSON to FILE "
+                       "(https://ui.perfetto.dev), as perfmodel emulate does for its ranks")
   ca = sub.add_parser("calibrate", help="fit the cpu profile on this host (about an hour; --quick: minutes); "
                                          "writes the user's profile in ~/.cache/prismllm/profiles ($PRISMLLM_CACHE), "
                                          "which predict and validate then use")

@@ -98,11 +98,14 @@ class Prediction:
   trace_s: Optional[float] = None
   predict_s: Optional[float] = None
   wall_s: Optional[float] = None
+  # predict(trace=True): the predicted step (infer: the generation) as placed timeline events, seconds from its
+  # start, ending at step_time_s (generation_s); perfmodel/trace.py writes them. Not part of to_dict.
+  events: Optional[list] = dataclasses.field(default=None, repr=False)
 
   def to_dict(self) -> dict:
     """The JSON the CLI prints: every field that applies to this route; ``total_s`` is the generation's seconds in
     infer mode and the prediction's wall clock on the compile route."""
-    out = {k: v for k, v in dataclasses.asdict(self).items() if v is not None}
+    out = {k: v for k, v in dataclasses.asdict(dataclasses.replace(self, events=None)).items() if v is not None}
     total = self.generation_s if self.mode == "infer" else self.wall_s
     if total is not None:
       out["total_s"] = total
@@ -134,39 +137,40 @@ def resolve_method(n: int, mode: str = "train", method: str = "auto", hw: Option
 def predict(cfg: Config, hardware: Union[str, HardwareProfile], mode: str = "train", method: str = "auto",
             backend: str = "auto", batch: int = 1, prompt_len: int = 32, gen_len: int = 32,
             captured: Optional[program.Captured] = None, topology: Optional[str] = None,
-            compile_budget_s: Optional[float] = None, framework: Optional[str] = None) -> Prediction:
+            compile_budget_s: Optional[float] = None, framework: Optional[str] = None,
+            trace: bool = False) -> Prediction:
   """The one entry point. ``captured``: the compiled program when the caller has it already (the CLI compiles
   first to profile its instructions; validate caches programs). ``topology``: the target's slice / node shape
   (``parallelism.targets.plan``), for ``target_compile``; ``compile_budget_s``: stop that compile after this many
   seconds once the optimised program exists (perfmodel/target.py; None: compile to the end). ``framework``: the
   training framework the step is priced as: its XLA flags (parallelism/target_flags.py) go into the target compile,
-  its overlap options into the timeline."""
+  its overlap options into the timeline. ``trace``: keep the predicted timeline in ``Prediction.events``."""
   target_flags.framework_key(framework)  # an unknown name is refused before anything compiles
   hw = hardware if isinstance(hardware, HardwareProfile) else load_profile(hardware)
   route = resolve_method(n_devices(cfg), mode, method, hw)
   if mode == "infer":
-    return _infer(cfg, hw, batch, prompt_len, gen_len, backend, captured)
+    return _infer(cfg, hw, batch, prompt_len, gen_len, backend, captured, trace)
   if route == "target_compile":
     if not is_target(hw):
       raise ValueError(f"--method target_compile needs a TPU or GPU profile ({', '.join(targets.HARDWARE)}), "
                        f"not {hw.name!r}")
     cap = captured or target.train_step(cfg, hw.name, topology, budget_s=compile_budget_s, framework=framework)
-    p = _train_compiled(cfg, hw, backend, cap, route, framework)
+    p = _train_compiled(cfg, hw, backend, cap, route, framework, trace)
     fs = target_flags.flag_set(hw.name, framework)
     p.compiler_flags = {"set": fs.name, "source": fs.source, "flags": dict(fs.flags),
                         "not_passed": dict(fs.dropped)} if captured is None else \
         {"set": "as committed with the program", "source": cap.route_detail}
     return p
   if route == "compile":
-    return _train_compiled(cfg, hw, backend, captured, framework=framework)
+    return _train_compiled(cfg, hw, backend, captured, framework=framework, trace=trace)
   if route == "analytic":
-    return _train_analytic(cfg, hw, backend)
+    return _train_analytic(cfg, hw, backend, trace)
   try:
-    return _train_rank_program(cfg, hw, backend)
+    return _train_rank_program(cfg, hw, backend, trace)
   except Exception as e:  # noqa: BLE001 (auto falls back from any failure of the traced route, and says why)
     if route == "rank_program":
       raise
-    p = _train_analytic(cfg, hw, backend)
+    p = _train_analytic(cfg, hw, backend, trace)
     p.route_fallback_reason = f"rank_program route failed: {type(e).__name__}: {str(e)[:300]}"
     return p
 
@@ -210,6 +214,18 @@ def _breakdown(tl: timeline.Timeline, scale: float) -> dict:
       "top_nodes": [{"s": s * scale, "name": nm, "kind": kd, "backend": b, "op": op[-80:]}
                     for s, nm, kd, b, op in tl.top_nodes[:8]],
   }
+
+
+def _events(tl: timeline.Timeline, scale: float, after: tuple = ()) -> list:
+  """The recorded events of ``tl`` with times x ``scale``, then each ``(name, seconds)`` of ``after`` in turn (on
+  the wait thread): what the step adds after its program's timeline, so the last event ends at the step."""
+  evs = [timeline.Event(e.name, e.cat, e.start * scale, e.dur * scale, dict(e.args)) for e in tl.events]
+  t = tl.makespan * scale
+  for name, dur in after:
+    if dur > 0:
+      evs.append(timeline.Event(name, "wait", t, dur))
+      t += dur
+  return evs
 
 
 def _mesh(cfg: Config) -> dict:
@@ -289,10 +305,11 @@ def stage_timelines(g: ExecGraph, chain, hw: HardwareProfile, cfg: Config, frame
   return stages, info
 
 
-def _schedule_train(g: ExecGraph, chain, hw: HardwareProfile, cfg: Config, framework: Optional[str] = None):
+def _schedule_train(g: ExecGraph, chain, hw: HardwareProfile, cfg: Config, framework: Optional[str] = None,
+                    record: bool = False):
   """(timeline, lock-step idle seconds, how conditionals were resolved, overlap) of the step's slowest stage
   (:func:`stage_timelines`)."""
-  stages, info = stage_timelines(g, chain, hw, cfg, framework)
+  stages, info = stage_timelines(g, chain, hw, cfg, framework, record)
   worst = max(stages, key=lambda st: st.step_s)
   if worst.stage is not None:
     pipeline.resolve(g, chain, pipeline.schedule_of(cfg), stage=worst.stage)  # leave the graph priced as it
@@ -302,14 +319,14 @@ def _schedule_train(g: ExecGraph, chain, hw: HardwareProfile, cfg: Config, frame
 
 
 def _train_compiled(cfg: Config, hw: HardwareProfile, backend: str, captured, route: str = "compile",
-                    framework: Optional[str] = None) -> Prediction:
+                    framework: Optional[str] = None, trace: bool = False) -> Prediction:
   t0 = time.perf_counter()
   cap = captured or program.train_step(cfg)
   t1 = time.perf_counter()
   g = from_hlo.from_hlo_text(cap.hlo_text, cap.n_devices)
   chain = chain_lib.make_chain(hw, backend)
   chain.placement = cap.placement
-  tl, lockstep, cond_info, overlap = _schedule_train(g, chain, hw, cfg, framework)
+  tl, lockstep, cond_info, overlap = _schedule_train(g, chain, hw, cfg, framework, record=trace)
   scale = _host_factor(hw, cap.n_devices)
   comp = chain.composition()
   if comp is None:
@@ -338,11 +355,15 @@ def _train_compiled(cfg: Config, hw: HardwareProfile, backend: str, captured, ro
   p.composition = "calibrated (one pinned core, N devices in series)" if comp is not None else "timeline"
   p.conditionals, p.overlap = cond_info, overlap
   p.compile_s, p.predict_s, p.wall_s = cap.lower_s + cap.compile_s, t2 - t1, t2 - t0
+  if trace:
+    p.events = _events(tl, scale, () if comp is not None else (
+        ("lock-step idle (the slowest stage's ticks)", lockstep * scale),
+        ("step overhead (calibration)", hw.calibration.step_overhead_s)))
   return p
 
 
 def _infer(cfg: Config, hw: HardwareProfile, batch: int, prompt_len: int, gen_len: int, backend: str,
-           captured) -> Prediction:
+           captured, trace: bool = False) -> Prediction:
   cap = captured or program.sampler(cfg, batch, prompt_len, gen_len)
   t0 = time.perf_counter()  # after the compile: predict_s is the prediction alone
   g = from_hlo.from_hlo_text(cap.hlo_text, 1)
@@ -374,18 +395,22 @@ def _infer(cfg: Config, hw: HardwareProfile, batch: int, prompt_len: int, gen_le
   p.decode_tokens_per_s = batch / tpot if tpot else 0.0
   p.peak_memory_bytes, p.memory_analysis = cap.memory["peak_bytes"], cap.memory
   p.breakdown, p.compile_s = _breakdown(full, 1.0), cap.lower_s + cap.compile_s
+  if trace:
+    full_tl = timeline.schedule(g, chain, None, {k: v for k, v in cache.items() if k != g.entry}, record=True)
+    p.events = (_events(full_tl, total / full.makespan) if comp is not None and full.makespan
+                else _events(full_tl, 1.0, (("step overhead (calibration)", overhead),)))
   p.predict_s = time.perf_counter() - t0
   return p
 
 
-def _train_analytic(cfg: Config, hw: HardwareProfile, backend: str = "auto") -> Prediction:
+def _train_analytic(cfg: Config, hw: HardwareProfile, backend: str = "auto", trace: bool = False) -> Prediction:
   """No program: the analytic graph, the pipeline schedule's ticks and analytic memory."""
   t0 = time.perf_counter()
   mesh = cfg.mesh
   mb = mesh.microbatches if mesh.pipeline > 1 else 1
   g = analytic.build(cfg, microbatch_tokens_div=mb)
   chain = chain_lib.make_chain(hw, backend)
-  tl = timeline.schedule(g, chain)
+  tl = timeline.schedule(g, chain, record=trace)
   n_dev = g.n_devices
   if mesh.pipeline > 1:
     fwd = tl.by_phase.get("fwd", 0.0)
@@ -406,11 +431,14 @@ def _train_analytic(cfg: Config, hw: HardwareProfile, backend: str = "auto") -> 
   p.peak_memory_bytes, p.memory_analytic, p.pipeline_bubble_fraction = mem.total, mem.to_dict(), bubble
   _graph_totals(p, g, times=mb)
   p.breakdown, p.fits_in_memory = _breakdown(tl, scale * mb), mem.total <= hw.mem_bytes
+  if trace:  # the graph is one micro-batch: the schedule's other micro-batches and its bubble follow it
+    p.events = _events(tl, scale, (("pipeline: the other micro-batches and the bubble", (step - tl.makespan) * scale),
+                                   ("step overhead (calibration)", hw.calibration.step_overhead_s)))
   p.predict_s = time.perf_counter() - t0
   return p
 
 
-def _train_rank_program(cfg: Config, hw: HardwareProfile, backend: str = "auto") -> Prediction:
+def _train_rank_program(cfg: Config, hw: HardwareProfile, backend: str = "auto", trace: bool = False) -> Prediction:
   """No N-device compile: the rank's real per-device program, traced on an AbstractMesh at the target sizes."""
   t0 = time.perf_counter()
   prog = program.rank_program(cfg)
@@ -423,7 +451,7 @@ def _train_rank_program(cfg: Config, hw: HardwareProfile, backend: str = "auto")
              attribution=Attribution(op_name="optimizer", phase="opt", op="adamw"))
   g, notes = from_jaxpr.build(prog.body, cfg.mesh.sizes(), extra_entry_nodes=[opt])
   chain = chain_lib.make_chain(hw, backend)
-  tl = timeline.schedule(g, chain)
+  tl = timeline.schedule(g, chain, record=trace)
   p = _base(cfg, hw, chain)
   p.route = p.method = "rank_program"
   p.route_detail = ("per-device shard_map body traced on an AbstractMesh (perfmodel.program), "
@@ -436,4 +464,6 @@ def _train_rank_program(cfg: Config, hw: HardwareProfile, backend: str = "auto")
   _graph_totals(p, g)
   p.breakdown, p.fits_in_memory, p.notes = _breakdown(tl, 1.0), mem.total <= hw.mem_bytes, notes
   p.trace_s, p.predict_s = prog.trace_s, time.perf_counter() - t0
+  if trace:
+    p.events = _events(tl, 1.0, (("step overhead (calibration)", hw.calibration.step_overhead_s),))
   return p

@@ -77,6 +77,14 @@ SRC = {
     "torchtitan_cp": "torchtitan context_parallel_rotate_method default 'allgather'",
     "llama3_cp": "Llama 3 paper Sec. 3.3.2: all-gather based context parallelism (K/V all-gathered)",
     "llama3_overlap": "Llama 3 paper Sec. 3.3.2: FSDP prefetches weights and reduces gradients asynchronously",
+    "megatron_sp": "Megatron-LM: --tp-comm-overlap is accepted only with --sequence-parallel "
+                   "(megatron/training/arguments.py); the row's notes name the flag",
+    "nemo_sp": "NeMo / Megatron-Bridge performance recipes set sequence_parallel=True whenever "
+               "tensor_model_parallel_size > 1",
+    "megascale_sp": "MegaScale paper Sec. 3.2: tensor / sequence parallelism with their communication overlapped; "
+                    "its Megatron-LM baseline runs the same parallel configuration (Table 2)",
+    "torchtitan_sp": "torchtitan's tensor-parallel plan shards the norms and the activations between blocks along "
+                     "the sequence (SequenceParallel in parallelize_llama)",
     "recompute_rule": "recompute not published: 'minimal' (matmul outputs kept, the attention core recomputed by "
                       "the flash kernel: Megatron's default keeps every activation, flash attention recomputes "
                       "its scores)",
@@ -124,9 +132,15 @@ def row_features(r: P.PublishedRun) -> dict:
   uneven = r.pipeline > 1 and "one transformer layer fewer" in r.notes.lower()
   if uneven:
     layers = r.n_layers + 2
-  f["program_layers"] = Fact(layers, "CSV n_layers" if not uneven else
-                             "CSV notes: first and last stages hold one layer fewer; every stage runs the interior "
-                             "stages' layer count (model FLOPs and the baseline count the row's layers)")
+  ragged = r.pipeline > 1 and not uneven and layers % r.pipeline != 0
+  if ragged:
+    layers = -(-layers // r.pipeline) * r.pipeline
+  f["program_layers"] = Fact(layers, "CSV notes: first and last stages hold one layer fewer; every stage runs the "
+                             "interior stages' layer count (model FLOPs and the baseline count the row's layers)"
+                             if uneven else f"CSV n_layers {r.n_layers} do not split over {r.pipeline} stages: every "
+                             f"stage runs the largest stage's {layers // r.pipeline} layers (the slowest stage sets a "
+                             f"pipeline's pace; model FLOPs and the baseline count the row's layers)" if ragged
+                             else "CSV n_layers")
   interleaved_text = "interleaved" in r.notes.lower() and r.pipeline > 1
   if r.pipeline == 1:
     f["schedule"], f["virtual_stages"] = Fact("none", "CSV pp = 1"), Fact(1, "CSV pp = 1")
@@ -162,6 +176,21 @@ def row_features(r: P.PublishedRun) -> dict:
     f["context_parallel"] = Fact("all_gather", SRC["llama3_cp"])
   else:
     raise ConfigError(f"row {r.id}: cp = {r.sequence} without a context-parallel rule for '{r.framework}'")
+  if r.tensor == 1:
+    f["sequence_parallel"] = Fact(False, "CSV tp = 1")
+  elif fam == "megatron_2021":
+    sp = "sequence parallel" in (r.recompute_raw or "").lower()
+    f["sequence_parallel"] = Fact(sp, "CSV recompute names sequence parallelism (Korthikanti et al. 2022)" if sp else
+                                  "Megatron-LM of 2021 and the 2022 paper's baselines: no sequence parallelism")
+  elif fam == "megatron_core":
+    f["sequence_parallel"] = Fact("--tp-comm-overlap" in r.notes or "--sequence-parallel" in r.notes,
+                                  SRC["megatron_sp"])
+  elif fam in ("nemo", "megascale", "megatron_megascale", "torchtitan"):
+    f["sequence_parallel"] = Fact(True, SRC[{"nemo": "nemo_sp", "torchtitan": "torchtitan_sp"}.get(fam,
+                                                                                                  "megascale_sp")])
+  else:
+    f["sequence_parallel"] = Fact(False, "not stated in the source" if fam == "llama3" else
+                                  "XLA's partitioner lays out the activations (jit form)")
   f["matmul_precision"] = Fact("fp8" if r.precision == "fp8" else "bf16", f"CSV precision '{r.precision}'")
   overlap, src = (), ""
   if fam == "megatron_core":
@@ -194,6 +223,7 @@ FEATURE_KEYS = {
     "context_parallel": {"none": {}, "ring": {"model.attention": "ring"}, "all_gather": {},
                          "ring_in_pipeline": {"model.attention": None}},
     "matmul_precision": {"bf16": {}, "fp8": {"model.matmul_precision": "fp8"}},
+    "sequence_parallel": {False: {}, True: {"mesh.tensor_sequence_parallel": True, "mesh.form": "shard_map"}},
     "recompute": {"key": "model.remat"},
     "program_layers": {"key": "model.n_layers"},
 }
@@ -311,6 +341,8 @@ def row_config(r: P.PublishedRun) -> RowMapping:
   for name in ("schedule", "context_parallel"):
     if features[name].value not in ("none",):
       notes.append(f"{name} {features[name].value}: {features[name].source}")
+  if features["sequence_parallel"].value:
+    notes.append(f"sequence parallel: {features['sequence_parallel'].source}")
   if features["overlap"].value:
     notes.append(f"overlap {'+'.join(features['overlap'].value)}: {features['overlap'].source}")
   ov = [f"--config.{k}={v}" for k, v in flat.items()] + [f"--config.name={r.id}"]

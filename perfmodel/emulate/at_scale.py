@@ -21,9 +21,9 @@ from typing import Optional, Sequence
 from framework import flops as flops_lib
 from framework.config import Config
 from perfmodel import hardware as hw_lib
-from perfmodel import predict, target
+from perfmodel import predict, target, trace
 from perfmodel.cost import chain as chain_lib
-from perfmodel.emulate import rank_program, slicing, trace
+from perfmodel.emulate import rank_program, slicing
 from perfmodel.graph import from_hlo
 from perfmodel.timeline import Event
 

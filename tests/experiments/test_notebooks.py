@@ -4,7 +4,8 @@ default variant on CPU, and checks what each one claims to show.
 The kernel starts in experiments/notebooks/ (where Jupyter opens a notebook): the first cell has to find the
 repository by walking up and change into it. PYTHONPATH names the repository, so PrismLLM is importable and the
 cell's `pip install -e` branch is not taken there (the test does not install into the environment it runs in).
-That branch, and the Colab clone, are checked by running the cell with `subprocess.run` recording the commands.
+That branch, and the Colab clone, are checked by running the cell with `subprocess.run` recording the commands;
+the choice of pip extra per runtime (experiments/notebook.py) by calling it with the runtime detection mocked.
 """
 import json
 import math
@@ -52,19 +53,29 @@ def test_committed_notebook_is_clean_and_installs_first(name):
   assert all(not c.get("outputs") and c.get("execution_count") is None for c in _code(nb)), \
       "clear outputs before committing"
   first = _code(nb)[0].source
-  # the install cell: finds or clones the repository, pip-installs it (setup.cfg's jax range) when PrismLLM or a
-  # jax in that range is missing, and asks for the CPU device count before jax starts (so it must not import jax)
-  for needed in ("PRISMLLM_REPO", '"pip", "install", "-q", "-e"', "git", "set_host_device_count(8"):
+  # the install cell: finds or clones the repository, lets experiments/notebook.py install what the runtime lacks,
+  # and asks for the CPU device count before jax starts (so it must not import jax)
+  for needed in ("PRISMLLM_REPO", '"git", "clone"', "notebook.setup(ROOT)", "set_host_device_count(8"):
     assert needed in first, f"{name}: the first code cell lacks {needed!r}"
-  assert "import jax" not in first
+  assert "import jax" not in first and "pip" not in first.replace("pip extra", "")
+  # the repository URL comes from $PRISMLLM_REPO only: no URL written into the cell
+  assert re.findall(r"https?://\S+", first) == ["https://...')"], re.findall(r"https?://\S+", first)
   assert "plt.show()" in _code(nb)[-1].source, f"{name}: the last cell draws the figure"
 
 
-def test_install_cell_jax_range_matches_setup_cfg():
+def test_every_notebook_has_the_same_install_cell():
+  cells = {name: _code(nbformat.read(FOLDER / f"{name}.ipynb", as_version=4))[0].source for name in NAMES}
+  assert len(set(cells.values())) == 1, "the install cells differ: copy quickstart.ipynb's into the others"
+
+
+def test_jax_range_and_extras_match_setup_cfg():
   text = (REPO / "setup.cfg").read_text()
-  assert re.search(r"^\s+jax>=0\.10\.2,<0\.11$", text, re.M), "setup.cfg's jax range changed: update the cells"
-  first = _code(nbformat.read(FOLDER / "quickstart.ipynb", as_version=4))[0].source
-  assert "JAX_RANGE = ((0, 10, 2), (0, 11))" in first
+  (lo, hi), = re.findall(r"^\s+jax>=([\d.]+),<([\d.]+)$", text, re.M)
+  assert nb_lib.JAX_RANGE == (tuple(map(int, lo.split("."))), tuple(map(int, hi.split(".")))), \
+      "setup.cfg's jax range changed: update experiments/notebook.py JAX_RANGE"
+  for rt, extra in nb_lib.EXTRAS.items():  # each accelerator extra pins the same jax range, with its plugin
+    if extra:
+      assert re.search(rf"^{extra} =\n\s+jax\[\w+\]>={re.escape(lo)},<{re.escape(hi)}$", text, re.M), (rt, extra)
 
 
 def test_quickstart_text_matches_config():
@@ -171,7 +182,7 @@ class _Calls:
       pathlib.Path(cmd[-1]).mkdir(parents=True)
 
 
-def _run_install_cell(monkeypatch, cwd, jax_version="0.10.2", missing=(), repo_url=""):
+def _run_install_cell(monkeypatch, cwd, jax_version="0.10.2", missing=(), repo_url="", runtime="cpu"):
   import importlib.metadata  # noqa: PLC0415
   import importlib.util  # noqa: PLC0415
   import subprocess  # noqa: PLC0415
@@ -184,6 +195,7 @@ def _run_install_cell(monkeypatch, cwd, jax_version="0.10.2", missing=(), repo_u
   monkeypatch.setenv("XLA_FLAGS", "")
   monkeypatch.chdir(cwd)  # the cell changes directory; monkeypatch restores it
   monkeypatch.setattr(sys, "path", list(sys.path))
+  monkeypatch.setattr(nb_lib, "runtime", lambda: runtime)
   source = _code(nbformat.read(FOLDER / "hotswap.ipynb", as_version=4))[0].source
   namespace = {}
   exec(compile(source, "install-cell", "exec"), namespace)  # noqa: S102 - the notebook's own cell
@@ -200,6 +212,48 @@ def test_install_cell_finds_the_repository_and_installs_nothing_when_ready(monke
 def test_install_cell_installs_the_repository_when_jax_or_a_dependency_is_off(monkeypatch, jax_version, missing):
   _, cmds = _run_install_cell(monkeypatch, FOLDER, jax_version, missing)
   assert cmds == [[sys.executable, "-m", "pip", "install", "-q", "-e", str(REPO)]]
+
+
+@pytest.mark.parametrize("runtime,extra,plugin", [("gpu", "gpu", "jax_cuda12_plugin"), ("tpu", "tpu", "libtpu")])
+def test_install_cell_on_an_accelerator_installs_its_extra(monkeypatch, runtime, extra, plugin):
+  # ready for CPU but without the runtime's jax plugin: the extra installs jax's matching pair
+  _, cmds = _run_install_cell(monkeypatch, FOLDER, missing=(plugin,), runtime=runtime)
+  assert cmds == [[sys.executable, "-m", "pip", "install", "-q", "-e", f"{REPO}[{extra}]"]]
+  _, cmds = _run_install_cell(monkeypatch, FOLDER, jax_version="0.11.2", runtime=runtime)  # a newer jax
+  assert cmds == [[sys.executable, "-m", "pip", "install", "-q", "-e", f"{REPO}[{extra}]"]]
+
+
+def test_install_command_never_changes_jax_on_an_accelerator_without_its_extra():
+  for rt, extra in nb_lib.EXTRAS.items():
+    for jax in (None, (0, 9, 0), (0, 10, 2), (0, 11, 2)):
+      for absent in ([], ["flax"]):
+        cmd = nb_lib.install_command("/r", rt, jax, absent)
+        if jax == (0, 10, 2) and not absent:
+          assert cmd is None, (rt, jax, absent)
+        else:
+          assert cmd[-1] == (f"/r[{extra}]" if extra else "/r"), (rt, cmd)
+  with pytest.raises(ValueError, match="unknown runtime"):
+    nb_lib.install_command("/r", "rocm", None, [])
+
+
+@pytest.mark.parametrize("env,nodes,want", [
+    ({}, [], "cpu"), ({}, ["/dev/nvidia0"], "gpu"), ({"COLAB_TPU_ADDR": "10.0.0.2:8470"}, [], "tpu"),
+    ({}, ["/dev/accel0"], "tpu"), ({"TPU_NAME": "v5e"}, ["/dev/nvidia0"], "tpu")])
+def test_runtime_detection(monkeypatch, env, nodes, want):
+  import fnmatch  # noqa: PLC0415
+  for k in ("COLAB_TPU_ADDR", "TPU_NAME", "TPU_ACCELERATOR_TYPE"):
+    monkeypatch.delenv(k, raising=False)
+  for k, v in env.items():
+    monkeypatch.setenv(k, v)
+  monkeypatch.setattr(nb_lib.glob, "glob", lambda pattern: [n for n in nodes if fnmatch.fnmatch(n, pattern)])
+  assert nb_lib.runtime() == want
+
+
+def test_missing_asks_for_the_runtimes_plugin(monkeypatch):
+  import importlib.util  # noqa: PLC0415
+  monkeypatch.setattr(importlib.util, "find_spec", lambda m, *a: None if m in ("libtpu", "jax_cuda12_plugin") else 1)
+  assert nb_lib.missing("cpu") == [] and nb_lib.missing("gpu") == ["jax_cuda12_plugin"]
+  assert nb_lib.missing("tpu") == ["libtpu"]
 
 
 def test_install_cell_clones_prismllm_repo_outside_a_checkout(monkeypatch, tmp_path):

@@ -145,15 +145,18 @@ def test_pipeline_with_remat_matches_single_device(reference, mesh, schedule, mo
   _check(reference, dict(mesh, schedule=schedule), "shard_map", model)
 
 
-@pytest.mark.slow
-def test_tied_embeddings_tensor_parallel(reference):
-  # Tied head: full-vocab logits from the (replicated) embedding, plain cross-entropy path.
+@pytest.mark.parametrize("mesh", [pytest.param({"data": 2, "tensor": 4}, marks=pytest.mark.slow),
+                                  {"tensor": 2, "pipeline": 2, "microbatches": 2}], ids=str)
+def test_tied_embeddings_tensor_parallel(reference, mesh):
+  # Tied head under manual TP: each tensor rank's logits come from its vocab rows of the shared (replicated)
+  # embedding, vocab-parallel cross-entropy; the table's gradient is summed over the tensor ranks.
   del reference
   tied = {"tie_embeddings": True}
   ref = harness.build({}, "jit", tied)
   state = jax.tree.map(np.asarray, ref.init_state(jax.random.key(1)))
   batch = harness.make_batch(ref.cfg, seed=1)
   want_loss, want_grads = harness.loss_and_grads(ref, state, batch)
-  got_loss, got_grads = harness.loss_and_grads(harness.build({"data": 2, "tensor": 4}, "shard_map", tied), state, batch)
+  got = harness.build(mesh, "shard_map", tied)
+  got_loss, got_grads = harness.loss_and_grads(got, state, batch)
   assert abs(got_loss - want_loss) <= LOSS_TOL["atol"] + LOSS_TOL["rtol"] * abs(want_loss)
   harness.assert_trees_close(got_grads, want_grads, **GRAD_TOL)
