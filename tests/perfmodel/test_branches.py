@@ -68,8 +68,15 @@ def test_predict_prices_the_work_branches_of_a_pipelined_step(piped):
                         captured=flat)
   assert out.conditionals["pipeline_schedule"] >= 2
   assert out.conditionals["lockstep_idle_s"] > 0
-  # two stages each do about half the work, plus the GPipe bubble: not the idle branch
-  assert 0.5 * one.step_time_s < out.step_time_s < 3 * one.step_time_s
+  # two stages each do about half the work, plus the GPipe bubble: not the idle branch. The stash writes and
+  # reads run every tick outside the slots' branches (one small kernel per residual per tick): at this toy size
+  # their launches are a large share of the step, so they are counted apart.
+  g = G.from_hlo_text(cap.hlo_text, 2)
+  stash = sum(k for n, k in g.walk() if n.attribution and "dynamic_update_index_in_dim" in n.attribution.op_name
+              or n.attribution and "dynamic_index_in_dim" in n.attribution.op_name)
+  assert stash > 0
+  rest = out.step_time_s - stash * hw.launch_overhead
+  assert 0.5 * one.step_time_s < rest < 3 * one.step_time_s, (rest, one.step_time_s)
 
 
 def test_unresolved_conditional_is_priced_by_its_costliest_branch(piped):

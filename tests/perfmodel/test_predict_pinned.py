@@ -16,7 +16,7 @@ import pytest
 GOLDEN = os.path.join(os.path.dirname(__file__), "golden", "predict")
 ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 # wall-clock fields of a prediction (how long it took, not what it predicts)
-WALL = {"compile_s", "predict_s", "trace_s", "timing"}
+WALL = {"compile_s", "predict_s", "profile_s", "trace_s", "wall_s", "timing"}
 
 
 def _compare(want, got, path=""):
