@@ -49,12 +49,13 @@ def main(argv=None) -> int:
   # the cpu profile's regime (perfmodel/cli.py _regime), set before jax starts: one pinned core, single-threaded
   # XLA, CPU-time clock, the real job's allocator, so predictions and measurements are in the profile's units
   from framework import host_memory  # noqa: PLC0415
-  from perfmodel.calib import bench, trace_nodes  # noqa: PLC0415
+  from perfmodel.cost import regime, trace_nodes  # noqa: PLC0415
   host_memory.apply()
   trace_nodes.enable()
-  core = bench.pin(-1)
+  core = regime.pin(-1)
   from perfmodel import hardware, predict, program  # noqa: PLC0415
-  from perfmodel.calib import fusion_profiler, runners, suite  # noqa: PLC0415
+  from perfmodel.calib import runners, suite  # noqa: PLC0415
+  from perfmodel.cost import profiler  # noqa: PLC0415
   from perfmodel.cost import chain  # noqa: PLC0415
   hw = hardware.load("cpu")
   profiled = chain.resolve_backend(hw, "auto") in chain.NEEDS_PROFILED_PROGRAM
@@ -64,8 +65,8 @@ def main(argv=None) -> int:
     cfg, _, _ = runners.entry_cfg(e, suite.BASE)
     cap = program.sampler(cfg, b, PROMPT_LEN, GEN_LENS[1])
     if profiled:  # as `perfmodel predict` and `validate` do: time the program's fusions alone on this host first
-      fusion_profiler.profile_program(cap.hlo_text, cap.n_devices, hw.name,
-                                      stale_before=fusion_profiler.stale_before(hw))
+      profiler.profile_program(cap.hlo_text, cap.n_devices, hw.name,
+                                      stale_before=profiler.stale_before(hw))
     p = predict.predict(cfg, hw, mode="infer", batch=b, prompt_len=PROMPT_LEN, gen_len=GEN_LENS[1], captured=cap)
     rows.append(dict(batch=b, precision=prec, layers=lay, name=e["name"], predicted_tpot_s=p.tpot_s,
                      predicted_tokens_per_s=b / p.tpot_s, predicted_peak_memory_bytes=p.peak_memory_bytes,
@@ -87,7 +88,7 @@ def main(argv=None) -> int:
             f"{r['measured_tokens_per_s']:.0f} tok/s, load {r['load_avg_1m']}", file=sys.stderr, flush=True)
   out = {"benchmark": "infer_search", "date": datetime.datetime.now().isoformat(timespec="minutes"),
          "machine": f"{platform.machine()} {os.cpu_count()} cores (shared)", "hardware_profile": hw.name,
-         "regime": {"pinned_core": core, "clock": "cpu time" if bench.pinned() else "wall",
+         "regime": {"pinned_core": core, "clock": "cpu time" if regime.pinned() else "wall",
                     "backend": chain.resolve_backend(hw, "auto")},
          "model": MODEL, "prompt_len": PROMPT_LEN, "gen_lens": list(GEN_LENS), "n_candidates": len(rows),
          "default": default["name"], "best_predicted": best["name"], "predict_wall_s": predict_s,

@@ -6,13 +6,10 @@ backend, so each command sets them first and imports what runs on jax afterwards
 from __future__ import annotations
 
 import argparse
-import dataclasses
 import json
-import math
 import os
 import sys
 import tempfile
-import time
 
 from framework.config import MESH_AXES, ConfigError, validate
 from framework.config_file import load
@@ -20,7 +17,7 @@ from framework.config_file import load
 VALIDATE_DEVICES = 8  # virtual host devices of calibrate and validate processes (measuring children have their own)
 
 
-def _load_cfg(config: str, overrides: list, mesh: str = "", devices: int = 0):
+def _mesh_overrides(overrides: list, mesh: str = "") -> list:
   ov = list(overrides)
   if mesh:
     sizes = dict(kv.split("=") for kv in mesh.split(","))
@@ -29,22 +26,7 @@ def _load_cfg(config: str, overrides: list, mesh: str = "", devices: int = 0):
       raise SystemExit(f"--mesh axis {sorted(unknown)} unknown; axes are {MESH_AXES}")
     for a in MESH_AXES:
       ov.append(f"--config.mesh.{a}={int(sizes.get(a, 1))}")
-  cfg = load(config, ov)
-  n = devices or math.prod(abs(v) for v in cfg.mesh.sizes().values())
-  return validate(cfg, n), n
-
-
-def _even_stages(cfg, n_layers: int):
-  """A pipeline whose stages cannot hold equal layer counts (Llama-3.1-405B: 126 layers over 16 stages) runs its
-  slowest stage with ceil(L / P) layers, and that stage sets the lock-step pace: priced as P stages of ceil(L / P)
-  layers. Returns (config to price, note) ; the caller scales FLOP-based rates back to the real L."""
-  P = cfg.mesh.pipeline
-  if P <= 1 or n_layers % P == 0:
-    return cfg, None
-  per = -(-n_layers // P)
-  note = (f"model.n_layers={n_layers} over {P} pipeline stages: priced as {P} stages of {per} layers (the slowest "
-          f"stage of an uneven split, which sets the step), FLOP rates for {n_layers} layers")
-  return dataclasses.replace(cfg, model=dataclasses.replace(cfg.model, n_layers=per * P)), note
+  return ov
 
 
 def _print(obj):
@@ -58,39 +40,15 @@ def _log(msg):
 def cmd_predict(a, overrides):
   if a.trace:
     _check_writable(a.trace)
-  raw = load(a.config, list(overrides))
-  cfg0, uneven = _even_stages(raw, raw.model.n_layers)
-  if uneven:  # validate the priced (even) config: the real one is refused by training, not by pricing
-    overrides = list(overrides) + [f"--config.model.n_layers={cfg0.model.n_layers}"]
-  cfg, n = _load_cfg(a.config, overrides, a.mesh, a.devices)
-  from perfmodel import hardware, predict, program  # noqa: PLC0415 (after the config: nothing has touched jax yet)
-  hw = hardware.load(a.hardware)
-  route = predict.resolve_method(n, a.mode, a.method, hw)
-  if route == "compile":
-    program.ensure_devices(n if a.mode == "train" else 1)
-  cap, profile_s = None, 0.0
-  if route == "compile":
-    cap = (program.sampler(cfg, a.batch, a.prompt_len, a.gen_len) if a.mode == "infer"
-           else program.train_step(cfg))
-    t_prof = time.perf_counter()
-    _profile(a, cap, hw)
-    profile_s = time.perf_counter() - t_prof
-  p = predict.predict(cfg, hw, mode=a.mode, method=a.method, backend=a.backend, batch=a.batch,
-                      prompt_len=a.prompt_len, gen_len=a.gen_len, captured=cap, topology=a.topology,
+  cfg = load(a.config, _mesh_overrides(overrides, a.mesh))
+  from perfmodel import predict  # noqa: PLC0415 (after the config: nothing has touched jax yet)
+  p = predict.predict(cfg, a.hardware, mode=a.mode, method=a.method, backend=a.backend, batch=a.batch,
+                      prompt_len=a.prompt_len, gen_len=a.gen_len, topology=a.topology,
                       compile_budget_s=None if a.compile_budget == "full" else float(a.compile_budget),
-                      framework=a.framework, trace=bool(a.trace))
+                      framework=a.framework, trace=bool(a.trace), profile_nodes=a.profile_nodes, devices=a.devices)
   out = p.to_dict()
-  # what the prediction cost: compile (compile_s), timing this program's instructions on this host (profile_s,
-  # 0 unless the backend profiles), pricing (predict_s)
-  out["profile_s"] = profile_s
-  if uneven:
-    from framework import flops  # noqa: PLC0415
-    scale = (flops.train_flops_per_token(raw.model, raw.data.seq_len)
-             / flops.train_flops_per_token(cfg.model, cfg.data.seq_len))
-    for k in ("mfu", "model_flops_per_step"):
-      if out.get(k) is not None:
-        out[k] *= scale
-    out["assumptions"] = (out.get("assumptions") or []) + [uneven]
+  if p.profiled_nodes is not None:
+    print(json.dumps({"profiled_nodes": p.profiled_nodes}), file=sys.stderr)
   if a.trace:
     from perfmodel import trace  # noqa: PLC0415
     label = "predicted " + ("generation" if a.mode == "infer" else "step") + f" ({p.config} on {p.hardware})"
@@ -107,28 +65,17 @@ def _check_writable(path: str):
     raise ConfigError(f"--trace {path}: cannot write a file there; give a file path in an existing writable folder")
 
 
-def _profile(a, cap, hw):
-  """Time this program's instructions alone first (into the user's cache) when asked (--profile-nodes) or when the
-  backend prices from them (cost/chain.py NEEDS_PROFILED_PROGRAM): 2-20 s the first time a program is seen."""
-  from perfmodel.cost import chain  # noqa: PLC0415
-  if a.profile_nodes or chain.resolve_backend(hw, a.backend) in chain.NEEDS_PROFILED_PROGRAM:
-    from perfmodel.calib import fusion_profiler  # noqa: PLC0415
-    r = fusion_profiler.profile_program(cap.hlo_text, cap.n_devices, hw.name,
-                                        stale_before=fusion_profiler.stale_before(hw))
-    print(json.dumps({"profiled_nodes": {k: v for k, v in r.items() if k != "seconds"}}), file=sys.stderr)
-
-
 def _regime(a, trace: bool = True):
   """The measurement regime (perfmodel/calib/bench.py): one pinned core, single-threaded XLA, CPU-time clock, the
   real job's allocator; TraceMe compiled in (calibration reads it; validation keeps the same code). Set before jax
   starts: calibration and validation share it, so predictions and measurements are in the same units."""
   from framework import host_memory  # noqa: PLC0415
-  from perfmodel.calib import bench, trace_nodes  # noqa: PLC0415
+  from perfmodel.cost import regime, trace_nodes  # noqa: PLC0415
   host_memory.apply()
   if trace:
     trace_nodes.enable()
   if not a.no_pin:
-    bench.pin(a.pin_core)
+    regime.pin(a.pin_core)
 
 
 def cmd_calibrate(a, overrides):

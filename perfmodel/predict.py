@@ -26,18 +26,18 @@ import time
 from typing import Optional, Union
 
 import jax
-import numpy as np
 
 from framework import flops as flops_lib
-from framework.config import Config
+from framework.config import Config, validate
 from parallelism import targets
 from parallelism import target_flags
 from perfmodel import compose, memory, pipeline, program, target, timeline
 from perfmodel.cost import chain as chain_lib
-from perfmodel.cost import collectives
+from perfmodel.cost import collectives, profiler
 from perfmodel.graph import analytic, from_hlo, from_jaxpr
 from perfmodel.graph.nodes import Attribution, ExecGraph, mark_decode
 from perfmodel.hardware import HardwareProfile, load as load_profile
+from perfmodel.prediction import Prediction
 
 COMPILE_MAX_DEVICES = 512  # above this, `method="auto"` traces the rank's program instead of compiling N devices
 # Megatron-Core's overlap options (--overlap-grad-reduce, --overlap-param-gather, --tp-comm-overlap), set by its
@@ -50,66 +50,6 @@ OVERLAP = {
     "nemo": (75 * 2**20 // 4, "github NVIDIA/dgxc-benchmarking @143b90d llama3.1/llama3.1_70b.yaml, _405b.yaml "
                               "(overlap_grad_sync, overlap_param_sync, ub_tp_comm_overlap; bucket_cap_mb 75, fp32)"),
 }
-
-
-@dataclasses.dataclass
-class Prediction:
-  mode: str  # train | infer
-  config: str
-  hardware: str
-  calibrated: bool
-  backends: list  # the cost chain, in the order it asks
-  route: Optional[str] = None  # training: compile | rank_program | analytic
-  method: Optional[str] = None
-  route_detail: Optional[str] = None
-  route_fallback_reason: Optional[str] = None
-  n_devices: Optional[int] = None
-  mesh: Optional[dict] = None
-  step_time_s: Optional[float] = None
-  tokens_per_s: Optional[float] = None
-  mfu: Optional[float] = None
-  batch: Optional[int] = None
-  prompt_len: Optional[int] = None
-  gen_len: Optional[int] = None
-  ttft_s: Optional[float] = None
-  tpot_s: Optional[float] = None
-  generation_s: Optional[float] = None  # infer: prefill + gen_len decode steps
-  decode_tokens_per_s: Optional[float] = None
-  peak_memory_bytes: Optional[float] = None
-  memory_analysis: Optional[dict] = None  # the compiler's own (compile route, inference)
-  memory_analytic: Optional[dict] = None
-  fits_in_memory: Optional[bool] = None
-  flops_per_device: Optional[float] = None
-  xla_cost_analysis_flops: Optional[float] = None
-  model_flops_per_step: Optional[float] = None
-  collective_bytes_per_device: Optional[float] = None
-  node_counts: Optional[dict] = None
-  rank_param_bytes: Optional[float] = None
-  breakdown: Optional[dict] = None  # by node kind / phase / layer, exposed comm, which backend priced how many
-  host_device_factor: Optional[float] = None
-  composition: Optional[str] = None
-  conditionals: Optional[dict] = None
-  pipeline_bubble_fraction: Optional[float] = None
-  notes: Optional[list] = None
-  compiler_flags: Optional[dict] = None  # target_compile: the XLA flag set the program was compiled with, its source
-  overlap: Optional[dict] = None  # a framework's overlap options modelled in the timeline, their windows
-  assumptions: Optional[list] = None  # where the profile had no published number and the cost model assumed one
-  compile_s: Optional[float] = None  # wall clock of the prediction itself, from here on
-  trace_s: Optional[float] = None
-  predict_s: Optional[float] = None
-  wall_s: Optional[float] = None
-  # predict(trace=True): the predicted step (infer: the generation) as placed timeline events, seconds from its
-  # start, ending at step_time_s (generation_s); perfmodel/trace.py writes them. Not part of to_dict.
-  events: Optional[list] = dataclasses.field(default=None, repr=False)
-
-  def to_dict(self) -> dict:
-    """The JSON the CLI prints: every field that applies to this route; ``total_s`` is the generation's seconds in
-    infer mode and the prediction's wall clock on the compile route."""
-    out = {k: v for k, v in dataclasses.asdict(dataclasses.replace(self, events=None)).items() if v is not None}
-    total = self.generation_s if self.mode == "infer" else self.wall_s
-    if total is not None:
-      out["total_s"] = total
-    return out
 
 
 def n_devices(cfg: Config) -> int:
@@ -138,18 +78,65 @@ def predict(cfg: Config, hardware: Union[str, HardwareProfile], mode: str = "tra
             backend: str = "auto", batch: int = 1, prompt_len: int = 32, gen_len: int = 32,
             captured: Optional[program.Captured] = None, topology: Optional[str] = None,
             compile_budget_s: Optional[float] = None, framework: Optional[str] = None,
-            trace: bool = False) -> Prediction:
-  """The one entry point. ``captured``: the compiled program when the caller has it already (the CLI compiles
-  first to profile its instructions; validate caches programs). ``topology``: the target's slice / node shape
-  (``parallelism.targets.plan``), for ``target_compile``; ``compile_budget_s``: stop that compile after this many
-  seconds once the optimised program exists (perfmodel/target.py; None: compile to the end). ``framework``: the
-  training framework the step is priced as: its XLA flags (parallelism/target_flags.py) go into the target compile,
-  its overlap options into the timeline. ``trace``: keep the predicted timeline in ``Prediction.events``."""
+            trace: bool = False, profile_nodes: bool = False, devices: int = 0) -> Prediction:
+  """The one entry point: the whole of a prediction from a config (validated here against ``devices``, default the
+  mesh's size): its route, the compile (on virtual host devices or for the target), timing the program's
+  instructions when the backend prices from them (or ``profile_nodes``), uneven pipeline stages, the rates.
+
+  ``captured``: the compiled program when the caller has it already (validate caches programs). ``topology``: the
+  target's slice / node shape (``parallelism.targets.plan``), for ``target_compile``; ``compile_budget_s``: stop
+  that compile after this many seconds once the optimised program exists (perfmodel/target.py; None: compile to the
+  end). ``framework``: the training framework the step is priced as: its XLA flags (parallelism/target_flags.py) go
+  into the target compile, its overlap options into the timeline. ``trace``: keep the predicted timeline in
+  ``Prediction.events``."""
   target_flags.framework_key(framework)  # an unknown name is refused before anything compiles
   hw = hardware if isinstance(hardware, HardwareProfile) else load_profile(hardware)
+  real = cfg
+  cfg, uneven = even_stages(cfg)
+  cfg = validate(cfg, devices or math.prod(abs(v) for v in cfg.mesh.sizes().values()))
+  p = _predict(cfg, hw, mode, method, backend, batch, prompt_len, gen_len, captured, topology, compile_budget_s,
+               framework, trace, profile_nodes)
+  p.profile_s = p.profile_s or 0.0
+  if uneven:  # FLOP-based rates of the real layer count
+    scale = (flops_lib.train_flops_per_token(real.model, real.data.seq_len)
+             / flops_lib.train_flops_per_token(cfg.model, cfg.data.seq_len))
+    p.mfu = p.mfu * scale if p.mfu is not None else None
+    if p.model_flops_per_step is not None:
+      p.model_flops_per_step *= scale
+    p.assumptions = (p.assumptions or []) + [uneven]
+  return p
+
+
+def even_stages(cfg: Config):
+  """A pipeline whose stages cannot hold equal layer counts (Llama-3.1-405B: 126 layers over 16 stages) runs its
+  slowest stage with ceil(L / P) layers, and that stage sets the lock-step pace: priced as P stages of ceil(L / P)
+  layers. Returns (config to price, note or None); predict scales FLOP-based rates back to the real L."""
+  P, n_layers = cfg.mesh.pipeline, cfg.model.n_layers
+  if P <= 1 or n_layers % P == 0:
+    return cfg, None
+  per = -(-n_layers // P)
+  note = (f"model.n_layers={n_layers} over {P} pipeline stages: priced as {P} stages of {per} layers (the slowest "
+          f"stage of an uneven split, which sets the step), FLOP rates for {n_layers} layers")
+  return dataclasses.replace(cfg, model=dataclasses.replace(cfg.model, n_layers=per * P)), note
+
+
+def _profile(cap, hw: HardwareProfile, backend: str, asked: bool) -> dict:
+  """Times this program's instructions alone first (into the user's cache) when asked or when the backend prices
+  from them (cost/chain.py NEEDS_PROFILED_PROGRAM): 2-20 s the first time a program is seen. Returns the
+  Prediction fields it fills."""
+  if not (asked or chain_lib.resolve_backend(hw, backend) in chain_lib.NEEDS_PROFILED_PROGRAM):
+    return {}
+  t0 = time.perf_counter()
+  r = profiler.profile_program(cap.hlo_text, cap.n_devices, hw.name, stale_before=profiler.stale_before(hw))
+  return {"profiled_nodes": {k: v for k, v in r.items() if k != "seconds"}, "profile_s": time.perf_counter() - t0}
+
+
+def _predict(cfg: Config, hw: HardwareProfile, mode: str, method: str, backend: str, batch: int, prompt_len: int,
+             gen_len: int, captured, topology: Optional[str], compile_budget_s: Optional[float],
+             framework: Optional[str], trace: bool, profile_nodes: bool) -> Prediction:
   route = resolve_method(n_devices(cfg), mode, method, hw)
   if mode == "infer":
-    return _infer(cfg, hw, batch, prompt_len, gen_len, backend, captured, trace)
+    return _infer(cfg, hw, batch, prompt_len, gen_len, backend, captured, trace, profile_nodes)
   if route == "target_compile":
     if not is_target(hw):
       raise ValueError(f"--method target_compile needs a TPU or GPU profile ({', '.join(targets.HARDWARE)}), "
@@ -162,7 +149,7 @@ def predict(cfg: Config, hardware: Union[str, HardwareProfile], mode: str = "tra
         {"set": "as committed with the program", "source": cap.route_detail}
     return p
   if route == "compile":
-    return _train_compiled(cfg, hw, backend, captured, framework=framework, trace=trace)
+    return _train_compiled(cfg, hw, backend, captured, framework=framework, trace=trace, profile_nodes=profile_nodes)
   if route == "analytic":
     return _train_analytic(cfg, hw, backend, trace)
   try:
@@ -319,9 +306,12 @@ def _schedule_train(g: ExecGraph, chain, hw: HardwareProfile, cfg: Config, frame
 
 
 def _train_compiled(cfg: Config, hw: HardwareProfile, backend: str, captured, route: str = "compile",
-                    framework: Optional[str] = None, trace: bool = False) -> Prediction:
+                    framework: Optional[str] = None, trace: bool = False, profile_nodes: bool = False) -> Prediction:
   t0 = time.perf_counter()
+  if captured is None and route == "compile":
+    program.ensure_devices(n_devices(cfg))
   cap = captured or program.train_step(cfg)
+  profiled = _profile(cap, hw, backend, profile_nodes) if route == "compile" else {}
   t1 = time.perf_counter()
   g = from_hlo.from_hlo_text(cap.hlo_text, cap.n_devices)
   chain = chain_lib.make_chain(hw, backend)
@@ -338,7 +328,7 @@ def _train_compiled(cfg: Config, hw: HardwareProfile, backend: str, captured, ro
     step = comp.seconds(feats, compose.program_type(cap.n_devices))
     scale = step / tl.makespan if tl.makespan else 1.0  # breakdown shares scaled to the composed step
   t2 = time.perf_counter()
-  p = _base(cfg, hw, chain)
+  p = dataclasses.replace(_base(cfg, hw, chain), **profiled)
   p.route = p.method = route
   p.route_detail = cap.route_detail or None
   p.n_devices, p.mesh, p.step_time_s = cap.n_devices, _mesh(cfg), step
@@ -363,8 +353,11 @@ def _train_compiled(cfg: Config, hw: HardwareProfile, backend: str, captured, ro
 
 
 def _infer(cfg: Config, hw: HardwareProfile, batch: int, prompt_len: int, gen_len: int, backend: str,
-           captured, trace: bool = False) -> Prediction:
+           captured, trace: bool = False, profile_nodes: bool = False) -> Prediction:
+  if captured is None:
+    program.ensure_devices(1)
   cap = captured or program.sampler(cfg, batch, prompt_len, gen_len)
+  profiled = _profile(cap, hw, backend, profile_nodes)
   t0 = time.perf_counter()  # after the compile: predict_s is the prediction alone
   g = from_hlo.from_hlo_text(cap.hlo_text, 1)
   chain = chain_lib.make_chain(hw, backend)
@@ -388,7 +381,7 @@ def _infer(cfg: Config, hw: HardwareProfile, batch: int, prompt_len: int, gen_le
     tpot = comp.seconds(f_dec, "decode") if decode else 0.0
     ttft = comp.seconds(f_rest, "train")
     total = ttft + tpot * gen_len
-  p = _base(cfg, hw, chain, mode="infer")
+  p = dataclasses.replace(_base(cfg, hw, chain, mode="infer"), **profiled)
   p.batch, p.prompt_len, p.gen_len = batch, prompt_len, gen_len
   p.ttft_s, p.tpot_s, p.generation_s = ttft, tpot, total
   p.tokens_per_s = batch * gen_len / total if total else 0.0

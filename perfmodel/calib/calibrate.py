@@ -36,7 +36,7 @@ from perfmodel import hardware
 from perfmodel.calib import bench, collective_bench, nodes, runners, store, suite
 from perfmodel.calib.host import HostSpeed
 from perfmodel.calibration import Calibration
-from perfmodel.cost import database, learned
+from perfmodel.cost import database, learned, regime
 from perfmodel.graph.from_hlo import from_hlo_text
 from perfmodel.hardware import interp_log
 
@@ -163,7 +163,7 @@ def curves(quick: bool = False, prof_path: str = PROFILE) -> dict:
                     step_overhead_s=step_overhead, host_parallelism=host_par,
                     provenance={"noise_pct_median": statistics.median(noise), "quick": quick,
                                 "load_avg": os.getloadavg()[0], "regime": bench.regime(),
-                                "clock": "cpu" if bench.pinned() else "wall"})
+                                "clock": "cpu" if regime.pinned() else "wall"})
   base.update({
       "peak_flops": {"f32": {"value": peak, "source": src + ": best square f32 matmul"},
                      "bf16": base["peak_flops"].get("bf16", {"value": peak / 2, "source": "estimate"})},

@@ -4,8 +4,6 @@ perfmodel/calib/runners.py ``child_json`` with exactly the virtual devices its w
   measure  time the named suite / calibration entries (runners.measure_entries), the probe around each if asked
   trace    node samples of the one-device calibration programs (perfmodel/calib/nodes.py trace_programs)
   probe    the host-speed probe alone (perfmodel/calib/host.py)
-  worker   (no OUT / JSON) the profiler's worker: compiles and times standalone instructions read from stdin
-           (perfmodel/calib/fusion_profiler.py), pinned to one core if its parent was not
 The allocator regime of the real job is applied before jax starts, as ``python -m experiments.run`` does.
 """
 from __future__ import annotations
@@ -18,15 +16,9 @@ from framework import host_memory
 
 def main(argv) -> int:
   host_memory.apply()
-  if argv == ["worker"]:
-    from perfmodel.calib import bench  # noqa: PLC0415 (jax must not start before the allocator settings)
-    if not bench.pinned():  # a caller that does not measure (predict) still gets the calibration's regime
-      bench.pin()
-    from perfmodel.calib import fusion_profiler  # noqa: PLC0415
-    return fusion_profiler.worker_main()
   if len(argv) != 3 or argv[0] not in ("measure", "trace", "probe"):
-    sys.exit("usage: python -m perfmodel.calib.child measure|trace|probe OUT JSON | worker (started by perfmodel "
-             "calibrate / validate / predict)")
+    sys.exit("usage: python -m perfmodel.calib.child measure|trace|probe OUT JSON (started by perfmodel calibrate / "
+             "validate)")
   kind, out_path, req = argv[0], argv[1], json.loads(argv[2])
   # jax and what compiles on it load after the allocator settings (they apply to threads created afterwards)
   from perfmodel.calib import host, nodes, runners  # noqa: PLC0415

@@ -8,7 +8,7 @@ from __future__ import annotations
 
 from framework.config import Config, validate
 from perfmodel import predict, program
-from perfmodel.calib import bench
+from perfmodel.cost import regime
 from perfmodel.calib.host import kendall_tau
 from perfmodel.calib.runners import measure_train
 from perfmodel.hardware import HardwareProfile
@@ -59,7 +59,7 @@ def run_check(default_cfg: Config, ranked: list, n: int, hw: HardwareProfile, re
                 50 * abs(bench.seconds(r1) - bench.seconds(r2)) / meas)
     rows.append({**_layout(c), "is_default": c is default, "predicted_s": pred.step_time_s,
                  "analytic_rank_s": next((t for t, cc, _ in ranked if cc is c), None), "measured_s": meas,
-                 "noise_pct": noise, "clock": "cpu" if bench.pinned() else "wall"})
+                 "noise_pct": noise, "clock": "cpu" if regime.pinned() else "wall"})
     del cap
   failed = [r for r in rows if "error" in r]
   rows = [r for r in rows if "error" not in r]

@@ -2,7 +2,7 @@
 
 For every entry of perfmodel/calib/suite.py ``CALIBRATION`` (training steps whose shapes differ from the validation
 suite) and ``CALIBRATION_INFER`` (KV-cached samplers): compile the real program and time every instruction inside
-it with XLA's TraceMe (perfmodel/calib/trace_nodes.py). One sample per (program, node): its class, log features,
+it with XLA's TraceMe (perfmodel/cost/trace_nodes.py). One sample per (program, node): its class, log features,
 in-program times and the calibrated-curve ("physical") estimate the learned backend scales by. Node samples come
 from single-device programs only: with N virtual devices on one core a sibling device's thread preempts a thunk
 mid-flight and its traced wall time overstates the work.
@@ -18,7 +18,8 @@ import numpy as np
 
 from framework import host_memory
 from perfmodel import compose, pipeline, program
-from perfmodel.calib import bench, fit, runners, suite, trace_nodes
+from perfmodel.calib import bench, fit, runners, suite
+from perfmodel.cost import trace_nodes
 from perfmodel.cost import chain as chain_lib
 from perfmodel.cost import learned
 from perfmodel.cost.physical import Calibrated

@@ -4,7 +4,7 @@
   re-derived when the features changed, k, beta, statistic, composition), from the node samples file and the
   calibration programs' cached HLO;
 * ``calibrate --profiled`` (:func:`fit_profiled`): every calibration program's instructions timed alone into the
-  committed profiled database (perfmodel/calib/fusion_profiler.py), then the profiled backend's composition and the
+  committed profiled database (perfmodel/cost/profiler.py), then the profiled backend's composition and the
   hybrid's (:func:`fit_hybrid`) fitted on those prices;
 * ``calibrate --refit-hybrid HLO_DIR`` (:func:`refit_hybrid`): the hybrid's choices and composition on the stored
   samples and database, nothing timed.
@@ -22,7 +22,8 @@ import platform
 import numpy as np
 
 from perfmodel import compose, hardware, program
-from perfmodel.calib import fit, fusion_profiler, nodes, runners, store, suite
+from perfmodel.calib import fit, nodes, runners, store, suite
+from perfmodel.cost import profiler
 from perfmodel.calibration import Composition, Neighbours
 from perfmodel.cost import chain as chain_lib
 from perfmodel.cost import database, hybrid, learned
@@ -156,7 +157,7 @@ def fit_profiled(prof_path: str, hlo_cache: str = None, log=print, samples_file:
   def price_for(name, cap):
     # every calibration program's instructions are timed now (stale_before), so the hybrid's ratios come from one
     # sitting; entries of validation programs timed before this are timed again when they are next used
-    r = fusion_profiler.profile_program(cap.hlo_text, cap.n_devices, hw.name, path=db, stale_before=profiled_date)
+    r = profiler.profile_program(cap.hlo_text, cap.n_devices, hw.name, path=db, stale_before=profiled_date)
     for k, v in r["skipped"].items():
       skipped[k] = skipped.get(k, 0) + v
     log(f"  profiled {name:>20}: {r['timed']} nodes timed alone, skipped {r['skipped'] or 'none'}")

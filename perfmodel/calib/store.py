@@ -4,35 +4,9 @@ and replaces the target in one step, so a reader (or a second writer) never sees
 from __future__ import annotations
 
 import dataclasses
-import json
-import os
-import tempfile
 
 from perfmodel.calibration import Calibration
-
-
-def write_bytes(path: str, data: bytes) -> None:
-  os.makedirs(os.path.dirname(os.path.abspath(path)), exist_ok=True)
-  fd, tmp = tempfile.mkstemp(prefix=".tmp-", dir=os.path.dirname(os.path.abspath(path)))
-  try:
-    with os.fdopen(fd, "wb") as f:
-      f.write(data)
-    os.replace(tmp, path)
-  except BaseException:
-    if os.path.exists(tmp):
-      os.unlink(tmp)
-    raise
-
-
-def write_json(path: str, obj, **dump_kw) -> None:
-  write_bytes(path, json.dumps(obj, **dump_kw).encode())
-
-
-def read_json(path: str, default=None):
-  if not os.path.exists(path):
-    return default
-  with open(path) as f:
-    return json.load(f)
+from perfmodel.cost.database import read_json, write_bytes, write_json  # noqa: F401 (calib reads and writes through these)
 
 
 def calibration_of(prof_path: str) -> Calibration:
@@ -50,10 +24,3 @@ def update_calibration(prof_path: str, source: str = None, **changes) -> Calibra
   return cal
 
 
-def merge_entries(path: str, entries: dict, meta: dict) -> None:
-  """Adds ``entries`` to the profiled database at ``path``, re-read just before writing so entries another process
-  added meanwhile are kept."""
-  data = read_json(path, {"meta": {}, "entries": {}})
-  data["entries"].update(entries)
-  data["meta"] = meta
-  write_json(path, data, indent=0, sort_keys=True)

@@ -20,7 +20,7 @@ import sys
 import numpy as np
 
 from perfmodel import hardware, predict, program
-from perfmodel.calib import bench, fusion_profiler, runners, store
+from perfmodel.calib import bench, runners, store
 from perfmodel.calib.host import HostSpeed, kendall_tau
 from perfmodel.cost import chain as chain_lib
 
@@ -68,7 +68,6 @@ def run(suite_path=None, reps: int = 7, backend: str = "auto", png: str = None, 
   hw = hardware.load(hardware_name)
   host = HostSpeed(hw.calibration.step_statistic if hw.name == "cpu" else "median")
   resolved = chain_lib.resolve_backend(hw, backend)
-  stale = fusion_profiler.stale_before(hw)  # entries timed before the calibration are timed again
   suite = runners.load_suite(suite_path)
   files = [measurements] if isinstance(measurements, str) else list(measurements or [])
   stored = [f for f in files if os.path.exists(f)]
@@ -96,8 +95,6 @@ def run(suite_path=None, reps: int = 7, backend: str = "auto", png: str = None, 
       g2 = entry["gen_lens"][1]
       cap = runners.cached_capture(hlo_cache, entry["name"], lambda cfg=cfg, e=entry, g2=g2: program.sampler(
           cfg, e["batch"], e["prompt_len"], g2))
-    if resolved in chain_lib.NEEDS_PROFILED_PROGRAM:
-      fusion_profiler.profile_program(cap.hlo_text, cap.n_devices, hw.name, stale_before=stale)
     if kind == "train":
       pred = predict.predict(cfg, hw, backend=backend, captured=cap)
       predicted = pred.step_time_s

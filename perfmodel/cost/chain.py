@@ -18,7 +18,7 @@ from perfmodel.graph.nodes import Node
 from perfmodel.hardware import HardwareProfile
 
 # backends whose prices are the program's own instructions timed alone: the program is profiled first
-# (perfmodel/calib/fusion_profiler.py; 2-20 s the first time a program is seen, cached by fingerprint)
+# (perfmodel/cost/profiler.py; 2-20 s the first time a program is seen, cached by fingerprint)
 NEEDS_PROFILED_PROGRAM = ("profiled", "hybrid")
 FITTED = ("learned", "profiled", "hybrid")  # the backends a calibration fits a composition for
 

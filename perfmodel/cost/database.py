@@ -5,7 +5,7 @@ Two kinds of files, both keyed by profile name and jax version:
 * the **node samples** of the ``learned`` and ``hybrid`` backends (``<profile>-nodes-jax<v>.json``): node times
   measured inside the calibration programs; written by ``python -m perfmodel calibrate`` only;
 * the **profiled database** (``<profile>-jax<v>.json``): each node fingerprint's time, its instruction cut out of the
-  program and timed alone (perfmodel/calib/fusion_profiler.py).
+  program and timed alone (perfmodel/cost/profiler.py).
 
 Both are read from ``perfmodel/profiles/db/`` (committed, written by ``calibrate --commit`` only), from the user's
 calibration (``<cache>/profiles/db/``, written by ``calibrate``) and from the user's cache (``<cache>/db/``, where
@@ -17,6 +17,7 @@ from __future__ import annotations
 
 import json
 import os
+import tempfile
 from typing import Optional
 
 import jax
@@ -112,3 +113,38 @@ class Profiled:
       return None
     t = self.table[node.fingerprint]
     return Priced(s, f"{self.name}:{t.get('method', '')}".rstrip(":") if isinstance(t, dict) else self.name)
+
+
+# ---------------------------------------------------------------- writing (one file replaced in one step)
+
+def write_bytes(path: str, data: bytes) -> None:
+  os.makedirs(os.path.dirname(os.path.abspath(path)), exist_ok=True)
+  fd, tmp = tempfile.mkstemp(prefix=".tmp-", dir=os.path.dirname(os.path.abspath(path)))
+  try:
+    with os.fdopen(fd, "wb") as f:
+      f.write(data)
+    os.replace(tmp, path)
+  except BaseException:
+    if os.path.exists(tmp):
+      os.unlink(tmp)
+    raise
+
+
+def write_json(path: str, obj, **dump_kw) -> None:
+  write_bytes(path, json.dumps(obj, **dump_kw).encode())
+
+
+def read_json(path: str, default=None):
+  if not os.path.exists(path):
+    return default
+  with open(path) as f:
+    return json.load(f)
+
+
+def merge_entries(path: str, entries: dict, meta: dict) -> None:
+  """Adds ``entries`` to the profiled database at ``path``, re-read just before writing so entries another process
+  added meanwhile are kept."""
+  data = read_json(path, {"meta": {}, "entries": {}})
+  data["entries"].update(entries)
+  data["meta"] = meta
+  write_json(path, data, indent=0, sort_keys=True)

@@ -95,7 +95,7 @@ def main(argv=None) -> int:
   args, overrides = parse(sys.argv[1:] if argv is None else argv)
   host_memory.apply()  # the real job's allocator regime (experiments.run applies it too), before jax starts
   if args.trace_nodes:
-    from perfmodel.calib import trace_nodes  # noqa: PLC0415
+    from perfmodel.cost import trace_nodes  # noqa: PLC0415
     trace_nodes.enable()  # XLA reads its flags when the backend starts: before anything touches a device
   # what runs on jax loads after the allocator settings and XLA flags
   from framework import config_file  # noqa: PLC0415

@@ -107,7 +107,7 @@ def emulate(cfg: Config, ranks: Optional[Sequence[int]] = None, hardware: str = 
   each call among symmetric peers then also gets the measured wait for the later peer
   (``timeline.add_call_waits``; ``per_call_wait_s`` per step).
   ``trace_nodes``: split each rank's measured step over its instructions by their traced in-program times
-  (XLA TraceMe; ``perfmodel.calib.trace_nodes.enable()`` must have run before jax started) instead of by roofline.
+  (XLA TraceMe; ``perfmodel.cost.trace_nodes.enable()`` must have run before jax started) instead of by roofline.
   Compile only on a TPU / GPU target: the target-compiled program priced as ``predict`` prices it
   (perfmodel/emulate/at_scale.py; ``framework``: its XLA flags and overlap options, ``topology``: the target's
   shape)."""

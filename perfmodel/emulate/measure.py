@@ -26,7 +26,7 @@ from typing import Optional
 import jax
 
 from perfmodel.program import memory_of  # one peak-memory convention for predict and emulate
-from perfmodel.calib import trace_nodes as tn
+from perfmodel.cost import trace_nodes as tn
 from perfmodel.emulate import rank_program as rp
 from perfmodel.emulate.standins import _sub_jaxprs
 
@@ -126,7 +126,7 @@ def run_rank(prog: rp.RankProgram, rank: int, repeats: int = 5, warmup: int = 1,
              seed: int = 0, batch: Optional[tuple] = None, state=None, host_data: bool = True,
              count: bool = True, trace_nodes: bool = False, before_step=None) -> RankRun:
   """``trace_nodes``: after timing, run the step twice more under XLA's per-thunk TraceMe (needs
-  ``perfmodel.calib.trace_nodes.enable()`` before jax started) and keep each instruction's median in-program time."""
+  ``perfmodel.cost.trace_nodes.enable()`` before jax started) and keep each instruction's median in-program time."""
   compiled, interp, compile_s = compile_rank(prog, rank)
   node_times = None
   times, loss = [], float("nan")

@@ -1,4 +1,4 @@
-"""The profiled backend's instruction path (perfmodel/calib/fusion_profiler.py): an instruction cut out of a
+"""The profiled backend's instruction path (perfmodel/cost/profiler.py): an instruction cut out of a
 compiled program computes what it computed there, keeps its layouts, and every compute node is timed or reported;
 profiling outside calibration writes the user's cache, never the committed database."""
 import dataclasses
@@ -9,7 +9,7 @@ import jax.numpy as jnp
 import numpy as np
 
 from perfmodel import hardware
-from perfmodel.calib import bench, fusion_profiler as fp
+from perfmodel.cost import profiler as fp, regime
 from perfmodel.calibration import Calibration, Composition, Form
 from perfmodel.cost import chain as costs
 from perfmodel.cost import database
@@ -179,7 +179,7 @@ def test_profiling_outside_calibration_writes_the_users_cache_and_prediction_rea
   # a committed entry counts as timed (this boot, no calibration date), and a cache entry overrides it
   committed = database.committed_path(database.db_name("cpu"))
   fp_one = sorted(timed)[0]
-  other = {"s": 9.0, "method": "isolated-traced", "boot": bench.boot_id(), "timed_at": "2030-01-01T00:00:00"}
+  other = {"s": 9.0, "method": "isolated-traced", "boot": regime.boot_id(), "timed_at": "2030-01-01T00:00:00"}
   fp_new = "fusion|made-up"
   from perfmodel.calib import store
   store.write_json(committed, {"meta": {}, "entries": {fp_one: other, fp_new: other}})
@@ -195,14 +195,14 @@ def test_entries_of_another_boot_are_timed_again_unless_told_to_reuse_them(tmp_p
   db = tmp_path / "db.json"
   res = fp.profile_program(text, 1, path=str(db))
   data = json.loads(db.read_text())
-  assert {e["boot"] for e in data["entries"].values()} == {bench.boot_id()}
+  assert {e["boot"] for e in data["entries"].values()} == {regime.boot_id()}
   for e in data["entries"].values():
     e["boot"], e["s"] = "another-vm", 1.0  # as if timed on another machine
   db.write_text(json.dumps(data))
   assert fp.profile_program(text, 1, path=str(db), retime_other_boots=False)["timed"] == 0  # reused as they are
   again = fp.profile_program(text, 1, path=str(db))
   assert again["timed"] == res["timed"] and again["cached"] == 0
-  assert all(e["s"] < 1.0 and e["boot"] == bench.boot_id() for e in json.loads(db.read_text())["entries"].values())
+  assert all(e["s"] < 1.0 and e["boot"] == regime.boot_id() for e in json.loads(db.read_text())["entries"].values())
 
 
 def test_entries_timed_before_the_calibration_are_timed_again(tmp_path):

@@ -10,6 +10,7 @@ import time
 import pytest
 
 from perfmodel.calib import bench, calibrate, nodes, runners, suite
+from perfmodel.cost import regime
 from perfmodel.calib.host import HostSpeed, kendall_tau
 
 TRAIN = [c["name"] for c in suite.SUITE]
@@ -216,12 +217,12 @@ def test_pin_regime_sets_single_core_and_single_threaded_xla(monkeypatch):
   monkeypatch.setenv("XLA_FLAGS", "")
   before = os.sched_getaffinity(0)
   try:
-    core = bench.pin()
-    assert os.sched_getaffinity(0) == {core} and bench.pinned()
+    core = regime.pin()
+    assert os.sched_getaffinity(0) == {core} and regime.pinned()
     assert "--xla_cpu_multi_thread_eigen=false" in os.environ["XLA_FLAGS"]
     assert bench.regime()["pinned_core"] == core
   finally:
-    for tid in bench._thread_ids():  # noqa: SLF001 (undo for every thread pin() touched)
+    for tid in regime._thread_ids():  # noqa: SLF001 (undo for every thread pin() touched)
       try:
         os.sched_setaffinity(tid, before)
       except OSError:

@@ -21,9 +21,9 @@ the other backends (counted in the result, never silently): instructions with tu
 layout-changing bitcasts inside a fusion, and anything that fails to compile (the reason is kept; a
 compiler abort kills only the child that compiles).
 
-Timing: XLA:CPU's own per-thunk trace events of the standalone program (perfmodel/calib/trace_nodes.py, as the
+Timing: XLA:CPU's own per-thunk trace events of the standalone program (perfmodel/cost/trace_nodes.py, as the
 calibration traces nodes inside whole programs), low quartile over calls; see :func:`thunk_seconds`. The
-compiling and timing run in a child process (:class:`_Worker`, ``python -m perfmodel.calib.child worker``) pinned
+compiling and timing run in a child process (:class:`_Worker`, ``python -m perfmodel.cost.worker``) pinned
 like its parent.
 
 Where the times go (perfmodel/cost/database.py): ``calibrate`` passes the committed database; everything else
@@ -48,8 +48,7 @@ from jax._src.lib import _jax, xla_client as xc
 from jax._src.lib.mlir import ir
 
 from framework import xla_flags
-from perfmodel.calib import bench, store, trace_nodes
-from perfmodel.cost import database
+from perfmodel.cost import database, regime, trace_nodes
 from perfmodel.graph import hlo_parse as hp
 from perfmodel.graph.from_hlo import build_graph
 from perfmodel.graph.nodes import COMPUTE_KINDS
@@ -277,7 +276,7 @@ class _Worker:
     # one host device, as a one-device job runs (extra virtual devices slow a step down)
     xla_flags.set_host_device_count(1, env)
     trace_nodes.enable(env)
-    self.p = subprocess.Popen([sys.executable, "-m", "perfmodel.calib.child", "worker"], stdin=subprocess.PIPE,
+    self.p = subprocess.Popen([sys.executable, "-m", "perfmodel.cost.worker"], stdin=subprocess.PIPE,
                               stdout=subprocess.PIPE, stderr=subprocess.DEVNULL, text=True, env=env)
 
   def run(self, job: dict) -> dict:
@@ -307,7 +306,7 @@ class _Worker:
 
 def thunk_seconds(exe, types: list, alias=None, target_s: float = 0.15, max_reps: int = 50) -> float:
   """In-kernel seconds of one call of a compiled standalone module (zero-filled arguments of ``types``):
-  XLA:CPU's per-thunk TraceMe events (perfmodel/calib/trace_nodes.py; the flag must be set before jax starts),
+  XLA:CPU's per-thunk TraceMe events (perfmodel/cost/trace_nodes.py; the flag must be set before jax starts),
   each thunk's low quartile over the calls, summed over the thunks of the entry computation. What a call
   costs around its thunks (argument handling, output allocation, handing the work to the executor's
   thread: 7-25 us a call here, measured) is left out, as the program's own thunks do not pay it: timing
@@ -321,7 +320,7 @@ def thunk_seconds(exe, types: list, alias=None, target_s: float = 0.15, max_reps
     if alias is not None:  # the donated argument is consumed by each call: a fresh one (outside the thunks)
       args[alias] = _inputs([types[alias]])[0]
     _run(exe, args)
-  clock = bench.clock()
+  clock = regime.clock()
   call()
   t0 = clock()
   call()
@@ -334,7 +333,7 @@ def thunk_seconds(exe, types: list, alias=None, target_s: float = 0.15, max_reps
 
 
 def worker_main() -> int:
-  """The worker's loop (perfmodel/calib/child.py starts it): one JSON job per line in, one result per line out."""
+  """The worker's loop (perfmodel/cost/worker.py runs it): one JSON job per line in, one result per line out."""
   compiled = {}  # module text -> executable: a later pass over the same instructions times, it does not compile
   for line in sys.stdin:
     job = json.loads(line)
@@ -367,7 +366,7 @@ def profile_program(hlo_text: str, n_devices: int = 1, profile: str = "cpu", pat
   Returns what was timed and skipped.
 
   An entry is timed again, not reused, when:
-  * it was timed on another boot (``retime_other_boots``, default; every entry records its ``bench.boot_id``): the
+  * it was timed on another boot (``retime_other_boots``, default; every entry records its ``regime.boot_id``): the
     database is keyed by device kind and jax version, and two VMs of one kind can differ several-fold in memory
     bandwidth, so a composition fitted on one machine's step times and another's node times fits neither;
   * it was timed before ``stale_before`` (an ISO time: the profile's calibration, :func:`stale_before`): the hybrid
@@ -381,7 +380,7 @@ def profile_program(hlo_text: str, n_devices: int = 1, profile: str = "cpu", pat
   compiled)."""
   dest = path or database.cache_path(database.db_name(profile))
   known = database.read_entries([path] if path else database.profiled_paths(profile))
-  boot = bench.boot_id()
+  boot = regime.boot_id()
   prog = ProgramText(hlo_text)
   g = build_graph(prog.module, n_devices)  # one parse for both
   where = {name: comp for comp, ins in prog.instrs.items() for name in ins}
@@ -431,7 +430,7 @@ def profile_program(hlo_text: str, n_devices: int = 1, profile: str = "cpu", pat
     if log:
       log(f"  {n.name:>40} {n.opcode:>28} {s * 1e6:9.1f} us  (passes {' '.join(f'{t * 1e6:.1f}' for t in times[fp])})")
   if new or not os.path.exists(dest):  # a program seen before leaves the database file as it was
-    store.merge_entries(dest, new, _meta())
+    database.merge_entries(dest, new, _meta())
   return {"timed": len(new), "cached": cached, "skipped": skipped, "db": dest, "seconds": seconds}
 
 
@@ -440,5 +439,5 @@ def _meta() -> dict:
   return {"device_kind": dev.device_kind, "platform": dev.platform, "jax": jax.__version__,
           "host": f"{platform.machine()} {os.cpu_count()} cores", "date": datetime.date.today().isoformat(),
           "method": "'isolated-traced': the instruction cut out of the compiled program, compiled alone, its thunks' "
-                    "traced time (perfmodel/calib/fusion_profiler.py)"}
+                    "traced time (perfmodel/cost/profiler.py)"}
 
