@@ -363,6 +363,9 @@ def validate(cfg: Config, n_devices: int, n_processes: int = 1) -> Config:
     raise ConfigError(f"mesh.form={mesh.form!r}; choose 'jit' or 'shard_map'")
   if mesh.schedule not in ("gpipe", "1f1b"):
     raise ConfigError(f"mesh.schedule={mesh.schedule!r}; choose 'gpipe' or '1f1b'")
+  if mesh.rules == "maxtext" and mesh.form == "shard_map" and mesh.tensor > 1:
+    raise ConfigError("mesh.rules='maxtext' shards the residual stream over the tensor axis in the jit form only: "
+                      "use --config.mesh.form=jit, or mesh.tensor_sequence_parallel=True in the shard_map form")
   if m.n_heads % m.n_kv_heads:
     raise ConfigError(f"model.n_heads={m.n_heads} is not a multiple of model.n_kv_heads={m.n_kv_heads}")
   if m.n_kv_heads % mesh.tensor or m.n_heads % mesh.tensor:

@@ -38,6 +38,10 @@ PRESETS = {
     "zero3": _ACTIVATIONS + _params(("data", "fsdp")),
     # Everything replicated except tensor parallelism (plain DDP + TP).
     "replicated": _ACTIVATIONS + _params(None),
+    # MaxText's logical_axis_rules: the default parameters, and the residual stream between blocks sharded along
+    # its embed dim over the tensor axis ('activation_embed': 'tensor'), so the partitioner gathers it before each
+    # block's first matmul and reduce-scatters after the last (jit form only).
+    "maxtext": tuple((k, "tensor" if k == "act_embed" else v) for k, v in _ACTIVATIONS) + _params("fsdp"),
 }
 
 

@@ -52,7 +52,7 @@ def analytic(cfg: Config) -> MemoryBreakdown:
   tp = mesh.tensor
   # Width per token of the residual stream and norms on one device: 1/tp of it under sequence parallelism
   # (mesh.tensor_sequence_parallel), where remat=none still keeps the two all-gathered matmul inputs whole.
-  sp = mesh.tensor_sequence_parallel and tp > 1
+  sp = (mesh.tensor_sequence_parallel or mesh.rules == "maxtext") and tp > 1
   Dr = D / tp if sp else D
   # Values saved for the backward pass per token per layer (elements), by remat policy.
   full = (4 * Dr + 2 * D if sp else 6 * D) + ((H + 2 * K) * E + H * E) / tp + 4 * F / tp + 2 * H * T / tp

@@ -48,6 +48,7 @@ class Scheduler:
     self.overlap_slowdown = overlap_slowdown
     self.t_comp = self.t_comm = 0.0
     self.t_dp = 0.0  # the data-parallel network's stream (Overlap: gradient and parameter buckets)
+    self.t_ring = {}  # a windowed einsum's ring transfers, one stream per direction (their own links)
     self.exposed = 0.0  # seconds the compute stream waited on communication
     self.end = {}  # node key -> end time
     self.start = {}  # compute node key -> start time
@@ -56,7 +57,7 @@ class Scheduler:
 
   @property
   def makespan(self) -> float:
-    return max(self.t_comp, self.t_comm)
+    return max(self.t_comp, self.t_comm, *self.t_ring.values())
 
   def ready(self, deps) -> float:
     """When the inputs of a node reading ``deps`` (keys of placed nodes) exist."""
@@ -83,10 +84,14 @@ class Scheduler:
     return dur
 
   def collective(self, dur: float, ready: float = 0.0, is_async: bool = False, key=None, name: str = "",
-                 args: Optional[dict] = None, issued: Optional[float] = None) -> float:
+                 args: Optional[dict] = None, issued: Optional[float] = None, ring: int = 0) -> float:
     """Places a collective; returns its start. Synchronous: both streams; async: the comm stream only, from when
-    compute issues it (``issued``: an earlier issue time, a transfer pipelined with the compute before it)."""
-    if is_async:
+    compute issues it (``issued``: an earlier issue time, a transfer pipelined with the compute before it);
+    ``ring``: a windowed einsum's transfer, on the stream of its direction."""
+    if ring:
+      start = max(self.t_ring.get(ring, 0.0), ready, self.t_comp)
+      self.t_ring[ring] = end = start + dur
+    elif is_async:
       start = max(self.t_comm, ready, self.t_comp if issued is None else issued)
       self.t_comm = start + dur
       end = self.t_comm
@@ -262,7 +267,7 @@ def schedule(graph: ExecGraph, chain: Chain, region: str = None, _cache=None,
         param_start[n.id] = sched.dp_transfer(dur, ready, key=n.id) - dur
     elif n.collective is not None:
       busy[n.kind] += dur
-      sched.collective(dur, ready, n.collective.is_async, key=n.id, name=n.name)
+      sched.collective(dur, ready, n.collective.is_async, key=n.id, name=n.name, ring=n.collective.ring)
     else:
       dur = sched.compute(dur, ready, key=n.id, name=n.name)
       busy[n.kind] += dur

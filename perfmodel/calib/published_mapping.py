@@ -85,6 +85,8 @@ SRC = {
                     "its Megatron-LM baseline runs the same parallel configuration (Table 2)",
     "torchtitan_sp": "torchtitan's tensor-parallel plan shards the norms and the activations between blocks along "
                      "the sequence (SequenceParallel in parallelize_llama)",
+    "maxtext_sp": "MaxText logical_axis_rules ['activation_embed', 'tensor'] (MaxText/configs/base.yml): the "
+                  "residual stream between blocks is sharded along its embed dim over the tensor axis",
     "recompute_rule": "recompute not published: 'minimal' (matmul outputs kept, the attention core recomputed by "
                       "the flash kernel: Megatron's default keeps every activation, flash attention recomputes "
                       "its scores)",
@@ -185,6 +187,8 @@ def row_features(r: P.PublishedRun) -> dict:
   elif fam == "megatron_core":
     f["sequence_parallel"] = Fact("--tp-comm-overlap" in r.notes or "--sequence-parallel" in r.notes,
                                   SRC["megatron_sp"])
+  elif fam == "maxtext" and r.pipeline == 1:
+    f["sequence_parallel"] = Fact("embed", SRC["maxtext_sp"])
   elif fam in ("nemo", "megascale", "megatron_megascale", "torchtitan"):
     f["sequence_parallel"] = Fact(True, SRC[{"nemo": "nemo_sp", "torchtitan": "torchtitan_sp"}.get(fam,
                                                                                                   "megascale_sp")])
@@ -223,7 +227,8 @@ FEATURE_KEYS = {
     "context_parallel": {"none": {}, "ring": {"model.attention": "ring"}, "all_gather": {},
                          "ring_in_pipeline": {"model.attention": None}},
     "matmul_precision": {"bf16": {}, "fp8": {"model.matmul_precision": "fp8"}},
-    "sequence_parallel": {False: {}, True: {"mesh.tensor_sequence_parallel": True, "mesh.form": "shard_map"}},
+    "sequence_parallel": {False: {}, True: {"mesh.tensor_sequence_parallel": True, "mesh.form": "shard_map"},
+                          "embed": {"mesh.rules": "maxtext"}},
     "recompute": {"key": "model.remat"},
     "program_layers": {"key": "model.n_layers"},
 }

@@ -32,6 +32,7 @@ ASYNC_COPIES = ("copy-start", "copy-done")
 # XLA:TPU's async collective fusions: a fusion whose root custom-call starts (or finishes) the collective fused in
 # it; the TensorCore computes while the transfer runs (libtpu: xla_tpu_enable_async_collective_fusion)
 TPU_ASYNC = ("AsyncCollectiveStart", "AsyncCollectiveDone")
+WINDOWED_BODY = "windowed_dot_general_body"  # computations of XLA's windowed einsum (collective matmul) loops
 # custom-calls that allocate or annotate and do no work of their own (TPU)
 NO_WORK_CALLS = {"AllocateBuffer", "AssumeGatherIndicesInBound", "GatherScatterIndicesBitpacked", "Sharding",
                  "SPMDFullToShardShape", "SPMDShardToFullShape", "MoveToHost", "MoveToDevice"}
@@ -399,6 +400,12 @@ class _Builder:
         target = wrapped.root
         comp = wrapped
       info = _collective_info(target, comp, kind, self.n_devices, is_async=role == "start")
+      if kind == "collective-permute" and role != "start" and WINDOWED_BODY in comp.name:
+        # XLA's windowed einsum (collective matmul) cuts a sharded matmul into chunks whose ring transfers run
+        # while the previous chunk multiplies: the permute is on the comm stream, what reads it waits for it
+        pairs = hp.parse_pairs(info.groups_text)
+        forward = bool(pairs) and pairs[0][1] == pairs[0][0] + 1
+        info = dataclasses.replace(info, is_async=True, ring=1 if forward else -1)
       node = Node(id=self.new_id(), name=ins.name, kind="p2p" if kind == "collective-permute" else "collective",
                   opcode=op, bytes=info.bytes, out_bytes=ins.out_bytes, deps=deps, attribution=attr, collective=info,
                   fingerprint=f"{kind}|{info.group_size}|{int(info.bytes)}")

@@ -46,6 +46,7 @@ class CollectiveInfo:
   channel_id: int = -1
   is_async: bool = False
   n_devices: int = 1
+  ring: int = 0  # a windowed einsum's ring transfer: its direction (+1 / -1), each direction on its own links
 
   def groups(self) -> list:
     return list(_groups(self.kind, self.groups_text, self.n_devices))
