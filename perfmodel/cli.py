@@ -298,9 +298,9 @@ def _parser():
   va.add_argument("--strict", action="store_true",
                   help="--published: a stale committed program (other mapping, code or compiler) is an error")
   va.add_argument("--record", action="store_true",
-                  help="write the committed record of this run: a benchmarks/RESULTS.md row and, without --png, "
-                       "benchmarks/perfmodel_validate.png; --published: benchmarks/data/published_validation.json and "
-                       "its RESULTS.md row (with --reprice or --save-programs)")
+                  help="write the committed record of this run: benchmarks/data/perfmodel_validate.json and, without "
+                       "--png, benchmarks/perfmodel_validate.png; --published: benchmarks/data/published_validation.json "
+                       "(with --reprice or --save-programs)")
   va.add_argument("--compile-budget", default="75", metavar="SECONDS|full",
                   help="--published: each row's predict --compile-budget (default 75, as predict: the programs a "
                        "user's predict prices; 'full': finished executables, minutes per TPU row)")
