@@ -137,7 +137,7 @@ def run(suite_path=None, reps: int = 7, backend: str = "auto", png: str = None, 
     tail = (f" --backend {backend}" if backend != "auto" else "") + (
         f" --rounds {len(caches)}" if len(caches) > 1 and not stored else "")
     _record(out, "python -m perfmodel validate --record" + tail
-            + (f" --measurements {' '.join(stored)}" if stored else ""), taken if stored else None)
+            + (f" --measurements {' '.join(files)}" if files else ""), taken if stored else None)
   return out
 
 
