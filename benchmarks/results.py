@@ -168,7 +168,8 @@ def _emulate_scale(d):
                     for r in d.get("per_rank") or [])
   mesh = " x ".join(f"{k} {v}" for k, v in (d.get("mesh") or {}).items() if v != 1)
   fig = (f"{num(d.get('emulated_devices'), 'd')} ranks ({mesh}), {d.get('config')}, reduced: "
-         f"{d.get('reduced', 'n/a')}, executed: {d.get('executed')}, target {d.get('hardware')}: iteration "
+         f"{d.get('reduced', 'n/a')}, executed: {d.get('executed')}, target {d.get('hardware')}"
+         f"{', overrides ' + ' '.join(d['overrides']) if d.get('overrides') else ''}: iteration "
          f"**{num(d.get('iteration_time_s'))} s**, MFU {pct(100 * d['mfu'] if isinstance(d.get('mfu'), float) else None, '.1f')}; "
          f"{ranks}; per-chip peak {num(d.get('peak_memory_bytes'), ',d')} B; wall {num(d.get('process_wall_s'), '.0f')} s, "
          f"peak RSS {num((d.get('peak_rss_bytes') or 0) / 1e9, '.2f')} GB")
@@ -301,6 +302,8 @@ HEADLINES = [
     Headline("Inference-configuration search", ("infer_search.json",), _infer_search),
     Headline("Faithful emulation vs real runs", ("emulate_validate.json",), _emulate_validate),
     Headline("Emulation at scale: Llama-3-70B", ("emulate_l70b.json",), _emulate_scale),
+    Headline("Emulation at scale: Llama-3-70B in the Llama 3 paper's 8192-GPU layout",
+             ("emulate_l70b_paper_layout.json",), _emulate_scale),
     Headline("Emulation at scale: emulator cost vs ranks", ("emulate_ranks.json",), _emulate_ranks),
     Headline("Hot-swap resilience", ("hotswap_full.json", "hotswap_quick.json"), _hotswap, _hotswap_prov),
     Headline("On-device, single device vs llama.cpp", ("ondevice_bench_single.json",), _ondevice_single),
