@@ -19,9 +19,9 @@
 * ``primacpp_spec``: speculative decoding speed-up vs draft length on real text (stdlib source prompts) with
   acceptance < 1, wall clock. Data: ondevice_spec.json (``python -m ondevice.bench --suite spec``).
 
-  PYTHONPATH=. python -m experiments.figures.primacpp [--out-dir DIR]
-  PYTHONPATH=. nice -n 10 python -m experiments.figures.primacpp --rerun ksweep|sizes   # minutes; rewrites the data
-  PYTHONPATH=. python -m experiments.figures.primacpp --store ring|spec OUT.json  # keep an ondevice.bench output
+  python -m experiments.figures.primacpp [--out-dir DIR]
+  nice -n 10 python -m experiments.figures.primacpp --rerun ksweep|sizes   # minutes; rewrites the data
+  python -m experiments.figures.primacpp --store ring|spec OUT.json  # keep an ondevice.bench output
 """
 from __future__ import annotations
 
