@@ -364,7 +364,8 @@ def _finish(rounds, layouts, a, t0, previous=None) -> int:
   without_call_waits = statistics.mean(abs(v["error_without_call_waits_pct"]) for v in per.values())
   curves = [v.get("error_curves_pct") for v in per.values()]
   mean_abs_curves = statistics.mean(abs(c) for c in curves) if all(c is not None for c in curves) else None
-  out = {"benchmark": "emulate_validate", **provenance.stamp("benchmarks.emulate_validate", getattr(a, "argv", None)), "processes": 2,
+  out = {"benchmark": "emulate_validate", **provenance.stamp("benchmarks.emulate_validate", getattr(a, "argv", None)),
+         "processes": 2,
          "four_processes": "not run: the host has 2 cores, and each process needs its own core",
          "mean_abs_error_pct": mean_abs, "mean_abs_error_no_straggler_pct": mean_abs_no_straggler,
          "mean_abs_error_curves_pct": mean_abs_curves,

@@ -44,6 +44,16 @@ def pct(x, fmt: str = ".2f") -> str:
   return num(x, fmt, "%")
 
 
+def times(x, k: float):
+  """``x * k`` for a number, else None (prints as n/a)."""
+  return x * k if isinstance(x, (int, float)) and not isinstance(x, bool) else None
+
+
+def count(x):
+  """The number of entries of a list or dict, or the number itself."""
+  return len(x) if isinstance(x, (list, dict)) else x
+
+
 def _cell(s) -> str:
   return str(s).replace("|", "\\|").replace("\n", " ")
 
@@ -66,7 +76,7 @@ def _train_step(d):
   r = s.get("framework_over_plain", {})
   fig = (f"framework step / hand-written jax.jit step **{num(r.get('median'), '.3f')}** (paired median of "
          f"{num(r.get('n'), 'd')} repetitions, {num(r.get('min'), '.3f')}-{num(r.get('max'), '.3f')}; CPU time "
-         f"{num(g(s, 'framework_over_plain_cpu', 'median'), '.3f')}); {num(s.get('n_params', 0) / 1e6, '.1f')}M "
+         f"{num(g(s, 'framework_over_plain_cpu', 'median'), '.3f')}); {num(times(s.get('n_params'), 1e-6), '.1f')}M "
          f"params, {num(s.get('tokens_per_s'), '.0f')} tokens/s; achieved / matmul FLOP/s "
          f"{num(s.get('flops_over_matmul'), '.3f')}; loss difference {num(g(s, 'loss_check', 'max_abs_diff'), '.1e')}")
   base = (f"the hand-written jax.jit step (benchmarks/plain_llama.py) = 1.000; its achieved / matmul FLOP/s "
@@ -134,12 +144,13 @@ def _published(d):
   bchips = g(sc, "included", "baseline", "by_chip") or {}
   if chips:
     parts.append("by chip (included) " + ", ".join(
-        f"{c} {pct(g(v, 'mape_pct'), '.1f')} vs {pct(g(bchips, c, 'mape_pct'), '.1f')}" for c, v in sorted(chips.items())))
+        f"{c} {pct(g(v, 'mape_pct'), '.1f')} vs {pct(g(bchips, c, 'mape_pct'), '.1f')}"
+        for c, v in sorted(chips.items())))
   fits = d.get("fits")
   if isinstance(fits, dict):
     parts.append(f"programs that fit their chip {num(fits.get('n_fit'), 'd')} of {num(fits.get('n_checked'), 'd')}")
   parts.append(f"priced {num(d.get('n_priced'), 'd')}, not compiled {num(d.get('n_not_compiled'), 'd')}, failed "
-               f"{num(d.get('n_failed'), 'd')}, stale {num(len(d['stale']) if isinstance(d.get('stale'), (list, dict)) else d.get('stale'), 'd')}")
+               f"{num(d.get('n_failed'), 'd')}, stale {num(count(d.get('stale')), 'd')}")
   base_name = g(d, "baseline", "name") or g(d, "baseline", "what") or (
       d["baseline"] if isinstance(d.get("baseline"), str) else "the constant-MFU baseline")
   return "; ".join(parts), f"{base_name}, same rows: " + "; ".join(bases)
@@ -170,12 +181,12 @@ def _emulate_scale(d):
   fig = (f"{num(d.get('emulated_devices'), 'd')} ranks ({mesh}), {d.get('config')}, reduced: "
          f"{d.get('reduced', 'n/a')}, executed: {d.get('executed')}, target {d.get('hardware')}"
          f"{', overrides ' + ' '.join(d['overrides']) if d.get('overrides') else ''}: iteration "
-         f"**{num(d.get('iteration_time_s'))} s**, MFU {pct(100 * d['mfu'] if isinstance(d.get('mfu'), float) else None, '.1f')}; "
-         f"{ranks}; per-chip peak {num(d.get('peak_memory_bytes'), ',d')} B; wall {num(d.get('process_wall_s'), '.0f')} s, "
-         f"peak RSS {num((d.get('peak_rss_bytes') or 0) / 1e9, '.2f')} GB")
+         f"**{num(d.get('iteration_time_s'))} s**, MFU {pct(times(d.get('mfu'), 100), '.1f')}; {ranks}; per-chip peak "
+         f"{num(d.get('peak_memory_bytes'), ',d')} B; wall {num(d.get('process_wall_s'), '.0f')} s, peak RSS "
+         f"{num(times(d.get('peak_rss_bytes'), 1e-9), '.2f')} GB")
   p = d.get("predict") or {}
   base = (f"`perfmodel predict` on the same config: {num(p.get('step_time_s'))} s "
-          f"({pct(100 * p['relative_difference'] if isinstance(p.get('relative_difference'), float) else None, '+.2f')})")
+          f"({pct(times(p.get('relative_difference'), 100), '+.2f')})")
   return fig, base
 
 
@@ -183,7 +194,7 @@ def _emulate_ranks(d):
   pts = d.get("points") or []
   fig = "emulator cost from one CPU device: " + "; ".join(
       f"{p.get('emulated_ranks')} ranks: wall {num(p.get('process_wall_s'), '.1f')} s, peak RSS "
-      f"{num((p.get('peak_rss_bytes') or 0) / 1e9, '.2f')} GB" for p in pts)
+      f"{num(times(p.get('peak_rss_bytes'), 1e-9), '.2f')} GB" for p in pts)
   return f"{fig} ({d.get('config')}, target {d.get('hardware')})", "-"
 
 
@@ -253,7 +264,8 @@ def _ondevice_ksweep(d):
   fig = f"{d.get('model', 'n/a')}: TPOT by ring rounds k: " + ", ".join(
       f"{r.get('runtime')} k={r.get('k')} {num(r.get('tpot_ms'), '.1f')} ms" for r in rows)
   k1 = [r for r in rows if r.get("k") == 1]
-  return fig, "k = 1 (no ring rounds): " + ", ".join(f"{r.get('runtime')} {num(r.get('tpot_ms'), '.1f')} ms" for r in k1)
+  return fig, "k = 1 (no ring rounds): " + ", ".join(
+      f"{r.get('runtime')} {num(r.get('tpot_ms'), '.1f')} ms" for r in k1)
 
 
 def _ondevice_spec(d):
@@ -287,8 +299,8 @@ def _reliability(d):
 
 def _infer_search(d):
   fig = (f"{num(d.get('n_candidates'), 'd')} candidates: predicted best {d.get('best_predicted')}, speed-up over the "
-         f"default **{pct(d.get('measured_speedup_pct'), '+.1f')} measured** vs {pct(d.get('predicted_speedup_pct'), '+.1f')} "
-         f"predicted; measured best {d.get('best_measured', 'n/a')}")
+         f"default **{pct(d.get('measured_speedup_pct'), '+.1f')} measured** vs "
+         f"{pct(d.get('predicted_speedup_pct'), '+.1f')} predicted; measured best {d.get('best_measured', 'n/a')}")
   return fig, f"the default configuration ({d.get('default')})"
 
 

@@ -377,7 +377,8 @@ def main(argv=None) -> int:
     return 0
   cfg = build_config(args)
   res = {"benchmark": "train_step", "command": provenance.command("benchmarks.train_step", argv),
-         "machine": f"{machine()}, {jax.devices()[0].platform}", "date": provenance.now(), "jax": jax.__version__, "xla_flags": os.environ.get("XLA_FLAGS", ""),
+         "machine": f"{machine()}, {jax.devices()[0].platform}", "date": provenance.now(), "jax": jax.__version__,
+         "xla_flags": os.environ.get("XLA_FLAGS", ""),
          "devices": jax.device_count(), "platform": jax.devices()[0].platform, "pinned": args.pin, "quick": args.quick,
          "cores": len(os.sched_getaffinity(0)),
          "load_avg_start": os.getloadavg()[0], "model": cfg.model.__dict__,

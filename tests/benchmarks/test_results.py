@@ -75,7 +75,8 @@ def test_accuracy_figures_sit_beside_their_baseline(copy):
   p = json.loads((data / "published_validation.json").read_text())
   row = next(line for line in out.read_text().splitlines() if "published_validation.json" in line)
   inc = p["scores"]["included"]
-  assert f"MAPE **{inc['model']['mape_pct']:.1f}%**" in row and f"included: MAPE {inc['baseline']['mape_pct']:.1f}%" in row
+  assert f"MAPE **{inc['model']['mape_pct']:.1f}%**" in row
+  assert f"included: MAPE {inc['baseline']['mape_pct']:.1f}%" in row
 
 
 def test_other_shapes_render_what_they_have(copy):
@@ -102,3 +103,28 @@ def test_a_missing_data_file_drops_its_row(copy):
   os.remove(data / "infer_search.json")
   assert results.main(["--data", str(data), "--out", str(out)]) == 0
   assert "infer_search.json" not in out.read_text() and "train_step.json" in out.read_text()
+
+
+def test_what_the_recording_commands_write_renders(copy, monkeypatch):
+  """``ondevice.bench --record`` and ``perfmodel validate --record`` write a data file with command, machine and
+  date, and the next render shows that run (nothing is appended anywhere)."""
+  from ondevice import bench
+  from perfmodel.calib import validate
+  data, out = copy
+  res = json.loads((data / "ondevice_bench_single.json").read_text())["result"]
+  res["threads_1"]["ratio_ours_over_llama_cpp_exact"] = 0.5
+  bench.record("single", "python -m ondevice.bench --suite single --record", res,
+               str(data / "ondevice_bench_single.json"))
+  host = json.loads((data / "perfmodel_validate.json").read_text())
+  for k in ("command", "machine", "date"):
+    host.pop(k)
+  host["mape"] = 42.0
+  monkeypatch.setattr(validate, "RECORD_JSON", str(data / "perfmodel_validate.json"))
+  validate._record(host, "python -m perfmodel validate --record --rounds 3")
+  assert results.main(["--data", str(data), "--out", str(out)]) == 0
+  lines = out.read_text().splitlines()
+  single = next(line for line in lines if "ondevice_bench_single.json" in line)
+  assert "**0.50x**" in single and "`python -m ondevice.bench --suite single --record`" in single
+  assert json.loads((data / "ondevice_bench_single.json").read_text())["date"] in single
+  one = next(line for line in lines if "(data/perfmodel_validate.json)" in line)
+  assert "MAPE **42.00%**" in one and "`python -m perfmodel validate --record --rounds 3`" in one
