@@ -1,7 +1,7 @@
 """Emulator cost vs emulated ranks: wall time and host peak memory of `python -m perfmodel emulate` from ONE
 CPU device as the emulated mesh grows 8 -> 8192 ranks (PrismLLM's scale figure).
 
-  PYTHONPATH=. python benchmarks/emulate_ranks.py [--ranks 8,64,512,2048,8192] [--out FILE]
+  python -m benchmarks.emulate_ranks [--ranks 8,64,512,2048,8192] [--out FILE]
   (default FILE: benchmarks/data/emulate_ranks.json, which the figure reads)
 
 The model is `experiments/configs/llama3_70b.py:runlocal=True` (toy widths, 4 layers, 1F1B over 2 stages), on the
@@ -16,14 +16,14 @@ communication grows with the data-parallel all-reduce group.
 from __future__ import annotations
 
 import argparse
-import datetime
 import json
 import os
-import platform
 import subprocess
 import sys
 import tempfile
 import time
+
+from benchmarks import provenance
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 CONFIG = "experiments/configs/llama3_70b.py:runlocal=True"
@@ -71,8 +71,7 @@ def main(argv=None) -> int:
     print(f"{n} ranks: wall {pt['process_wall_s']:.1f} s, CPU {pt['process_cpu_s']:.1f} s, "
           f"peak RSS {pt['peak_rss_bytes'] / 1e9:.2f} GB, "
           f"iteration {pt['iteration_time_s'] * 1e3:.2f} ms, load {pt['load_avg_1m']}", file=sys.stderr, flush=True)
-  out = {"benchmark": "emulate_ranks", "date": datetime.datetime.now().isoformat(timespec="minutes"),
-         "machine": f"{platform.machine()} {os.cpu_count()} cores (shared)", "config": CONFIG,
+  out = {"benchmark": "emulate_ranks", **provenance.stamp("benchmarks.emulate_ranks", argv), "config": CONFIG,
          "hardware": a.hardware, "points": points}
   os.makedirs(os.path.dirname(os.path.abspath(a.out)), exist_ok=True)
   with open(a.out, "w") as f:

@@ -1,7 +1,7 @@
 """Llama-3-70B at 8192 ranks (tensor=8 x pipeline=16 x fsdp=64) emulated compile-only on the h100 target, beside
 `predict` for the same config (issue 4 "Scale"; one pricing for predict and emulate).
 
-  PYTHONPATH=. python benchmarks/emulate_scale.py [--hardware h100] [--framework NAME] [--config.x=y ...] [--no-results]
+  python -m benchmarks.emulate_scale [--hardware h100] [--framework NAME] [--config.x=y ...] [--json FILE]
 
 Runs `python -m perfmodel.emulate --config experiments/configs/llama3_70b.py --compile-only` and then
 `python -m perfmodel predict` on the same config in child processes (the emulator's peak RSS is measured), and
@@ -10,20 +10,21 @@ Nothing is reduced: the step is the real one (seq 8192, 16 micro-batches of one 
 compile-only devices of the target (perfmodel/target.py; the program is cached, so `predict` reads the emulator's
 compile), every rank class priced from its pipeline stage's program by predict's cost chain
 (perfmodel/emulate/at_scale.py). ``--config.*`` overrides go to both (e.g. the Llama 3 paper's 8192-GPU layout:
-``--config.data.global_batch=2048 --config.mesh.microbatches=32``).
+``--config.data.global_batch=2048 --config.mesh.microbatches=32``). Writes benchmarks/data/emulate_l70b.json
+(``--json``), with the command, machine and date.
 """
 from __future__ import annotations
 
 import argparse
-import datetime
 import json
 import os
-import platform
 import resource
 import subprocess
 import sys
 import tempfile
 import time
+
+from benchmarks import provenance
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 CONFIG = "experiments/configs/llama3_70b.py"
@@ -40,8 +41,9 @@ def main(argv=None) -> int:
   ap = argparse.ArgumentParser()
   ap.add_argument("--hardware", default="h100")
   ap.add_argument("--framework", default=None)
-  ap.add_argument("--no-results", action="store_true")
-  ap.add_argument("--out", default=None)
+  ap.add_argument("--out", default=None, help="the emulator's output folder (default: a temporary one)")
+  ap.add_argument("--json", default=os.path.join(ROOT, "benchmarks", "data", "emulate_l70b.json"),
+                  help="where the result goes (default: the committed benchmarks/data/emulate_l70b.json; '' for none)")
   a, overrides = ap.parse_known_args(argv)
   bad = [x for x in overrides if not x.startswith("--config.")]
   if bad:
@@ -59,8 +61,7 @@ def main(argv=None) -> int:
   pred = _child([sys.executable, "-m", "perfmodel", "predict", "--config", CONFIG, "--hardware", a.hardware, *fw,
                  *overrides], env)
   out = {
-      "benchmark": "emulate_scale", "date": datetime.datetime.now().isoformat(timespec="minutes"),
-      "machine": f"{platform.machine()} {os.cpu_count()} cores (shared), 24 GB", "config": CONFIG,
+      "benchmark": "emulate_scale", **provenance.stamp("benchmarks.emulate_scale", argv, "24 GB"), "config": CONFIG,
       "overrides": overrides, "framework": a.framework, "emulated_devices": res["emulated_devices"],
       "real_devices": res["real_devices"], "mesh": res["mesh"], "hardware": a.hardware, "executed": False,
       "reduced": "nothing", "iteration_time_s": res["iteration_time_s"], "mfu": res["mfu"],
@@ -73,19 +74,10 @@ def main(argv=None) -> int:
       "wall_time_s": res["wall_time_s"], "process_wall_s": wall, "peak_rss_bytes": rss, "notes": res["notes"],
       "trace_files": res["trace_files"]}
   print(json.dumps(out, default=str))
-  if not a.no_results:
-    per = "; ".join(f"{r['class']} rank {r['rank']}: {r['iteration_time_s']:.2f} s (compute {r['compute_s']:.2f}, "
-                    f"exposed comm {r['exposed_comm_s']:.2f} of {r['comm_s']:.2f}, pipeline wait {r['wait_s']:.2f})"
-                    for r in out["per_rank"])
-    row = (f"| {out['date']} | `PYTHONPATH=. python benchmarks/emulate_scale.py --hardware {a.hardware}"
-           f"{' --framework ' + a.framework if a.framework else ''}{' ' + ' '.join(overrides) if overrides else ''}` | "
-           f"{out['machine']} | Llama-3-70B, 8192 ranks, compile only on the {a.hardware} target (every class "
-           f"priced from the target-compiled program by predict's chain): iteration {out['iteration_time_s']:.2f} s, "
-           f"MFU {100 * out['mfu']:.1f}%; {per}; per-chip peak {out['peak_memory_bytes']:,} B; predict "
-           f"{pred['step_time_s']:.2f} s ({100 * out['predict']['relative_difference']:+.2f}%); wall {wall:.0f} s, "
-           f"peak RSS {rss / 1e9:.1f} GB |\n")
-    with open(os.path.join(ROOT, "benchmarks", "RESULTS.md"), "a") as f:
-      f.write(row)
+  if a.json:
+    os.makedirs(os.path.dirname(os.path.abspath(a.json)), exist_ok=True)
+    with open(a.json, "w") as f:
+      json.dump(out, f, indent=1, default=str)
   return 0
 
 

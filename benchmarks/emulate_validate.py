@@ -2,7 +2,7 @@
 with `perfmodel predict` (calibrated backend) and the roofline, for the data / tensor / pipeline layouts of
 experiments/configs/emulate_validate.py.
 
-  PYTHONPATH=. python benchmarks/emulate_validate.py [--rounds 3] [--layouts data,tensor,pipeline] [--no-results]
+  python -m benchmarks.emulate_validate [--rounds 3] [--layouts data,tensor,pipeline] [--json FILE]
 
 Per round and layout, interleaved (real, emulated, real again; layouts rotated between rounds). The host's
 speed drifts by up to ~35% within an hour and 5-15% between consecutive minutes (README), so the emulation is
@@ -20,15 +20,14 @@ a linear drift then cancels instead of landing on the error:
     processes instead (`emulate --replay-collectives`; the curve-priced result is kept beside it); memory
     from the real 2-device program compiled on 2 virtual devices.
   * predict / roofline: `python -m perfmodel predict` (compile method) once per layout.
-Prints one JSON object, writes benchmarks/data/emulate_validate.json and .png, appends a row to RESULTS.md.
+Prints one JSON object and writes benchmarks/data/emulate_validate.json (``--json``; with the command, machine and
+date) and benchmarks/emulate_validate.png.
 """
 from __future__ import annotations
 
 import argparse
-import datetime
 import json
 import os
-import platform
 import statistics
 import subprocess
 import sys
@@ -36,8 +35,9 @@ import tempfile
 import time
 from typing import Optional
 
+from benchmarks import provenance
+
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
-sys.path.insert(0, ROOT)
 CONFIG = "experiments/configs/emulate_validate.py"
 
 
@@ -224,7 +224,7 @@ def aggregate(rounds: list, layouts: list, predict: bool = True, previous: Optio
             / real_med - 1),
         "emulated_per_call_wait_s": statistics.median(max(rk.get("per_call_wait_s") or 0.0 for rk in e["ranks"])
                                                       for e in emus),
-        # the same emulation with the session-20 wait model (the whole-step straggler term only, no per-call
+        # the same emulation with the simpler wait model (the whole-step straggler term only, no per-call
         # waits): the waits are additive in a one-class timeline, so this is iteration - added + estimate
         "error_without_call_waits_pct": 100 * (statistics.median(
             e["iteration_time_s"] - max((rk.get("per_call_wait_s") or 0.0) + (rk.get("straggler_wait_s") or 0.0)
@@ -293,7 +293,6 @@ def main(argv=None) -> int:
   ap.add_argument("--steps", type=int, default=14)
   ap.add_argument("--warmup-steps", type=int, default=4, help="real-run steps dropped (the first is compile)")
   ap.add_argument("--repeats", type=int, default=10)
-  ap.add_argument("--no-results", action="store_true")
   ap.add_argument("--no-alone", action="store_true",
                   help="skip the side-by-side emulation that times the rank alone (no shadow of its co-located peer)")
   ap.add_argument("--no-calibrate", action="store_true", help="use the stored gloo calibration as is")
@@ -314,6 +313,7 @@ def main(argv=None) -> int:
   ap.add_argument("--no-predict", action="store_true", help="skip the predict / roofline columns")
   ap.add_argument("--reaggregate", default=None, help="recompute the summary from a saved JSON (no runs)")
   a = ap.parse_args(argv)
+  a.argv = argv
   if a.reaggregate:
     with open(a.reaggregate) as f:
       saved = json.load(f)
@@ -364,12 +364,12 @@ def _finish(rounds, layouts, a, t0, previous=None) -> int:
   without_call_waits = statistics.mean(abs(v["error_without_call_waits_pct"]) for v in per.values())
   curves = [v.get("error_curves_pct") for v in per.values()]
   mean_abs_curves = statistics.mean(abs(c) for c in curves) if all(c is not None for c in curves) else None
-  out = {"benchmark": "emulate_validate", "date": datetime.datetime.now().isoformat(timespec="minutes"),
-         "machine": f"{platform.machine()} {os.cpu_count()} cores (shared)", "processes": 2,
+  out = {"benchmark": "emulate_validate", **provenance.stamp("benchmarks.emulate_validate", getattr(a, "argv", None)),
+         "processes": 2,
          "four_processes": "not run: the host has 2 cores, and each process needs its own core",
          "mean_abs_error_pct": mean_abs, "mean_abs_error_no_straggler_pct": mean_abs_no_straggler,
          "mean_abs_error_curves_pct": mean_abs_curves,
-         # the same emulations with the session-20 wait model (no per-call waits, the whole straggler term)
+         # the same emulations with the simpler wait model (no per-call waits, the whole straggler term)
          "mean_abs_error_without_call_waits_pct": without_call_waits,
          # per round, emulated vs the real runs bracketing it; the median over rounds per layout, |.| averaged
          "mean_abs_paired_error_pct": mean_abs_paired,
@@ -394,45 +394,7 @@ def _finish(rounds, layouts, a, t0, previous=None) -> int:
   except Exception as e:  # noqa: BLE001 - the numbers matter more than the figure
     out["png_error"] = repr(e)
   print(json.dumps(out, default=str))
-  if not a.no_results:
-    _append(out, a)
   return 0
-
-
-def _append(out: dict, a) -> None:
-  path = os.path.join(ROOT, "benchmarks", "RESULTS.md")
-  if not os.path.exists(path):
-    with open(path, "w") as f:
-      f.write("# Benchmark results\n\n| date | command | machine | numbers |\n|---|---|---|---|\n")
-  cells = []
-  for lay, v in out["layouts"].items():
-    mem = (f"mem exact-compile {v['memory_emulated_exact_bytes']:,} B vs real {max(v['memory_real_per_rank_bytes']):,} B "
-           f"(diff {v['memory_error_bytes']} B), stand-in program {v['memory_standin_error_pct']:+.2f}%")
-    cells.append(f"{lay}: real {v['real_s'] * 1e3:.1f} ms (noise p10-p90 {v['real_noise_p10_p90_pct']:.0f}%, across rounds "
-                 f"{v['real_across_rounds_pct']:.0f}%, moved {_fmtl(v.get('real_drift_across_emulation_pct'))}% "
-                 f"between the real runs around each emulation), emulate {v['emulated_s'] * 1e3:.1f} ms "
-                 f"({v['error_pct']:+.1f}%; per round vs the real runs around it {_fmtl(v['paired_error_pct'])}%"
-                 + (f", same rounds with the shadow back to back {_fmtl(v['paired_error_free_shadow_pct'])}%"
-                    if v.get("paired_error_free_shadow_pct") else "") + "; without the "
-                 f"straggler wait {v['error_no_straggler_pct']:+.1f}%, without the per-call waits "
-                 f"({_fmt(v.get('emulated_per_call_wait_s'))} per step) {v['error_without_call_waits_pct']:+.1f}%"
-                 + (f", collectives priced by the curves {_fmtp(v['error_curves_pct'])}" if v.get("error_curves_pct")
-                    is not None else "") + "), "
-                 f"predict per rank {_fmt(v.get('predict_per_rank_s'))} vs real CPU per rank "
-                 f"({_fmtp(v.get('predict_per_rank_vs_real_cpu_pct'))}), roofline {_fmt(v['roofline_s'])} "
-                 f"({_fmtp(v['roofline_error_pct'])}); rank timed alone (no peer shadow) {_fmt(v.get('emulated_alone_s'))} "
-                 f"({_fmtp(v.get('error_alone_pct'))}); process CPU per step real {_fmt(v.get('real_cpu_s'))} vs emulated "
-                 f"compute {_fmt(v.get('emulated_cpu_compute_s'))}; {mem}")
-  row = (f"| {out['date']} | `PYTHONPATH=. python benchmarks/emulate_validate.py --rounds {out['rounds']}{(' ' + out['flags']) if out.get('flags') else ''}` | {out['machine']}, "
-         f"load {out['load_avg_1m_end']:.0f} | emulate_validate, 2 processes gloo vs 1 real rank + virtual peer: mean "
-         f"abs iteration-time error {out['mean_abs_error_pct']:.1f}% (target 2%; per-round pairs, median over rounds "
-         f"{out['mean_abs_paired_error_pct']:.1f}%; without the straggler wait "
-         f"{out['mean_abs_error_no_straggler_pct']:.1f}%; without the per-call waits "
-         f"{out['mean_abs_error_without_call_waits_pct']:.1f}%" + (
-             f"; collectives priced by the curves instead of replayed {out['mean_abs_error_curves_pct']:.1f}%"
-             if out.get("mean_abs_error_curves_pct") is not None else "") + "); " + "; ".join(cells) + " |\n")
-  with open(path, "a") as f:
-    f.write(row)
 
 
 def _fmt(x):

@@ -1,7 +1,7 @@
 """Hot-swap resilience benchmark: overheads with their noise floor, recovery, survival, goodput from other runs.
 
-  python benchmarks/hotswap.py [--failures 5] [--steps 60] [--probe-block 5] [--persist-every 10]
-                               [--persist-steps 120] [--calib-per-kind 2] [--quick] [--no-append]
+  python -m benchmarks.hotswap [--failures 5] [--steps 60] [--probe-block 5] [--persist-every 10]
+                               [--persist-steps 120] [--calib-per-kind 2] [--quick] [--json FILE]
 
 Five jobs of one config (experiments/configs/hotswap.py: 4 nodes + warm spares on localhost, FSDP over the
 nodes, ~13.1 MB of fp32 params; --quick: the tiny model), the persistent tier on (async orbax every
@@ -21,12 +21,12 @@ Every job's losses and every rank's final state bytes are compared with A's (tra
 Goodput of B is *predicted from A, P and C only* (goodput.predict_schedule) and compared with B's measured
 goodput. The costs of the three strategies of goodput.predict (disk checkpoint/restart, in-memory + restart,
 hot swap) are all measured here, each with its source (``measured_costs``), and ``goodput_vs_mtbf`` evaluates
-them over a grid of node MTBFs. Prints one JSON object and appends a row to benchmarks/RESULTS.md.
+them over a grid of node MTBFs. Prints one JSON object and writes it, with the command, machine and date, to
+benchmarks/data/hotswap_full.json (--quick: hotswap_quick.json; ``--json``).
 """
 from __future__ import annotations
 
 import argparse
-import datetime
 import json
 import os
 import platform
@@ -38,8 +38,9 @@ import sys
 import tempfile
 import time
 
+from benchmarks import provenance
+
 REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
-sys.path.insert(0, REPO)
 KINDS = ["worker", "node", "replication", "hang", "recovery"]
 PARTS = ["detect", "rebuild", "restore", "recompile", "first_step"]
 
@@ -246,33 +247,6 @@ def run(args) -> dict:
   return out
 
 
-def append_results(out: dict, argv) -> None:
-  path = os.path.join(REPO, "benchmarks", "RESULTS.md")
-  keys = ["failure_free_overhead_ratio", "overhead_ratio_ci95", "persist_every", "persist_overhead_ratio",
-          "persist_ratio_ci95", "persist_noise_floor_ratio", "persist_noise_floor_ci95", "persist_save_blocking_ms_median",
-          "recovery_time_s", "recovery_time_s_max", "recovery_breakdown_s", "steps_recomputed",
-          "restarts_during_recovery", "trajectory_identical", "failures_injected", "failures_survived", "tiers",
-          "goodput_measured", "goodput_predicted_from_other_runs", "goodput_prediction_error_pct", "load_avg"]
-
-  def rnd(v):
-    if isinstance(v, float):
-      return round(v, 4)
-    if isinstance(v, dict):
-      return {a: rnd(b) for a, b in v.items()}
-    if isinstance(v, list):
-      return [rnd(x) for x in v]
-    return v
-  nums = {k: rnd(out[k]) for k in keys if k in out}
-  ck = out["controller_kill"]
-  nums["controller_kill"] = {"processes_left": len(ck.get("processes_left", [])), "shm_left": len(ck.get("shm_left", [])),
-                             "committed_at_kill": ck.get("committed_at_kill"), "resumed_from": ck.get("resumed_from"),
-                             "restart_to_first_step_s": rnd(ck.get("restart_to_first_step_s"))}
-  machine = f"{platform.machine()} {os.cpu_count()} cores (shared), {platform.python_version()}"
-  with open(path, "a") as f:
-    f.write(f"| {datetime.datetime.now().isoformat(timespec='minutes')} | `python benchmarks/hotswap.py "
-            f"{' '.join(argv)}` | {machine} | {json.dumps(nums)} |\n")
-
-
 def main(argv=None):
   argv = sys.argv[1:] if argv is None else argv
   ap = argparse.ArgumentParser()
@@ -287,7 +261,9 @@ def main(argv=None):
   ap.add_argument("--seed", type=int, default=0)
   ap.add_argument("--quick", action="store_true", help="tiny model (runlocal)")
   ap.add_argument("--workdir", default="")
-  ap.add_argument("--no-append", action="store_true")
+  ap.add_argument("--json", default=None,
+                  help="where the result goes (default: the committed benchmarks/data/hotswap_full.json, with "
+                       "--quick hotswap_quick.json; '' for none)")
   args = ap.parse_args(argv)
   import logging  # noqa: PLC0415
   logging.basicConfig(level=logging.INFO, format="%(asctime)s %(name)s %(message)s", datefmt="%H:%M:%S",
@@ -295,9 +271,13 @@ def main(argv=None):
   t0 = time.time()
   out = run(args)
   out["bench_wall_s"] = time.time() - t0
+  out.update(provenance.stamp("benchmarks.hotswap", argv, f"Python {platform.python_version()}"))
   print(json.dumps(out, default=str))
-  if not args.no_append:
-    append_results(out, argv)
+  path = args.json if args.json is not None else os.path.join(
+      REPO, "benchmarks", "data", "hotswap_quick.json" if args.quick else "hotswap_full.json")
+  if path:
+    with open(path, "w") as f:
+      json.dump(out, f, indent=1, default=str)
 
 
 if __name__ == "__main__":

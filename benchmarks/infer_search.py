@@ -2,7 +2,7 @@
 layer layout for a small KV-cached decode config, predict each one's decode throughput with `perfmodel predict
 --mode infer` (cpu profile), then RUN the predicted best and the default for real and compare their speed-ups.
 
-  PYTHONPATH=. python benchmarks/infer_search.py [--measure-all] [--out benchmarks/data/infer_search.json]
+  python -m benchmarks.infer_search [--measure-all] [--out benchmarks/data/infer_search.json]
 
 Candidates: batch in BATCHES x precision (f32: float32 weights and compute; bf16: bfloat16 weights and compute;
 the framework has no integer-quantised path, so precision is the quantisation axis) x layers (scan: one scanned
@@ -15,13 +15,13 @@ candidates whose predicted peak memory fits the profile.
 from __future__ import annotations
 
 import argparse
-import datetime
 import itertools
 import json
 import os
-import platform
 import sys
 import time
+
+from benchmarks import provenance
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 BATCHES = (1, 4, 16, 32)
@@ -86,8 +86,7 @@ def main(argv=None) -> int:
                tpot_err_pct=100 * (r["predicted_tpot_s"] - m["measured_s"]) / m["measured_s"])
       print(f"{r['name']:>26}: measured TPOT {m['measured_s'] * 1e3:.3f} ms (noise {m['noise_pct']:.1f}%), "
             f"{r['measured_tokens_per_s']:.0f} tok/s, load {r['load_avg_1m']}", file=sys.stderr, flush=True)
-  out = {"benchmark": "infer_search", "date": datetime.datetime.now().isoformat(timespec="minutes"),
-         "machine": f"{platform.machine()} {os.cpu_count()} cores (shared)", "hardware_profile": hw.name,
+  out = {"benchmark": "infer_search", **provenance.stamp("benchmarks.infer_search", argv), "hardware_profile": hw.name,
          "regime": {"pinned_core": core, "clock": "cpu time" if regime.pinned() else "wall",
                     "backend": chain.resolve_backend(hw, "auto")},
          "model": MODEL, "prompt_len": PROMPT_LEN, "gen_lens": list(GEN_LENS), "n_candidates": len(rows),

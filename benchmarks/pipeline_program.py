@@ -1,7 +1,7 @@
 """What a pipeline schedule compiles to at scale: per-device matmul FLOPs and peak memory of a target-compiled step.
 
-  PYTHONPATH=. python benchmarks/pipeline_program.py --config.model.remat=minimal --config.mesh.schedule=1f1b
-  PYTHONPATH=. python benchmarks/pipeline_program.py --config.model.remat=full --config.mesh.virtual_stages=2
+  python -m benchmarks.pipeline_program --config.model.remat=minimal --config.mesh.schedule=1f1b
+  python -m benchmarks.pipeline_program --config.model.remat=full --config.mesh.virtual_stages=2
 
 A Llama-2-70B-shaped model (80 layers, d_model 8192, d_ff 28672, 64 query / 8 KV heads, vocab 32000, sequence 4096,
 bf16 compute, f32 parameters and moments, cuDNN attention) on tensor 8 x pipeline 4 = 32 H100s, 16 micro-batches
@@ -14,6 +14,7 @@ is left out of both), their ratio, the compiler's peak memory per device, the ta
 """
 from __future__ import annotations
 
+import argparse
 import dataclasses
 import json
 import sys
@@ -64,5 +65,15 @@ def main(overrides: list) -> dict:
           "bubble": round(sched.bubble_fraction(), 4), "stash_slots": sched.n_slots}
 
 
+def overrides_of(argv: list) -> list:
+  ap = argparse.ArgumentParser(prog="python -m benchmarks.pipeline_program", description=__doc__,
+                               formatter_class=argparse.RawDescriptionHelpFormatter)
+  _, rest = ap.parse_known_args(argv)
+  bad = [x for x in rest if not x.startswith("--config.")]
+  if bad:
+    ap.error(f"unrecognised arguments {bad} (config overrides look like --config.mesh.schedule=1f1b)")
+  return rest
+
+
 if __name__ == "__main__":
-  print(json.dumps(main(sys.argv[1:])))
+  print(json.dumps(main(overrides_of(sys.argv[1:]))))

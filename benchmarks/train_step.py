@@ -1,14 +1,15 @@
 """Train-step benchmark: framework vs a hand-written jax.jit step, FLOP efficiency, and every layout.
 
-  python benchmarks/train_step.py                 # 26M-param Llama (d512, 8 layers, seq 256), all layouts
-  python benchmarks/train_step.py --quick         # tiny model, few reps: a smoke run of every path (~minutes)
-  python benchmarks/train_step.py --layouts jit:data,shard_map:tensor   # or 'none' / 'all'
-  python benchmarks/train_step.py --config.data.global_batch=16 --config.model.n_kv_heads=4
-  python benchmarks/train_step.py --gpu           # ~1B Llama-3.2-1B-shaped model, bf16, MFU (not run: needs a GPU)
-  python benchmarks/train_step.py --pin           # one core, single-threaded kernels: CPU time = work done
-  XLA_FLAGS=--xla_cpu_multi_thread_eigen=false python benchmarks/train_step.py ...   # XLA flags pass through
+  python -m benchmarks.train_step                 # 26M-param Llama (d512, 8 layers, seq 256), all layouts
+  python -m benchmarks.train_step --quick         # tiny model, few reps: a smoke run of every path (~minutes)
+  python -m benchmarks.train_step --layouts jit:data,shard_map:tensor   # or 'none' / 'all'
+  python -m benchmarks.train_step --config.data.global_batch=16 --config.model.n_kv_heads=4
+  python -m benchmarks.train_step --gpu           # ~1B Llama-3.2-1B-shaped model, bf16, MFU (not run: needs a GPU)
+  python -m benchmarks.train_step --pin           # one core, single-threaded kernels: CPU time = work done
+  XLA_FLAGS=--xla_cpu_multi_thread_eigen=false python -m benchmarks.train_step ...   # XLA flags pass through
 
-What it measures (one JSON object on stdout; one row per headline result appended to benchmarks/RESULTS.md):
+What it measures (one JSON object on stdout; with the default model and ``--layouts none`` also written, with the
+command, machine and date, to benchmarks/data/train_step.json, or wherever ``--json`` says):
 * ``single``: one device. The framework step (parallelism.step.build_step on a 1-device mesh: the
   code path training uses) and benchmarks/plain_llama.py (pure jax.numpy, same math, same AdamW,
   also jit + donation) are run from the SAME parameters; their losses must agree (checked, reported).
@@ -29,7 +30,6 @@ What it measures (one JSON object on stdout; one row per headline result appende
 from __future__ import annotations
 
 import argparse
-import datetime
 import json
 import os
 import pathlib
@@ -38,8 +38,9 @@ import statistics
 import sys
 import time
 
+from benchmarks import provenance
+
 REPO = pathlib.Path(__file__).resolve().parents[1]
-RESULTS = REPO / "benchmarks" / "RESULTS.md"
 
 # name -> (mesh sizes, form, extra mesh fields). Every product is 8.
 LAYOUTS = {
@@ -83,7 +84,9 @@ def parse(argv):
   p.add_argument("--layout-reps", type=int, default=None, help="paired repetitions per layout (default 3)")
   p.add_argument("--pin", action="store_true",
                  help="one core + single-threaded XLA kernels: CPU-time ratios then count work only (shared host)")
-  p.add_argument("--no-append", action="store_true", help="do not append rows to benchmarks/RESULTS.md")
+  p.add_argument("--json", default=None,
+                 help="where the result goes (default: the committed benchmarks/data/train_step.json for the default "
+                      "model and --layouts none; none for --quick / --gpu / other layouts; '' for none)")
   args, rest = p.parse_known_args(argv)
   bad = [a for a in rest if not a.startswith("--config.")]
   if bad:
@@ -362,51 +365,6 @@ def machine() -> str:
   return f"{model}, {os.cpu_count()} cores"
 
 
-def append_rows(rows, command, mach):
-  """Appends one row per result to the shared table (date | command | machine | numbers)."""
-  if not RESULTS.exists():
-    RESULTS.write_text("# Benchmark results\n\n| date | command | machine | numbers |\n|---|---|---|---|\n")
-  date = datetime.datetime.now(datetime.timezone.utc).strftime("%Y-%m-%dT%H:%M")
-  with open(RESULTS, "a") as f:
-    for result, value, notes in rows:
-      f.write(f"| {date} | `{command}` | {mach} | **{result}: {value}**; {notes} |\n")
-
-
-def rows_for(res) -> list:
-  s = res["single"]
-  load = f"load avg {res['load_avg_start']:.1f}->{res['load_avg_end']:.1f}"
-  model = f"{s['n_params'] / 1e6:.1f}M params, {s['tokens_per_step']} tok/step"
-  r, rc = s["framework_over_plain"], s["framework_over_plain_cpu"]
-  rows = [
-      ("train_step tokens/s (framework, 1 device)", f"{s['tokens_per_s']:.0f}",
-       f"{model}; step {s['framework_step_s']['median']:.4f}s [{s['framework_step_s']['min']:.4f}-"
-       f"{s['framework_step_s']['max']:.4f}]; {load}"),
-      ("achieved FLOP/s / matmul FLOP/s (framework)", f"{s['flops_over_matmul']:.3f}",
-       f"goal >= 0.5; achieved {s['achieved_flops_per_s'] / 1e9:.1f} GFLOP/s, matmul "
-       f"{s['matmul_flops_per_s']['median'] / 1e9:.1f} [{s['matmul_flops_per_s']['min'] / 1e9:.1f}-"
-       f"{s['matmul_flops_per_s']['max'] / 1e9:.1f}] GFLOP/s; plain step {s['plain_flops_over_matmul']:.3f}; "
-       f"per CPU-second (load-robust): framework {s['flops_over_matmul_cpu']:.3f}, plain "
-       f"{s['plain_flops_over_matmul_cpu']:.3f}; {load}"),
-      ("framework step / plain jax.jit step", f"{r['median']:.3f}",
-       f"goal <= 1.05; paired median of {r['n']} reps [{r['min']:.3f}-{r['max']:.3f}]; ratio of medians "
-       f"{s['framework_over_plain_of_medians']:.3f}; CPU-time ratio {rc['median']:.3f} [{rc['min']:.3f}-"
-       f"{rc['max']:.3f}]; loss diff {s['loss_check']['max_abs_diff']:.1e}; {load}"),
-  ]
-  if "mfu" in s:
-    rows.append(("MFU (framework, bf16)", f"{s['mfu']:.3f}", f"goal >= 0.45; {s['peak_source']}; {model}"))
-  for name, rec in res.get("layouts", {}).items():
-    if "error" in rec:
-      rows.append((f"layout {name} (8 CPU devices)", "error", rec["error"][:160].replace("|", "/")))
-    else:
-      o, oc = rec["over_single_device"], rec["over_single_device_cpu"]
-      rows.append((f"layout {name} (8 CPU devices) tokens/s", f"{rec['tokens_per_s']:.0f}",
-                   f"step time x{o['median']:.2f} [{o['min']:.2f}-{o['max']:.2f}] vs 1 device, paired "
-                   f"(CPU time x{oc['median']:.2f}); {load}"))
-  if res.get("quick"):  # a smoke-run model, not the 20-50M one the goals are about
-    rows = [(f"[quick] {a}", b, c) for a, b, c in rows]
-  return rows
-
-
 def main(argv=None) -> int:
   argv = sys.argv[1:] if argv is None else argv
   args = parse(argv)
@@ -418,8 +376,9 @@ def main(argv=None) -> int:
     print(json.dumps({"skipped": f"--gpu needs a GPU; jax sees {jax.devices()[0].platform}"}))
     return 0
   cfg = build_config(args)
-  res = {"benchmark": "train_step", "command": "python benchmarks/train_step.py " + " ".join(argv),
-         "machine": machine(), "jax": jax.__version__, "xla_flags": os.environ.get("XLA_FLAGS", ""),
+  res = {"benchmark": "train_step", "command": provenance.command("benchmarks.train_step", argv),
+         "machine": f"{machine()}, {jax.devices()[0].platform}", "date": provenance.now(), "jax": jax.__version__,
+         "xla_flags": os.environ.get("XLA_FLAGS", ""),
          "devices": jax.device_count(), "platform": jax.devices()[0].platform, "pinned": args.pin, "quick": args.quick,
          "cores": len(os.sched_getaffinity(0)),
          "load_avg_start": os.getloadavg()[0], "model": cfg.model.__dict__,
@@ -434,8 +393,12 @@ def main(argv=None) -> int:
     res["layouts"], _ = layouts(cfg, args, batch_np, single, res["single"]["loss_check"]["framework"][0])
   res["load_avg_end"] = os.getloadavg()[0]
   print(json.dumps(res, indent=1, default=str))
-  if not args.no_append:
-    append_rows(rows_for(res), res["command"].strip(), f"{res['machine']}, {res['platform']}")
+  path = args.json
+  if path is None and not (args.quick or args.gpu or args.overrides) and not args.layout_names:
+    path = str(REPO / "benchmarks" / "data" / "train_step.json")
+  if path:
+    with open(path, "w") as f:
+      json.dump(res, f, indent=1, default=str)
   return 0
 
 

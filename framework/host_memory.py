@@ -3,12 +3,10 @@
 Why: XLA:CPU allocates each execution's temporaries as one buffer with ``malloc`` and frees it when the step
 ends. glibc serves a block above its dynamic mmap threshold (at most 32 MiB on 64-bit) with a fresh ``mmap``,
 and a thread's own arena cannot grow past 64 MiB, so a step whose temporaries exceed 32 MiB gets new pages
-every step and the kernel faults and zeroes every one of them. On 2 cores (benchmarks/RESULTS.md, row
-2026-11-30T15:20; a fresh process per measurement, median of 3 paired rounds) the settings below take deep4 (43 MiB of
-temporaries) from 79.0 to 62.6 ms per step (0.80x), seq128 (55 MiB) from 96.5 to 77.7 ms (0.81x), batch32
-(95 MiB) from 166.7 to 136.7 ms (0.82x), and 10,900-24,200 faults per step to 0; base (26 MiB) is unchanged.
-On a virtual machine the fault cost also moves with the hypervisor's state, independently of compute speed,
-which makes it the noisiest part of a CPU step.
+every step and the kernel faults and zeroes every one of them. With the settings below such a step reuses its
+pages and takes no page faults; a step with less than 32 MiB of temporaries is not affected. On a virtual
+machine the fault cost also moves with the hypervisor's state, independently of compute speed, which makes it
+the noisiest part of a CPU step.
 
 The settings: no mmap below 1 GiB, never trim the heap top, one arena for all threads (the main heap grows
 past 64 MiB). Freed memory then stays with the process: its resident size stays at its peak, which is what a

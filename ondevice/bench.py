@@ -3,7 +3,8 @@
    python -m ondevice.bench --model m.gguf --suite ring --devices devices.yaml [--draft d.gguf]
    python -m ondevice.bench --model m.gguf --suite halda-real --devices benchmarks/ondevice_devices_real.yaml
 
-Prints one JSON object; --record also appends it as a row to the committed benchmarks/RESULTS.md.
+Prints one JSON object; --record also writes it, with the command, machine and date, to the committed
+benchmarks/data/ondevice_bench_<suite>.json.
 single: TPOT / prefill of our engine vs llama.cpp (exact and default configurations) on the same file, the
         same token stream and 1 and 2 threads (bench_single.py), and a jitted JAX f32 decode step
         (framework.model on the file's dequantised weights; --no-jax skips it).
@@ -142,16 +143,19 @@ def _n_layers(path: str) -> int:
   return read_info(path).cfg.n_layers
 
 
-def append_results(cmd: str, result: dict) -> None:
-  path = os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))), "benchmarks", "RESULTS.md")
+RECORD_DIR = os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))), "benchmarks", "data")
+
+
+def record(suite: str, cmd: str, result: dict, path: str = None) -> str:
+  """Writes the committed data file of this suite, ``benchmarks/data/ondevice_bench_<suite>.json``: the result
+  with the command, machine and date (``python -m benchmarks.results`` renders it into benchmarks/RESULTS.md)."""
+  path = path or os.path.join(RECORD_DIR, f"ondevice_bench_{suite.replace('-', '_')}.json")
   os.makedirs(os.path.dirname(path), exist_ok=True)
-  if not os.path.exists(path):
-    with open(path, "w") as f:
-      f.write("# Benchmark results\n\n| date | command | machine | numbers |\n|---|---|---|---|\n")
-  machine = f"{platform.machine()} {os.cpu_count()} cores, load {os.getloadavg()[0]:.1f}"
-  with open(path, "a") as f:
-    f.write(f"| {datetime.datetime.now().isoformat(timespec='minutes')} | `{cmd}` | {machine} | "
-            f"{json.dumps(result, separators=(',', ':'))} |\n")
+  out = {"date": datetime.datetime.now().isoformat(timespec="minutes"), "command": cmd,
+         "machine": f"{platform.machine()} {os.cpu_count()} cores", "result": result}
+  with open(path, "w") as f:
+    json.dump(out, f, indent=1)
+  return path
 
 
 def main(argv=None) -> int:
@@ -168,7 +172,8 @@ def main(argv=None) -> int:
   ap.add_argument("--threads", default="1,2", help="single: thread counts to compare (ours and llama.cpp alike)")
   ap.add_argument("--rounds", type=int, default=3, help="single: repetitions of the paired stream (noise floor)")
   ap.add_argument("--no-jax", action="store_true")
-  ap.add_argument("--record", action="store_true", help="append this run as a row to the committed benchmarks/RESULTS.md")
+  ap.add_argument("--record", action="store_true",
+                  help="write this run to the committed benchmarks/data/ondevice_bench_<suite>.json")
   ap.add_argument("--scenarios", default="", help="ring: 'all' adds prima.cpp's runtime on Halda's windows")
   args = ap.parse_args(argv)
   from ondevice.gguf_io import describe, read_info
@@ -214,7 +219,7 @@ def main(argv=None) -> int:
                                  tuple(x for x in args.scenarios.split(",") if x))
   print(json.dumps(res))
   if args.record:
-    append_results("python -m ondevice.bench " + " ".join(argv if argv is not None else sys.argv[1:]), res)
+    record(args.suite, "python -m ondevice.bench " + " ".join(argv if argv is not None else sys.argv[1:]), res)
   return 0
 
 

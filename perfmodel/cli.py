@@ -128,8 +128,18 @@ def cmd_validate(a, overrides):
 def cmd_floor(a, overrides):
   from perfmodel.calib import suite  # noqa: PLC0415
   from perfmodel.calib.host import HostSpeed  # noqa: PLC0415
-  _print(HostSpeed(a.statistic).floor_between(a.measurements, [e["name"] for e in suite.SUITE],
-                                              [e["name"] for e in suite.INFER]))
+  out = HostSpeed(a.statistic).floor_between(a.measurements, [e["name"] for e in suite.SUITE],
+                                             [e["name"] for e in suite.INFER])
+  if a.out:
+    import datetime  # noqa: PLC0415
+    import platform  # noqa: PLC0415
+    out.update({"command": " ".join(["python -m perfmodel floor", *a.measurements, "--statistic", a.statistic,
+                                     "--out", a.out]),
+                "machine": f"{platform.machine()} {os.cpu_count()} cores (stored measurements)",
+                "date": datetime.datetime.now().isoformat(timespec="minutes")})
+    with open(a.out, "w") as f:
+      json.dump(out, f, indent=1)
+  _print(out)
 
 
 def cmd_search(a, overrides):
@@ -245,9 +255,9 @@ def _parser():
   va.add_argument("--strict", action="store_true",
                   help="--published: a stale committed program (other mapping, code or compiler) is an error")
   va.add_argument("--record", action="store_true",
-                  help="write the committed record of this run: a benchmarks/RESULTS.md row and, without --png, "
-                       "benchmarks/perfmodel_validate.png; --published: benchmarks/data/published_validation.json and "
-                       "its RESULTS.md row (with --reprice or --save-programs)")
+                  help="write the committed record of this run: benchmarks/data/perfmodel_validate.json and, without "
+                       "--png, benchmarks/perfmodel_validate.png; --published: benchmarks/data/published_validation.json "
+                       "(with --reprice or --save-programs)")
   va.add_argument("--compile-budget", default="75", metavar="SECONDS|full",
                   help="--published: each row's predict --compile-budget (default 75, as predict: the programs a "
                        "user's predict prices; 'full': finished executables, minutes per TPU row)")
@@ -263,6 +273,9 @@ def _parser():
   fl = sub.add_parser("floor", help="what a perfect model scores between stored measurement sets (no model)")
   fl.add_argument("measurements", nargs="+", metavar="FILE")
   fl.add_argument("--statistic", choices=("median", "p10"), default="p10")
+  fl.add_argument("--out", default=None, metavar="FILE",
+                  help="also write the result, with the command, machine and date, to FILE (the committed one: "
+                       "benchmarks/data/perfmodel_floor.json)")
   se = sub.add_parser("search", help="rank layouts for a model on N devices under memory limits")
   se.add_argument("--config", required=True)
   se.add_argument("--hardware", default="cpu", help=_HARDWARE_HELP)

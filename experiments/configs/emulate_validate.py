@@ -18,9 +18,11 @@ Commands:
       --processes 2 --host-devices 2
   # its emulation: one real rank, the other virtual
   python -m perfmodel.emulate --config experiments/configs/emulate_validate.py:layout=data --hardware cpu --out /tmp/ev_emu
-  # the whole comparison (real vs emulate vs predict vs roofline, interleaved, pinned): benchmarks/emulate_validate.py
-Reproduces: the benchmarks/RESULTS.md rows of `PYTHONPATH=. python benchmarks/emulate_validate.py --rounds 6 --replay
---no-alone` and benchmarks/emulate_validate.png.
+  # the whole comparison (real vs emulate vs predict vs roofline, interleaved, pinned; ~35 min): writes the committed
+  # benchmarks/data/emulate_validate.json and benchmarks/emulate_validate.png
+  python -m benchmarks.emulate_validate --rounds 6 --replay --no-alone
+Reproduces: benchmarks/data/emulate_validate.json (its row in benchmarks/RESULTS.md) and
+benchmarks/emulate_validate.png.
 """
 import ml_collections
 

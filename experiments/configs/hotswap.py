@@ -5,7 +5,7 @@ Command:
   python -m experiments.run --config experiments/configs/hotswap.py --workdir /tmp/prismllm/hotswap \
       --config.extras.resilience.fail_at=12 --config.extras.resilience.fail_kind=node
 Reproduces: the run survives the injected failure, the spare takes the failed rank, and losses and final
-state are bit-identical to a failure-free run (benchmarks/hotswap.py measures it side by side). The persistent
+state are bit-identical to a failure-free run (`python -m benchmarks.hotswap` measures it side by side). The persistent
 tier (async orbax every 10 steps) is on: rerun the same command after the controller died and it resumes.
 Variants: ':runlocal=True' is the small model used by tests/resilience (seconds per run).
 Model: ~3.3M params = 13.1 MB fp32 (39 MB train state with AdamW moments, 9.9 MB per node).

@@ -11,9 +11,9 @@ Commands:
   python -m perfmodel.emulate --config experiments/configs/llama3_70b.py --hardware h100 --compile-only --out /tmp/l70b
   # smoke-train the same code path at toy size on 8 emulated CPU devices
   python -m experiments.run --config experiments/configs/llama3_70b.py:runlocal=True --workdir /tmp/l70b_local
-Reproduces: the benchmarks/RESULTS.md row of the first command (per-rank peak 15.88 GB); the scale benchmark
-wraps it and appends a row to the committed benchmarks/RESULTS.md:
-  PYTHONPATH=. python benchmarks/emulate_scale.py --hardware h100
+Reproduces: benchmarks/data/emulate_l70b.json (its row in benchmarks/RESULTS.md): the scale benchmark wraps the
+first command and `perfmodel predict`, and writes the committed benchmarks/data/emulate_l70b.json:
+  python -m benchmarks.emulate_scale --hardware h100
 """
 import ml_collections
 

@@ -1,7 +1,8 @@
 """On-device benchmark model "big": 16 layers, d=1024, 16/4 heads, FFN 2816, byte vocab (~203M parameters),
 random weights: large enough that decoding is memory-bound, as on a real device.
 
-Command (export once, then bench; --record makes the bench append its row to the committed benchmarks/RESULTS.md):
+Command (export once, then bench; --record makes the bench write the committed
+benchmarks/data/ondevice_bench_single.json):
   python -m ondevice.export --random --config experiments/configs/ondevice_big.py --out /tmp/big-q4_0.gguf --quant q4_0
   python -m ondevice.bench --model /tmp/big-q4_0.gguf --suite single
 Variant ':layers=N' changes the depth, e.g. ':layers=4' (~46M parameters) for a quicker bench. The model-size

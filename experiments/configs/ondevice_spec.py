@@ -7,7 +7,7 @@ ondevice/README.md use 8000, ~40 min each on a loaded 2-core CPU). Both models s
 this small on CPU-minutes of training): report acceptance, never assume it.
 
 Commands (train both, export, benchmark; prompts are cut from the stdlib source the pair is trained on; --record
-makes a bench append its row to the committed benchmarks/RESULTS.md):
+makes a bench write the committed benchmarks/data/ondevice_bench_<suite>.json):
   python -m experiments.run --config experiments/configs/ondevice_spec.py:role=target,steps=8000 --host-devices 1 --workdir /tmp/od_target
   python -m experiments.run --config experiments/configs/ondevice_spec.py:role=draft,steps=8000 --host-devices 1 --workdir /tmp/od_draft
   python -m ondevice.export --workdir /tmp/od_target --out /tmp/od_target_q8.gguf --quant q8_0

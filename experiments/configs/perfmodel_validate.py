@@ -4,10 +4,10 @@ Commands:
   # fit the cpu profile (up to an hour on 2 cores) into ~/.cache/prismllm/profiles, which validate then reads (kept
   # only if it passes the gate); --commit would overwrite the committed perfmodel/profiles/cpu.json and its node data
   python -m perfmodel calibrate
-  # measured vs predicted (--record would also write the committed benchmarks/perfmodel_validate.png and append a
-  # benchmarks/RESULTS.md row)
+  # measured vs predicted (--record would also write the committed benchmarks/perfmodel_validate.png and
+  # benchmarks/data/perfmodel_validate.json)
   python -m perfmodel validate --rounds 3 --png /tmp/perfmodel_validate.png > /tmp/perfmodel_validate.json
-  python experiments/figures/perfmodel_accuracy.py /tmp/perfmodel_validate.json /tmp/perfmodel_accuracy.png
+  python -m experiments.figures.perfmodel_accuracy /tmp/perfmodel_validate.json /tmp/perfmodel_accuracy.png
 Reproduces: predicted-vs-measured scatter and per-config signed error with the run-to-run noise beside it
 (perfmodel/README.md). get_config returns the suite's base training config (a valid experiment, already CPU-sized:
 2 layers, d=128, one device), so it takes no variant argument.

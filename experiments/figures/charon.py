@@ -38,10 +38,8 @@ def _diag(ax, xs, ys):
 @figure("charon_host", paper="Charon", data=[HOST, HOST_MEASUREMENTS],
         # measured and priced in one sitting: on this shared host one config measured in different sittings moves
         # by more than the model's error (`python -m perfmodel floor`), so stored sets are not rescored here
-        rerun=(f"rm -f /tmp/perfmodel_measurements.json && python -m perfmodel validate --rounds 1 --measurements "
-               f"/tmp/perfmodel_measurements.json --png /tmp/perfmodel_validate.png "
-               f"> /tmp/perfmodel_validate.out && grep '^{{' /tmp/perfmodel_validate.out | tail -1 > {HOST} && "
-               f"cp /tmp/perfmodel_measurements.json {HOST_MEASUREMENTS}"),
+        rerun=(f"rm -f {HOST_MEASUREMENTS} && python -m perfmodel validate --rounds 1 --measurements "
+               f"{HOST_MEASUREMENTS} --png /tmp/perfmodel_validate.png --record"),
         paper_number="<5.35% error overall (training and inference)")
 def draw_host(out):
   d = _load(HOST)
@@ -128,7 +126,7 @@ def draw_published(out):
                   f"included published rows ({per})"}
 
 
-@figure("charon_search", paper="Charon", data=[SEARCH], rerun="python benchmarks/infer_search.py --measure-all",
+@figure("charon_search", paper="Charon", data=[SEARCH], rerun="python -m benchmarks.infer_search --measure-all",
         paper_number="+275% throughput over an engineering-tuned inference baseline")
 def draw_search(out):
   d = _load(SEARCH)

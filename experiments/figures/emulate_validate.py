@@ -1,6 +1,7 @@
-"""Emulation validation figure from benchmarks/data/emulate_validate.json (benchmarks/emulate_validate.py writes both).
+"""Emulation validation figure from benchmarks/data/emulate_validate.json (`python -m benchmarks.emulate_validate`
+writes both).
 
-  python experiments/figures/emulate_validate.py benchmarks/data/emulate_validate.json benchmarks/emulate_validate.png
+  python -m experiments.figures.emulate_validate benchmarks/data/emulate_validate.json /tmp/emulate_validate.png
 Left: per layout, measured (real 2-process run, bar = p10-p90 of its steps), emulated, `perfmodel predict`
 and roofline step time. Right: signed iteration-time error of emulation per round (dots) and overall
 (bar), with the 2% target band and the real run's noise.

@@ -3,10 +3,10 @@ mmap'd, LRU: llama.cpp-like), an exo-like RAM-proportional split, a dllama-like 
 Halda + pipelined ring, across model sizes, on the EMULATED 4-device setup of benchmarks/ondevice_devices4.yaml
 (ondevice/bench_ring.py). Every time is on the emulated clock.
 
-  # run the sweep (random-weight "small"-shape Q8_0 models of 4, 8, 16 layers) and plot
-  PYTHONPATH=. python experiments/figures/ondevice_latency.py --sweep 4,8,16 --out benchmarks/ondevice_latency.png
+  # run the sweep (random-weight "small"-shape Q8_0 models of 4, 8, 16 layers), save its runs and plot
+  python -m experiments.figures.ondevice_latency --sweep 4,8,16 --json-out /tmp/sizes.json --out /tmp/ondevice_latency.png
   # or plot saved `python -m ondevice.bench --suite ring` JSON outputs
-  PYTHONPATH=. python experiments/figures/ondevice_latency.py ring_a.json ring_b.json --out fig.png
+  python -m experiments.figures.ondevice_latency ring_a.json ring_b.json --out fig.png
 """
 import argparse
 import json
@@ -69,26 +69,6 @@ def plot(runs, out):
   print(out)
 
 
-def _append_results(runs, a) -> None:
-  """One row in benchmarks/RESULTS.md: TPOT per model size and scenario (emulated clock)."""
-  import datetime  # noqa: PLC0415
-  cells = []
-  for r in runs:
-    ring = r["ring"]
-    h = ring["halda_ring"]
-    best = ring["best_single_device"]
-    cells.append(f"{r['model']}: best single device ({best}) {_tpot(ring, 'best_single'):.1f} ms, "
-                 f"exo-like {ring['exo_like_memory_split']['tpot_ms']:.1f} ms, dllama-like "
-                 f"{ring['dllama_like_tensor_parallel']['tpot_ms']:.1f} ms, Halda ring {h['tpot_ms']:.1f} ms "
-                 f"(k={h.get('k')}, w={h.get('w')}, model {h.get('halda_model_latency_ms') or float('nan'):.1f} ms)")
-  row = (f"| {datetime.datetime.now().isoformat(timespec='minutes')} | `PYTHONPATH=. python experiments/figures/"
-         f"ondevice_latency.py --sweep {a.sweep} --tokens {a.tokens} --out {a.out}` | {os.cpu_count()} cores, load "
-         f"{os.getloadavg()[0]:.1f} | latency table, emulated clock, devices {os.path.basename(a.devices)}: "
-         + "; ".join(cells) + " |\n")
-  with open(os.path.join(ROOT, "benchmarks", "RESULTS.md"), "a") as f:
-    f.write(row)
-
-
 def main():
   ap = argparse.ArgumentParser()
   ap.add_argument("inputs", nargs="*")
@@ -104,7 +84,6 @@ def main():
     if a.json_out:
       with open(a.json_out, "w") as f:
         json.dump(runs, f)
-    _append_results(runs, a)
   else:
     runs = [json.load(open(p)) for p in a.inputs]
   plot(runs, a.out)

@@ -1,6 +1,6 @@
 """Charon-style accuracy figure from `python -m perfmodel validate` JSON output.
 
-  python experiments/figures/perfmodel_accuracy.py VALIDATE.json OUT.png
+  python -m experiments.figures.perfmodel_accuracy VALIDATE.json OUT.png
 Left: predicted vs measured (log-log, y = x dashed, x error bars = run-to-run noise).
 Right: signed error per config with the noise band, MAPE and Kendall tau in the title.
 """

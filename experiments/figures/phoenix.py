@@ -9,18 +9,18 @@
   failure-free run A; injections marked. The per-step losses are bit-identical (trajectory_identical).
 * ``phoenix_goodput``: goodput vs node MTBF of disk checkpoint/restart, in-memory + restart and hot swap
   (resilience/goodput.py, Daly's model), (a) at this host's scale from costs measured by
-  benchmarks/hotswap.py, with run B's measured and predicted goodput as points, and (b) projected to
+  `python -m benchmarks.hotswap`, with run B's measured and predicted goodput as points, and (b) projected to
   512 GPUs / 65B from benchmarks/data/hotswap_projection_65b_512.json, whose every cost states its source.
 
-Data: benchmarks/data/hotswap_quick.json and hotswap_full.json (the JSON benchmarks/hotswap.py prints) and
+Data: benchmarks/data/hotswap_quick.json and hotswap_full.json (the JSON `python -m benchmarks.hotswap` writes) and
 hotswap_runs.json (per-step and per-recovery records extracted from its workdirs by ``--collect``).
 Re-measure at this host's scale (about 20 minutes on 2 busy cores), then extract:
 
-  nice -n 10 python benchmarks/hotswap.py --quick --failures 50 --steps 150 --probe-block 5 --no-append \\
+  nice -n 10 python -m benchmarks.hotswap --quick --failures 50 --steps 150 --probe-block 5 \\
       --workdir /tmp/hs50 > /tmp/hs50.json
-  nice -n 10 python benchmarks/hotswap.py --failures 5 --steps 60 --probe-block 5 --no-append \\
+  nice -n 10 python -m benchmarks.hotswap --failures 5 --steps 60 --probe-block 5 \\
       --workdir /tmp/hsfull > /tmp/hsfull.json
-  PYTHONPATH=. python -m experiments.figures.phoenix --collect /tmp/hs50.json /tmp/hsfull.json
+  python -m experiments.figures.phoenix --collect /tmp/hs50.json /tmp/hsfull.json
 """
 from __future__ import annotations
 
@@ -45,14 +45,12 @@ STRATS = [("disk_checkpoint_restart", "disk checkpoint + restart", "tab:red"),
 PAPER = "PHOENIX"
 PAPER_SRC = "DeadPool, arXiv 2607.01646"
 _D = "benchmarks/data/"
-COLLECT = ("nice -n 10 python benchmarks/hotswap.py --quick --failures 50 --steps 150 --probe-block 5 --no-append "
-           "--workdir /tmp/hs50 > /tmp/hs50.json && nice -n 10 python benchmarks/hotswap.py --failures 5 --steps 60 "
-           "--probe-block 5 --no-append --workdir /tmp/hsfull > /tmp/hsfull.json && "
+COLLECT = ("nice -n 10 python -m benchmarks.hotswap --quick --failures 50 --steps 150 --probe-block 5 "
+           "--workdir /tmp/hs50 > /tmp/hs50.json && nice -n 10 python -m benchmarks.hotswap --failures 5 --steps 60 "
+           "--probe-block 5 --workdir /tmp/hsfull > /tmp/hsfull.json && "
            "python -m experiments.figures.phoenix --collect /tmp/hs50.json /tmp/hsfull.json")
-RERUN = {"quick": "nice -n 10 python benchmarks/hotswap.py --quick --failures 50 --steps 150 --probe-block 5 "
-                  "--no-append --workdir W",
-         "full": "nice -n 10 python benchmarks/hotswap.py --failures 5 --steps 60 --probe-block 5 --no-append "
-                 "--workdir W"}
+RERUN = {"quick": "python -m benchmarks.hotswap --quick --failures 50 --steps 150 --probe-block 5 --workdir W",
+         "full": "python -m benchmarks.hotswap --failures 5 --steps 60 --probe-block 5 --workdir W"}
 
 
 def _load(name, data_dir=DATA):
@@ -115,7 +113,7 @@ def collect(quick_json: str, full_json: str, data_dir: str = DATA) -> list:
   for tag, src in (("quick", quick_json), ("full", full_json)):
     with open(src) as f:
       d = json.load(f)
-    d["command"] = RERUN[tag].replace("--workdir W", f"--workdir {d['workdir']}")
+    d.setdefault("command", RERUN[tag].replace("--workdir W", f"--workdir {d['workdir']}"))
     with open(os.path.join(data_dir, BENCH[tag]), "w") as f:
       json.dump(d, f, indent=1)
     runs[tag] = {k: _run_records(os.path.join(d["workdir"], w)) for k, w in

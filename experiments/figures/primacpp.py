@@ -19,9 +19,9 @@
 * ``primacpp_spec``: speculative decoding speed-up vs draft length on real text (stdlib source prompts) with
   acceptance < 1, wall clock. Data: ondevice_spec.json (``python -m ondevice.bench --suite spec``).
 
-  PYTHONPATH=. python -m experiments.figures.primacpp [--out-dir DIR]
-  PYTHONPATH=. nice -n 10 python -m experiments.figures.primacpp --rerun ksweep|sizes   # minutes; rewrites the data
-  PYTHONPATH=. python -m experiments.figures.primacpp --store ring|spec OUT.json  # keep an ondevice.bench output
+  python -m experiments.figures.primacpp [--out-dir DIR]
+  nice -n 10 python -m experiments.figures.primacpp --rerun ksweep|sizes   # minutes; rewrites the data
+  python -m experiments.figures.primacpp --store ring|spec OUT.json  # keep an ondevice.bench output
 """
 from __future__ import annotations
 
@@ -30,6 +30,7 @@ import datetime
 import functools
 import json
 import os
+import platform
 import tempfile
 
 from experiments.figures import registry
@@ -139,7 +140,8 @@ def rerun_sizes(data_dir: str = DATA, layers=(4, 8, 16), tokens: int = 12) -> st
   out = os.path.join(data_dir, SIZES)
   with open(out, "w") as f:
     json.dump({"date": datetime.datetime.now().isoformat(timespec="minutes"), "load_avg": os.getloadavg()[0],
-               "tokens": tokens, "devices": DEVICES4, "command": RERUN[SIZES], "runs": runs}, f, indent=1)
+               "tokens": tokens, "devices": DEVICES4, "command": RERUN[SIZES], "machine": _machine(), "runs": runs},
+              f, indent=1)
   return out
 
 
@@ -355,11 +357,15 @@ DRAW = {"primacpp_systems": draw_systems, "primacpp_model_sizes": draw_model_siz
         "primacpp_spec": draw_spec}
 
 
+def _machine() -> str:
+  return f"{platform.machine()} {os.cpu_count()} cores (shared)"
+
+
 def rerun_ksweep(data_dir: str = DATA, ks=(1, 2, 4, 8), tokens: int = 24) -> str:
   with tempfile.TemporaryDirectory() as td:
     res = sweep_k(small_model(os.path.join(td, "small_L8_q8_0.gguf")), os.path.join(ROOT, DEVICES4), ks, tokens)
   res.update(devices=DEVICES4, load_avg=os.getloadavg()[0], date=datetime.date.today().isoformat(),
-             command="nice -n 10 python -m experiments.figures.primacpp --rerun ksweep")
+             command="nice -n 10 python -m experiments.figures.primacpp --rerun ksweep", machine=_machine())
   out = os.path.join(data_dir, KSWEEP)
   with open(out, "w") as f:
     json.dump(res, f, indent=1)
@@ -373,13 +379,13 @@ def store(kind: str, src: str, label: str = "", data_dir: str = DATA) -> str:
     res = json.load(f)
   now = datetime.datetime.now().isoformat(timespec="minutes")
   if kind == "ring":
-    out, d = os.path.join(data_dir, RING), {"date": now, "command": RERUN[RING], "result": res}
+    out, d = os.path.join(data_dir, RING), {"date": now, "command": RERUN[RING], "machine": _machine(), "result": res}
   else:
     out = os.path.join(data_dir, SPEC)
     with open(out) as f:
       d = json.load(f)
-    d["runs"].append({"date": now, "command": "python -m ondevice.bench --suite spec", "label": label or res["model"],
-                      "result": res})
+    d["runs"].append({"date": now, "command": "python -m ondevice.bench --suite spec", "machine": _machine(),
+                      "label": label or res["model"], "result": res})
   with open(out, "w") as f:
     json.dump(d, f, indent=1)
   return out

@@ -18,7 +18,7 @@ from experiments.figures.registry import data_path, figure  # noqa: E402
 VALIDATE = "benchmarks/data/emulate_validate.json"
 RANKS = "benchmarks/data/emulate_ranks.json"
 L70B = "benchmarks/data/emulate_l70b.json"
-VALIDATE_CMD = "python benchmarks/emulate_validate.py --rounds 2 --replay --no-alone --no-results"
+VALIDATE_CMD = "python -m benchmarks.emulate_validate --rounds 2 --replay --no-alone"
 
 
 def _load(rel):
@@ -118,7 +118,7 @@ def draw_memory(out):
 
 
 @figure("prismllm_scale", paper="PrismLLM", data=[RANKS],
-        rerun="python benchmarks/emulate_ranks.py --ranks 8,64,512,2048,8192",
+        rerun="python -m benchmarks.emulate_ranks --ranks 8,64,512,2048,8192",
         paper_number="8192 GPUs emulated with <1% of them")
 def draw_scale(out):
   d = _load(RANKS)
@@ -168,8 +168,7 @@ def draw_scale(out):
 
 
 @figure("prismllm_l70b_stages", paper="PrismLLM", data=[L70B],
-        rerun=f"python benchmarks/emulate_scale.py --hardware h100 --no-results > /tmp/emulate_l70b.json && "
-              f"mv /tmp/emulate_l70b.json {L70B}",
+        rerun=f"python -m benchmarks.emulate_scale --hardware h100 --json {L70B}",
         paper_number="8192-GPU emulation case (no single number)")
 def draw_l70b_stages(out):
   d = _load(L70B)

@@ -14,8 +14,8 @@ the headline), ``design`` and ``heldout`` (published.heldout_rule), ``fp16`` (sc
 diagnosis, the included rows whose program fits the chip. Per row: MFU above the chip's best matmul fraction and
 programs that do not fit are flagged, the latter with what is missing (published_checks.py).
 
-``--record`` writes the run's JSON to ``benchmarks/data/published_validation.json`` and its row to
-``benchmarks/RESULTS.md``, both from this one run (same ``run_at``).
+``--record`` writes the run's JSON, with its command, host and time (``run_at``), to
+``benchmarks/data/published_validation.json``; ``python -m benchmarks.results`` renders it into benchmarks/RESULTS.md.
 """
 from __future__ import annotations
 
@@ -37,7 +37,6 @@ ROOT = P.ROOT
 BASE_CONFIG = P.BASE_CONFIG
 TIMEOUT_S = 3600
 JSON_PATH = os.path.join(ROOT, "benchmarks", "data", "published_validation.json")
-RESULTS_PATH = os.path.join(ROOT, "benchmarks", "RESULTS.md")
 INCLUDED = ("bf16", "fp8")  # the headline's precisions; fp16 rows are scored apart
 
 
@@ -105,7 +104,7 @@ def run(csv: Optional[str] = None, limit: int = 0, ids: Optional[list] = None, p
         strict: bool = False, compile_budget: str = "75") -> dict:
   """``reprice``: price the committed programs in this process, nothing compiled; ``save_programs``: commit each
   compiled program and price the row from it; ``strict``: a stale program is an error, not a flagged prediction;
-  ``record``: write the JSON and the RESULTS row (needs every priced program committed: reprice or save_programs)."""
+  ``record``: write the JSON (needs every priced program committed: reprice or save_programs)."""
   from perfmodel.calib import published_programs as PP  # noqa: PLC0415 (loads jax: only a run needs it)
   if record and not (reprice or save_programs):
     raise SystemExit("--record writes what --reprice reproduces: add --save-programs (compile) or --reprice")
@@ -223,26 +222,12 @@ def report_lines(out: dict) -> list:
   return lines
 
 
-def write_record(out: dict, json_path: str = JSON_PATH, results_path: str = RESULTS_PATH) -> None:
-  """The run's JSON and its RESULTS row, both from ``out`` (same run_at)."""
+def write_record(out: dict, json_path: str = JSON_PATH) -> None:
+  """The run's JSON (``python -m benchmarks.results`` renders benchmarks/RESULTS.md from it)."""
   os.makedirs(os.path.dirname(json_path), exist_ok=True)
   with open(json_path, "w") as f:
     json.dump(out, f, indent=1, default=str)
     f.write("\n")
-  sc = out["scores"]
-  nums = {"json": os.path.relpath(json_path, ROOT), "n_priced": out["n_priced"],
-          "n_not_compiled": out["n_not_compiled"], "n_failed": out["n_failed"], "n_stale": len(out["stale"]),
-          "fits": f"{out['fits']['n_fit']}/{out['fits']['n_checked']}"}
-  for k in ("included", "design", "heldout", "fp16", "fits_chip_diagnosis"):
-    m, b = sc[k]["model"], sc[k]["baseline"]
-    nums[k] = {"n": sc[k]["n"], "mape_pct": [m["mape_pct"], b["mape_pct"]],
-               "tau_global": [m["tau_global"], b["tau_global"]], "tau_tables": [m["tau_tables"], b["tau_tables"]]}
-  nums["by_chip_mape_pct"] = {c: [v["mape_pct"], sc["included"]["baseline"]["by_chip"][c]["mape_pct"]]
-                              for c, v in sc["included"]["model"]["by_chip"].items()}
-  nums = json.loads(json.dumps(nums), parse_float=lambda x: round(float(x), 3))
-  with open(results_path, "a") as f:
-    f.write(f"| {out['run_at']} | {out['command']} (model vs baseline: [model, baseline]) | {out['host']} (shared) "
-            f"| {json.dumps(nums)} |\n")
 
 
 def _plot(per: list, path: str) -> None:

@@ -7,7 +7,7 @@ its compiled program with ``perfmodel.predict`` and scored. One headline error: 
 (``mape``; decode: ``tpot_mape``), with beside it what a perfect model scores on the same rounds (``host_floor``:
 each round predicted by the median of the others). Also Kendall's tau of the training ranking, the regret of picking
 the predicted-fastest config, and the peak-memory error against the compiler's memory_analysis. Writes a PNG where
-asked; ``results=True`` (``validate --record``) appends a row to the committed benchmarks/RESULTS.md.
+asked; ``results=True`` (``validate --record``) writes the committed benchmarks/data/perfmodel_validate.json.
 """
 from __future__ import annotations
 
@@ -26,6 +26,7 @@ from perfmodel.cost import chain as chain_lib
 
 REPO = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 COMMITTED_PNG = os.path.join(REPO, "benchmarks", "perfmodel_validate.png")  # written by ``validate --record``
+RECORD_JSON = os.path.join(REPO, "benchmarks", "data", "perfmodel_validate.json")  # written by ``validate --record``
 
 
 def _clock(caches: list, pinned_now: bool) -> str:
@@ -132,7 +133,8 @@ def run(suite_path=None, reps: int = 7, backend: str = "auto", png: str = None, 
     # a row priced from stored measurements says so (and which), so it is not read as a fresh measurement
     tail = (f" --backend {backend}" if backend != "auto" else "") + (
         f" --rounds {len(caches)}" if len(caches) > 1 and not stored else "")
-    _append_results(out, " --record" + tail + (f" --measurements {' '.join(stored)} (stored, written {taken})" if stored else ""))
+    _record(out, "python -m perfmodel validate --record" + tail
+            + (f" --measurements {' '.join(files)}" if files else ""), taken if stored else None)
   return out
 
 
@@ -183,17 +185,12 @@ def _plot(rows, path):
   fig.savefig(path, dpi=120, bbox_inches="tight")
 
 
-def _append_results(out, command_tail: str = ""):
-  path = os.path.join(REPO, "benchmarks", "RESULTS.md")
-  if not os.path.exists(path):
-    with open(path, "w") as f:
-      f.write("# Benchmark results\n\n| date | command | machine | numbers |\n|---|---|---|---|\n")
-  nums = {k: (round(v, 3) if isinstance(v, float) else v) for k, v in out.items()
-          if k in ("mape", "tpot_mape", "kendall_tau", "n_configs", "rounds", "statistic", "round_spread_pct",
-                   "noise_pct", "top1_regret_pct", "tpot_noise_pct", "peak_memory_max_err_pct_vs_memory_analysis",
-                   "load_avg", "clock", "calibration_loo_mape")}
-  if out.get("host_floor"):
-    nums["host_floor"] = {k: round(v, 3) for k, v in out["host_floor"].items() if isinstance(v, float)}
-  with open(path, "a") as f:
-    f.write(f"| {datetime.datetime.now().isoformat(timespec='minutes')} | python -m perfmodel validate{command_tail} | "
-            f"{platform.machine()} {os.cpu_count()} cores (shared) | {json.dumps(nums)} |\n")
+def _record(out: dict, command: str, measured: str = None) -> None:
+  """Writes the committed record of this run, benchmarks/data/perfmodel_validate.json: the result with the command,
+  machine and date (``measured``: when stored measurements were taken, where the run priced stored ones)."""
+  out.update({"command": command, "machine": f"{platform.machine()} {os.cpu_count()} cores (shared)",
+              "date": datetime.datetime.now().isoformat(timespec="minutes")})
+  if measured:
+    out["measurements_taken"] = measured
+  with open(RECORD_JSON, "w") as f:
+    json.dump(out, f, indent=1, default=str)

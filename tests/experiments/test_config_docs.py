@@ -9,7 +9,7 @@ joined, a trailing ``> FILE`` dropped) is checked without running it:
 - left-over arguments are ``--config.*`` overrides, and ``--config FILE[:ARG]`` plus those overrides load through
   ``framework.config_file.load`` (so ``:runlocal=True``, ``:layers=N``, ``:role=draft`` must be accepted by that
   config's ``get_config``);
-- repository paths it reads exist, and a command that writes a committed file (a profile, a PNG, a RESULTS.md row)
+- repository paths it reads exist, and a command that writes a committed file (a profile, a PNG, a data file)
   names that file in the same docstring, unless the command line opts out of the write.
 And ``:runlocal=True`` either changes a config or is rejected by it; it is never silently ignored.
 """
@@ -34,19 +34,19 @@ CONFIGS = sorted(p for p in (REPO / "experiments" / "configs").glob("*.py") if p
 TOP = ("benchmarks/", "experiments/", "perfmodel/", "ondevice/", "resilience/", "framework/", "parallelism/")
 
 # Commands whose entry point has no argparse parser: how many arguments each takes.
-NO_PARSER = {"experiments/figures/perfmodel_accuracy.py": 2}
+NO_PARSER = {"experiments.figures.perfmodel_accuracy": 2}
 
 # (command key, committed file it writes, the flag that makes a user command write it; None: a benchmark script,
 # which records by default and says so).
 WRITES = [
     ("perfmodel calibrate", "perfmodel/profiles/cpu.json", "--commit"),
-    ("perfmodel validate", "benchmarks/RESULTS.md", "--record"),
+    ("perfmodel validate", "benchmarks/data/perfmodel_validate.json", "--record"),
     ("perfmodel.emulate.gloo_calibration", "perfmodel/emulate/calibration/cpu_gloo.json", "--commit"),
-    ("ondevice.bench", "benchmarks/RESULTS.md", "--record"),
-    ("benchmarks/emulate_validate.py", "benchmarks/RESULTS.md", None),
-    ("benchmarks/emulate_validate.py", "benchmarks/emulate_validate.png", None),
-    ("benchmarks/emulate_scale.py", "benchmarks/RESULTS.md", None),
-    ("benchmarks/hotswap.py", "benchmarks/RESULTS.md", None),
+    ("ondevice.bench", "benchmarks/data/ondevice_bench_", "--record"),
+    ("benchmarks.emulate_validate", "benchmarks/data/emulate_validate.json", None),
+    ("benchmarks.emulate_validate", "benchmarks/emulate_validate.png", None),
+    ("benchmarks.emulate_scale", "benchmarks/data/emulate_l70b.json", None),
+    ("benchmarks.hotswap", "benchmarks/data/hotswap_", None),
 ]
 
 

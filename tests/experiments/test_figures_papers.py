@@ -26,7 +26,7 @@ def test_draws_from_committed_data(tmp_path, fig):
 
 
 def test_missing_data_names_the_command(tmp_path):
-  with pytest.raises(registry.MissingData, match="hotswap.py"):
+  with pytest.raises(registry.MissingData, match="benchmarks.hotswap"):
     phoenix.draw_recovery(str(tmp_path / "x.png"), data_dir=str(tmp_path))
   with pytest.raises(registry.MissingData, match="--rerun ksweep"):
     primacpp.draw_ring_k(str(tmp_path / "x.png"), data_dir=str(tmp_path))
