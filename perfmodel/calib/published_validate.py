@@ -135,6 +135,8 @@ def run(csv: Optional[str] = None, limit: int = 0, ids: Optional[list] = None, p
     per.append(rec)
     if "error" in rec:
       log(f"[{i + 1}/{len(rows)}] {r.id}: {rec['error'][:200]}")
+    elif r.split == "heldout":  # its error is in the JSON and the held-out aggregate, not in the log one designs by
+      log(f"[{i + 1}/{len(rows)}] {r.id} (heldout): priced" + (", stale" if rec["stale_reasons"] else ""))
     else:
       log(f"[{i + 1}/{len(rows)}] {r.id} ({r.split}): predicted {rec['predicted_s']:.3f} s, published "
           f"{r.measured_step_s:.3f} s ({rec['err_pct']:+.1f}%; baseline {rec['baseline_err_pct']:+.1f}%)"
