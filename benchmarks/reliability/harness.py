@@ -18,6 +18,7 @@ from __future__ import annotations
 
 import contextlib
 import dataclasses
+import functools
 import glob
 import hashlib
 import io
@@ -253,25 +254,46 @@ def env(extra: Optional[dict] = None) -> dict:
   return {**e, **(extra or {})}
 
 
-def _default_signals():
-  """In the child before exec: the stop signals as a user's shell delivers them. A campaign started in the
-  background by a non-interactive shell (or under nohup) ignores SIGINT, and an ignored signal stays ignored
-  across exec: every SIGINT case would then signal a run that cannot hear it."""
-  for sig in (signal.SIGINT, signal.SIGTERM, signal.SIGQUIT, signal.SIGHUP):
+STOP_SIGNALS = (signal.SIGINT, signal.SIGTERM)
+
+
+def _ignored_stop_signals() -> list:
+  return [s for s in STOP_SIGNALS if signal.getsignal(s) is signal.SIG_IGN]
+
+
+@functools.lru_cache(maxsize=None)
+def _env_resets_signals() -> bool:
+  """GNU env (coreutils >= 8.31) can reset a signal to its default before it execs."""
+  try:
+    return subprocess.run(["env", "--default-signal=INT", "true"], capture_output=True, timeout=30).returncode == 0
+  except (OSError, subprocess.SubprocessError):
+    return False
+
+
+def _default_stop_signals():
+  for sig in STOP_SIGNALS:
     signal.signal(sig, signal.SIG_DFL)
-  signal.pthread_sigmask(signal.SIG_SETMASK, [])
 
 
 def start(argv: list, extra_env: Optional[dict] = None, module: Optional[str] = "experiments.run") -> subprocess.Popen:
-  """``python -m module argv`` (``module`` None: ``python argv``) in its own session, the stop signals at their
-  defaults. Output goes to files, not pipes: a process nobody reads from for a while must never block on a
-  write."""
+  """``python -m module argv`` (``module`` None: ``python argv``) in its own session. Output goes to files, not
+  pipes: a process nobody reads from for a while must never block on a write.
+
+  The run gets SIGINT / SIGTERM as a user's shell delivers them even when this process ignores them (a campaign
+  started in the background by a non-interactive shell, or under nohup, ignores SIGINT): an ignored signal stays
+  ignored across exec, and every SIGINT case would then signal a run that cannot hear it. ``env
+  --default-signal`` resets them before the exec (a ``preexec_fn`` where that env is missing)."""
   fd_out, out_path = tempfile.mkstemp(prefix="prismllm-case-", suffix=".out")
   fd_err, err_path = tempfile.mkstemp(prefix="prismllm-case-", suffix=".err")
+  cmd = [sys.executable, *(["-m", module] if module else []), *argv]
+  ignored, preexec = _ignored_stop_signals(), None
+  if ignored and _env_resets_signals():
+    cmd = ["env", "--default-signal=" + ",".join(s.name[3:] for s in ignored), *cmd]
+  elif ignored:
+    preexec = _default_stop_signals
   try:
-    proc = subprocess.Popen([sys.executable, *(["-m", module] if module else []), *argv], cwd=ROOT, env=env(extra_env), stdout=fd_out,
-                            stderr=fd_err, stdin=subprocess.DEVNULL, start_new_session=True,
-                            preexec_fn=_default_signals)
+    proc = subprocess.Popen(cmd, cwd=ROOT, env=env(extra_env), stdout=fd_out, stderr=fd_err,
+                            stdin=subprocess.DEVNULL, start_new_session=True, preexec_fn=preexec)
   finally:
     os.close(fd_out)
     os.close(fd_err)
@@ -280,9 +302,10 @@ def start(argv: list, extra_env: Optional[dict] = None, module: Optional[str] = 
 
 
 def _read_and_remove(path: str) -> str:
+  """The file's text as written (bytes decoded, no newline translation: generated text may hold a bare \\r)."""
   try:
-    with open(path, errors="replace") as f:
-      return f.read()
+    with open(path, "rb") as f:
+      return f.read().decode(errors="replace")
   except OSError:
     return ""
   finally:

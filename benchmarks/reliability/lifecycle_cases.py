@@ -186,8 +186,12 @@ def _second_sigint_during_the_save(ws):
       continue
     os.kill(proc.pid, signal.SIGINT)
     if not _wait_for_text(proc.err_path, "SIGINT received", proc):
-      finish(proc, 60, wd)
-      continue
+      r = finish(proc, 0 if proc.poll() is None else 60, wd)
+      if r.rc == 0:
+        continue  # the run finished before the signal: try again
+      o = classify(r)
+      o.detail = f"the first SIGINT was not acknowledged within 120 s: {o.detail}"
+      return o
     os.kill(proc.pid, signal.SIGINT)
     r = finish(proc, 120, wd)
     if r.rc == 130 and "second SIGINT: exiting at once" not in r.err:
