@@ -155,7 +155,8 @@ def _stop_and_resume(ws, name: str, sig: int, argv_of, ref: dict, lo: int = 4, h
                                f"{problem or 'not the step it stopped at'}")
     r2 = run(argv_of(wd), 600, wd, ws.cache_env)
     o = classify(r2, lambda rr: f"resumed from step {step}" in rr.err and _same_losses(wd, ref))
-    o.detail = f"{signal.Signals(sig).name} once step {at} was logged; saved step {step}; rerun: {o.detail}"
+    o.detail = (f"{signal.Signals(sig).name} once step {at} was logged (attempt {attempt + 1}); saved step {step}; "
+                f"rerun: {o.detail}")
     return o
   raise NotExercised(f"the run finished before the signal was handled in {tries} attempts (nothing was checked)")
 
@@ -205,7 +206,7 @@ def _second_sigint_during_the_save(ws):
       return Outcome("silent", f"after the second SIGINT: steps {steps}, incomplete {bad}", data_lost=bool(bad))
     r2 = run(_argv(ws, wd, STEPS, *extra), 600, wd, ws.cache_env)
     o = classify(r2, lambda rr: f"resumed from step {steps[0]}" in rr.err and _same_losses(wd, ref))
-    o.detail = f"exited at once; complete steps {steps}; rerun: {o.detail}"
+    o.detail = f"exited at once (attempt {attempt + 1}); complete steps {steps}; rerun: {o.detail}"
     return o
   raise NotExercised(f"no second SIGINT landed during the save in {ATTEMPTS} attempts (nothing was checked)")
 
@@ -250,7 +251,7 @@ def _sigint_to_the_hotswap_launcher(ws):
     r2 = run(_hs_argv(ws, wd, steps, **res), 600, wd)
     o = classify(r2, lambda rr: summary_json(rr).get("resumed_from") == step and
                  _same_as_reference(ws, wd, steps, **res))
-    o.detail = f"saved step {step}; rerun: {o.detail}"
+    o.detail = f"saved step {step} (attempt {attempt + 1}); rerun: {o.detail}"
     if r.left_pids or r.left_shm:
       o.data_lost, o.detail = True, f"left behind {r.left_pids} {r.left_shm}; {o.detail}"
     return o

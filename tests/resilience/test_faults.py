@@ -137,3 +137,31 @@ def test_lost_files_accepts_moved_aside_intact(tmp_path):
   assert harness.lost_files(before, str(tmp_path)) == []
   (aside / "a").write_bytes(b"changed")
   assert harness.lost_files(before, str(tmp_path)) == ["checkpoints/4/state/a"]
+
+
+def test_the_campaign_command_counts_and_writes_only_where_told(tmp_path):
+  """``python -m benchmarks.reliability`` on two cases: one JSON object with the counts, the same JSON in --out, and
+  the committed benchmarks/data/reliability.json untouched; --commit of a part is refused in one line."""
+  import json
+  import subprocess
+  import sys
+  from benchmarks.reliability import campaign
+  with open(campaign.COMMITTED, "rb") as f:
+    committed = f.read()
+  env = harness.env()
+  out = tmp_path / "r.json"
+  r = subprocess.run([sys.executable, "-m", "benchmarks.reliability", "--area", "resilience", "--only",
+                      "config_file_missing", "typo_in_key", "--workdir", str(tmp_path / "ws"), "--out", str(out)],
+                     cwd=harness.ROOT, env=env, capture_output=True, text=True, timeout=600)
+  assert r.returncode == 0, r.stderr[-3000:]
+  res = json.loads(r.stdout.strip().splitlines()[-1])
+  assert json.loads(out.read_text()) == res
+  assert (res["total"]["bad_inputs_tried"], res["total"]["clear_errors"], res["total"]["not_exercised"]) == (2, 2, 0)
+  assert set(res["areas"]["resilience"]["cases"]) == {"config_file_missing", "typo_in_key"}
+  with open(campaign.COMMITTED, "rb") as f:
+    assert f.read() == committed
+  r = subprocess.run([sys.executable, "-m", "benchmarks.reliability", "--only", "typo_in_key", "--commit"],
+                     cwd=harness.ROOT, env=env, capture_output=True, text=True, timeout=600)
+  assert r.returncode == 2 and r.stderr.strip().splitlines()[-1].endswith(
+      "--commit records the whole campaign: drop --only, --class, --fast and --area, or write a part with --out "
+      "instead"), r.stderr
