@@ -13,7 +13,7 @@ import os
 import time
 
 from benchmarks.reliability import harness
-from benchmarks.reliability.ondevice_area import Outcome, case, classify, invoke, run_cli
+from benchmarks.reliability.ondevice_area import case, classify, invoke, run_cli
 
 RUN = "ondevice.run"
 ROOT = harness.ROOT
