@@ -86,8 +86,8 @@ def _windows(step_log, n):
 
 def _identical(wa, wb, nodes=4) -> bool:
   """Every loss of every step in wb equals the failure-free run's (wa), every step is there, final bytes equal."""
-  from resilience import faults  # noqa: PLC0415
-  a, b = faults.losses_by_step(wa), faults.losses_by_step(wb)
+  from benchmarks.reliability import harness  # noqa: PLC0415
+  a, b = harness.losses_by_step(wa), harness.losses_by_step(wb)
   if set(a) != set(b) or any(x != a[s][0] for s, v in b.items() for x in v):
     return False
   for r in range(nodes):
@@ -110,9 +110,9 @@ def _schedule(kinds, per_kind, steps, seed):
 def _kill_and_rerun(spec, common, wr, min_step):
   """R: launcher SIGKILLed after a persistent checkpoint >= min_step; returns what it left and the rerun's summary."""
   from framework import checkpoint as ckpt_lib  # noqa: PLC0415
-  from resilience import faults  # noqa: PLC0415
+  from benchmarks.reliability import harness  # noqa: PLC0415
   argv = ["--config", spec, "--workdir", wr, *common]
-  proc = faults.start(argv, module="resilience.launch")
+  proc = harness.start(argv, module="resilience.launch")
   committed = None
   while proc.poll() is None:
     committed = ckpt_lib.latest_usable_step(ckpt_lib.checkpoint_dir(wr))
@@ -120,17 +120,17 @@ def _kill_and_rerun(spec, common, wr, min_step):
       break
     time.sleep(0.05)
   if proc.poll() is not None:
-    faults.finish(proc, 10, wr)
+    harness.finish(proc, 10, wr)
     return {"error": "the job finished before its controller could be killed"}
-  rid = faults.run_ids_of(wr)[-1]
+  rid = harness.run_ids_of(wr)[-1]
   os.kill(proc.pid, signal.SIGKILL)
   proc.wait()
   t_kill = time.time()
-  left = faults.wait_gone(proc.pid, 60.0)
+  left = harness.wait_gone(proc.pid, 60.0)
   gone_s = time.time() - t_kill
-  shm = faults.shm_of(wr, rid)
-  faults.finish(proc, 10, wr)
-  r = faults.finish(faults.start(argv, module="resilience.launch"), 3000, wr)
+  shm = harness.shm_of(wr, rid)
+  harness.finish(proc, 10, wr)
+  r = harness.finish(harness.start(argv, module="resilience.launch"), 3000, wr)
   with open(os.path.join(wr, "hotswap_summary.json")) as f:
     rerun = json.load(f)
   return {"committed_at_kill": committed, "processes_left": left, "shm_left": shm, "all_gone_after_s": gone_s,

@@ -7,6 +7,7 @@ and nothing imports the command line.
 """
 import ast
 import os
+import re
 
 import pytest
 
@@ -137,3 +138,45 @@ def test_perfmodel_core_size():
   # timeline with each framework's overlap rules and the pipeline model (~0.5k), predict / program / target (~1k),
   # hardware, memory, compose, search. Growth past it asks for a split, not a bump.
   assert total <= 5300, f"perfmodel core is {total} lines (budget ~5.2k)"
+
+
+LIBRARY = ("framework", "parallelism", "perfmodel", "resilience", "ondevice")
+CAMPAIGN_MODULE = re.compile(r"^(fault_suite|faults\w*|harness)$")
+CAMPAIGN_CLASSES, CAMPAIGN_FUNCTIONS = {"Case", "Outcome"}, {"run_case", "summarise"}
+
+
+def campaign_code(module: str, source: str) -> list:
+  """Why ``module`` (dotted name) with this source is fault-campaign code: a campaign module's name, or a class
+  Case / Outcome or a function run_case / summarise defined anywhere in it (the campaign lives in
+  benchmarks/reliability/)."""
+  why = []
+  if CAMPAIGN_MODULE.match(module.rpartition(".")[2]):
+    why.append(f"{module}: named like a fault-campaign module")
+  for node in ast.walk(ast.parse(source)):
+    if isinstance(node, ast.ClassDef) and node.name in CAMPAIGN_CLASSES:
+      why.append(f"{module}: defines class {node.name}")
+    elif isinstance(node, (ast.FunctionDef, ast.AsyncFunctionDef)) and node.name in CAMPAIGN_FUNCTIONS:
+      why.append(f"{module}: defines {node.name}()")
+  return why
+
+
+def test_the_campaign_checker_finds_what_it_looks_for():
+  assert campaign_code("resilience.faults", "") and campaign_code("ondevice.fault_suite", "")
+  assert campaign_code("resilience.faults_lifecycle_cases", "") and campaign_code("parallelism.harness", "")
+  assert campaign_code("ondevice.checks", "import dataclasses\n@dataclasses.dataclass\nclass Outcome:\n  kind: str\n")
+  assert campaign_code("framework.x", "class Case:\n  pass\n")
+  assert campaign_code("perfmodel.x", "def f():\n  def run_case(c, ws):\n    return c\n")
+  assert campaign_code("resilience.report", "def summarise(results):\n  return {}\n")
+  assert not campaign_code("ondevice.weights", "def io_counters():\n  return {'major_faults': 0}\n")
+  assert not campaign_code("resilience.injection", "class Fault:\n  pass\ndef summary():\n  pass\n")
+
+
+def test_no_fault_campaign_in_the_library():
+  """The library packages hold product code only: the fault campaign (cases, outcomes, running and counting
+  them) is benchmarks/reliability/."""
+  found = []
+  for m, path in _modules().items():
+    if m.split(".")[0] in LIBRARY:
+      with open(path) as f:
+        found += campaign_code(m, f.read())
+  assert not found, "fault-campaign code in the library (move it to benchmarks/reliability/): " + "; ".join(found)

@@ -1,8 +1,8 @@
 """Stopping on a signal and a full disk, in process (framework/stop.py, framework/train.py, framework/checkpoint.py).
 
 The same behaviours end to end, through ``python -m experiments.run`` in subprocesses (random steps, a second
-signal, ``--processes 2``, a real size-capped tmpfs): resilience/faults_lifecycle_cases.py, run by
-tests/resilience/test_faults.py.
+signal, ``--processes 2``, a real size-capped tmpfs): benchmarks/reliability/lifecycle_cases.py, run
+by tests/resilience/test_faults.py and ``python -m benchmarks.reliability``.
 """
 import json
 import os
@@ -84,7 +84,7 @@ def test_signal_saves_that_step_and_the_resume_is_bit_identical(tmp_path, sig, r
 
 def test_full_disk_is_one_error_partial_removed_earlier_kept(tmp_path, monkeypatch):
   """Stand-in for a full disk where no size-capped tmpfs can be mounted: orbax's save of step 4 fails the way
-  tensorstore reports ENOSPC, after leaving its temp folder (the tmpfs case: faults_lifecycle_cases.py)."""
+  tensorstore reports ENOSPC, after leaving its temp folder (the tmpfs case: benchmarks/reliability/lifecycle_cases.py)."""
   import orbax.checkpoint as ocp
   cfg2 = tiny_config(checkpoint=dict(every=2, keep=5), train=dict(steps=2))
   wd = str(tmp_path / "wd")

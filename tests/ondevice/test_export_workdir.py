@@ -69,14 +69,14 @@ def test_export_refuses_a_config_that_does_not_match_the_checkpoint(tiny, tmp_pa
   wrong = config_lib.to_dict(dataclasses.replace(cfg, model=dataclasses.replace(cfg_model, d_model=32, n_heads=2)))
   with open(os.path.join(wd, "config.json"), "w") as f:
     json.dump(wrong, f, default=str)
-  from ondevice import export
+  from benchmarks.reliability.ondevice_area import classify, invoke
   from ondevice.errors import InputError
-  from ondevice.faults import classify, invoke
   with pytest.raises(InputError, match=r"config.json does not describe checkpoint step 2 .*params\['embed'\]"):
     sources.workdir_params(wd)
   out = str(tmp_path / "x.gguf")
-  rc, o, err, exc = invoke(export.main, ["--workdir", wd, "--out", out])
-  assert classify(rc, o, err, exc).kind == "clear_error", err
+  r = invoke("ondevice.export", ["--workdir", wd, "--out", out])
+  err = r.err
+  assert classify(r).kind == "clear_error", err
   assert "is (256, 64) there, the config's model needs (256, 32)" in err and not os.path.exists(out)
 
 

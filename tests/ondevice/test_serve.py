@@ -6,7 +6,8 @@ import threading
 import numpy as np
 import pytest
 
-from ondevice import faults, faults_serve_cases, serve
+from benchmarks.reliability import ondevice_area, serve_cases
+from ondevice import serve
 
 from .conftest import llama_cpp_peer
 
@@ -14,8 +15,8 @@ from .conftest import llama_cpp_peer
 @pytest.fixture(scope="module")
 def server(tmp_path_factory):
   openai = pytest.importorskip("openai", reason="pip install openai (the test extra)")
-  ws = faults.Workspace(str(tmp_path_factory.mktemp("serve")))
-  path = faults_serve_cases.chat_model(ws)
+  ws = ondevice_area.Workspace(str(tmp_path_factory.mktemp("serve")))
+  path = serve_cases.chat_model(ws)
   srv, svc = serve.serve(path, "127.0.0.1", 0, ctx=256, name="tiny")
   threading.Thread(target=srv.serve_forever, daemon=True).start()
   client = openai.OpenAI(base_url=f"http://127.0.0.1:{srv.server_address[1]}/v1", api_key="unused", max_retries=0)

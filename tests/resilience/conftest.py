@@ -3,7 +3,7 @@ import tempfile
 
 import pytest
 
-from tests.resilience.harness import run_job
+from tests.resilience.jobs import run_job
 
 
 @pytest.fixture(scope="session")

@@ -1,9 +1,9 @@
 """End to end: N=4 nodes + spares on localhost, one injected failure per test, compared bit for bit
 with a failure-free run of the same config. Each job runs in its own session under a hard timeout
-and every process is SIGKILLed afterwards (tests/resilience/harness.py)."""
+and every process is SIGKILLed afterwards (tests/resilience/jobs.py)."""
 import pytest
 
-from tests.resilience.harness import assert_identical, run_job
+from tests.resilience.jobs import assert_identical, run_job
 
 pytestmark = pytest.mark.multiprocess
 

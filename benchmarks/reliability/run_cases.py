@@ -1,4 +1,4 @@
-"""The ondevice bad-input cases about running (registered into ``ondevice.faults.CASES``).
+"""The ondevice bad-input cases about running (registered into ``ondevice_area.CASES``).
 
 generation: token budgets, prompts and drafts, checked before the first token; plan: devices files and
 plans Halda cannot place, checked before any device starts; ring_peer: a ring device killed or frozen
@@ -10,15 +10,13 @@ from __future__ import annotations
 import hashlib
 import json
 import os
-import signal
-import subprocess
-import sys
 import time
 
-from ondevice.faults import Outcome, case, classify, invoke, run_cli
+from benchmarks.reliability import harness
+from benchmarks.reliability.ondevice_area import case, classify, invoke, run_cli
 
 RUN = "ondevice.run"
-ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+ROOT = harness.ROOT
 
 
 def _run(ws, *argv, ok=None, timeout_s=120.0):
@@ -78,7 +76,7 @@ def _draft_is_the_target(ws):
 
 @case("generation")
 def _draft_with_other_vocabulary(ws):
-  from ondevice.faults import random_arrays, tiny_config
+  from ondevice.gguf_io import random_arrays, tiny_config  # noqa: PLC0415
   from ondevice.gguf_io import write_arrays
   cfg = tiny_config(vocab_size=300, n_layers=1)
   p = ws.path("draft-vocab300.gguf")
@@ -100,8 +98,7 @@ def _model_is_a_directory(ws):
 @case("generation")
 def _speculative_until_context_end(ws):
   """Speculative decoding filling the context exactly: must stop at the limit with the greedy text."""
-  ref = invoke(__import__("ondevice.run", fromlist=["main"]).main,
-               ["--model", ws.good, "--prompt", "def f", "--max-tokens", "59", "--ctx", "64", "--no-stop"])[1]
+  ref = invoke(RUN, ["--model", ws.good, "--prompt", "def f", "--max-tokens", "59", "--ctx", "64", "--no-stop"]).out
   return _run(ws, "--prompt", "def f", "--max-tokens", "59", "--ctx", "64", "--no-stop", "--draft", ws.draft,
               "--gamma", "5", ok=lambda out, err: out == ref)
 
@@ -175,33 +172,22 @@ windows: [2, 3, 3]
 """
 
 
-def _ring_with_fault(ws, action: str, extra: list, timeout_s: float = 120.0, n: int = 200) -> tuple:
+def _ring_with_fault(ws, action: str, extra: list, timeout_s: float = 120.0, n: int = 200) -> harness.Run:
   """Runs ``ondevice.run`` on a 3-device ring in a subprocess whose device 'tail' (rank 2) SIGKILLs or
-  SIGSTOPs itself on its 20th forward pass (ring.py's ONDEVICE_FAULT hook). -> (rc, stdout, stderr) or Outcome."""
+  SIGSTOPs itself on its 20th forward pass (ring.py's ONDEVICE_FAULT hook); its session is killed after, so a
+  frozen device process cannot outlive the case (rc None: no exit within ``timeout_s``)."""
   d = ws.devices("dev3.yaml", _DEV3)
-  cmd = [sys.executable, "-m", RUN, "--model", ws.ring_model, "--devices", d, "--prompt", "def f", "--max-tokens",
-         str(n), "--ctx", "256", "--no-stop", *extra]
-  env = dict(os.environ, PYTHONPATH=ROOT, OPENBLAS_NUM_THREADS="1", ONDEVICE_FAULT=f"rank=2,after=20,action={action}")
-  p = subprocess.Popen(cmd, cwd=ROOT, env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE, start_new_session=True)
-  try:
-    out, err = p.communicate(timeout=timeout_s)
-  except subprocess.TimeoutExpired:
-    os.killpg(p.pid, signal.SIGKILL)
-    p.communicate()
-    return Outcome("hang", f"no exit within {timeout_s} s")
-  finally:
-    try:
-      os.killpg(p.pid, signal.SIGKILL)  # a frozen device process left behind must not outlive the case
-    except ProcessLookupError:
-      pass
-  return p.returncode, out, err
+  argv = ["--model", ws.ring_model, "--devices", d, "--prompt", "def f", "--max-tokens", str(n), "--ctx", "256",
+          "--no-stop", *extra]
+  env = {"OPENBLAS_NUM_THREADS": "1", "ONDEVICE_FAULT": f"rank=2,after=20,action={action}"}
+  r = harness.finish(harness.start(argv, env, module=RUN), timeout_s, gone_s=0.0)
+  r.left_pids = []  # the frozen device stands for another machine: its process is the fault, not a leak
+  return r
 
 
-def _reference_text(ws, n=200) -> bytes:
-  rc, out, err, _ = invoke(__import__("ondevice.run", fromlist=["main"]).main,
-                           ["--model", ws.ring_model, "--prompt", "def f", "--max-tokens", str(n), "--ctx", "256",
-                            "--no-stop"])
-  return out.encode()
+def _reference_text(ws, n=200) -> str:
+  return invoke(RUN, ["--model", ws.ring_model, "--prompt", "def f", "--max-tokens", str(n), "--ctx", "256",
+                      "--no-stop"]).out
 
 
 @case("ring_peer", timeout_s=180)
@@ -209,32 +195,19 @@ def _peer_killed_replan(ws):
   """A device killed mid-generation: the head drops it, re-plans on the rest and re-prefills; the text is the
   single-device greedy text (nothing lost), and the summary records where it happened."""
   r = _ring_with_fault(ws, "kill", [])
-  if isinstance(r, Outcome):
-    return r
-  rc, out, err = r
   ref = _reference_text(ws)
-  o = classify(rc, out.decode(errors="replace"), err.decode(errors="replace"), None,
-               ok=lambda o_, e_: out == ref and json.loads(e_.strip().splitlines()[-1])["recoveries"])
-  return o
+  return classify(r, ok=lambda rr: rr.out == ref and json.loads(rr.err.strip().splitlines()[-1])["recoveries"])
 
 
 @case("ring_peer", timeout_s=180)
 def _peer_killed_fail_fast(ws):
-  r = _ring_with_fault(ws, "kill", ["--on-peer-failure", "fail"])
-  if isinstance(r, Outcome):
-    return r
-  rc, out, err = r
-  return classify(rc, out.decode(errors="replace"), err.decode(errors="replace"), None)
+  return classify(_ring_with_fault(ws, "kill", ["--on-peer-failure", "fail"]))
 
 
 @case("ring_peer", timeout_s=180)
 def _peer_frozen_times_out(ws):
   t0 = time.perf_counter()
-  r = _ring_with_fault(ws, "stop", ["--peer-timeout", "3"])
-  if isinstance(r, Outcome):
-    return r
-  rc, out, err = r
-  o = classify(rc, out.decode(errors="replace"), err.decode(errors="replace"), None)
+  o = classify(_ring_with_fault(ws, "stop", ["--peer-timeout", "3"]))
   if o.kind == "clear_error" and time.perf_counter() - t0 > 60:
     o.kind, o.detail = "hang", f"took {time.perf_counter() - t0:.0f} s for a 3 s peer timeout"
   return o

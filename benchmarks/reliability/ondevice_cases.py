@@ -1,4 +1,4 @@
-"""The ondevice bad-input cases (registered into ``ondevice.faults.CASES``), by class.
+"""The ondevice bad-input cases about GGUF files (registered into ``ondevice_area.CASES``), by class.
 
 gguf_truncated / gguf_header / gguf_index / gguf_data: one of our Q4_0 exports, cut or with one bit
 flipped in a chosen part; gguf_unsupported: quant types and llama features the runtime does not compute;
@@ -12,7 +12,7 @@ import os
 
 import numpy as np
 
-from ondevice.faults import Outcome, case, flip, header_offsets, put, run_cli
+from benchmarks.reliability.ondevice_area import Outcome, case, flip, header_offsets, invoke, put, run_cli
 
 RUN = "ondevice.run"
 
@@ -28,12 +28,10 @@ def _corrupt(ws, name: str, mutate) -> Outcome:
 
 def _tokens_of(ws, path: str, n: int = 8) -> str:
   """The text our engine generates from ``path`` (reference for the 'recovered' checks)."""
-  from ondevice.faults import invoke
-  from ondevice.run import main
-  rc, out, err, exc = invoke(main, ["--model", path, "--prompt", "def f(x):", "--max-tokens", str(n), "--greedy",
-                                    "--no-stop"])
-  assert rc == 0 and exc is None, err
-  return out
+  r = invoke("ondevice.run", ["--model", path, "--prompt", "def f(x):", "--max-tokens", str(n), "--greedy",
+                              "--no-stop"])
+  assert r.rc == 0 and r.exc is None, r.err
+  return r.out
 
 
 def _same_text_as(ref: str):
@@ -262,7 +260,7 @@ def _flip_nibble_without_crc(ws):
 def _with_types(ws, name: str, qtype: str) -> str:
   """The tiny model with every matrix stored as ``qtype`` (K-quants need rows of 256: a wider model)."""
   if qtype.endswith("_K"):
-    from ondevice.faults import random_arrays
+    from ondevice.gguf_io import random_arrays  # noqa: PLC0415
     cfg = ws.cfg.__class__(**{**ws.cfg.__dict__, "d_model": 256, "d_ff": 256})
     return _foreign(ws, name, qtype.lower(), cfg=cfg, arrays=random_arrays(cfg))
   return _foreign(ws, name, qtype.lower())
@@ -387,12 +385,10 @@ def _foreign_ok(ws, name, quant, ref=None, **kw):
 
 
 def _ids(path, prompt_ids, n=8):
-  from ondevice.faults import invoke
-  from ondevice.run import main
-  rc, out, err, exc = invoke(main, ["--model", path, "--prompt-ids", ",".join(map(str, prompt_ids)),
-                                    "--max-tokens", str(n), "--no-stop"])
-  assert rc == 0 and exc is None, err
-  return _ids_summary(err)
+  r = invoke("ondevice.run", ["--model", path, "--prompt-ids", ",".join(map(str, prompt_ids)),
+                              "--max-tokens", str(n), "--no-stop"])
+  assert r.rc == 0 and r.exc is None, r.err
+  return _ids_summary(r.err)
 
 
 def _ours(ws, quant):

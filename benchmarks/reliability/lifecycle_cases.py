@@ -1,8 +1,11 @@
-"""A run's life cycle as a user meets it (registered into ``resilience.faults.CASES``), by class.
+"""A run's life cycle as a user meets it (registered into ``resilience_area.CASES``), by class.
 
 stop: SIGINT / SIGTERM at a random step of a training run: it must save that step, say in one line how to
 resume, and exit 130 / 0; the rerun resumes there and every loss equals an uninterrupted run's, bit for bit.
-A second signal during that save exits at once and the last complete checkpoint stays usable.
+A second signal during that save exits at once and the last complete checkpoint stays usable. Every signal is
+sent once the run has logged a chosen step (metrics.jsonl), the second one once the first is acknowledged on
+stderr; a run that ends before its signal lands is tried again, and a case that never lands it is
+``not_exercised``, never a pass.
 stop_multiprocess: the same with ``--processes 2`` (jax's preemption sync point picks the step);
 hotswap_stop (slow): SIGINT to the hot-swap launcher, which forwards it to the workers.
 workdir: a second run on a live workdir (refused in one line within 10 s, the first run's files untouched), a
@@ -24,14 +27,16 @@ import sys
 import sysconfig
 import time
 
+from benchmarks.reliability.harness import (NotExercised, file_hashes, finish, killpg, losses_by_step, run, start,
+                                            summary_json)
+from benchmarks.reliability.hotswap_cases import _hs_argv, _hs_reference, _same_as_reference
+from benchmarks.reliability.resilience_area import Outcome, case, classify
 from framework import checkpoint as ckpt_lib
-from resilience.faults import (Outcome, case, classify, file_hashes, finish, losses_by_step, run, start,
-                               summary_json)
-from resilience.faults_hotswap_cases import _hs_argv, _hs_reference, _same_as_reference
 
 QS = "experiments/configs/quickstart.py:runlocal=True"
 STEPS = 60  # long enough for a signal to land mid-run, short enough for a reference run of seconds
 STEPS_2P = 30  # two gloo processes step ~10x slower
+ATTEMPTS = 6  # tries to land a signal where the case needs it before it is reported not_exercised
 STOPPED = re.compile(r"^stopped by (SIG\w+) after step (\d+); checkpoint saved in (\S+)\. To resume")
 
 
@@ -121,7 +126,7 @@ def _stopped_line(r, sig: int):
   return (int(m.group(2)), m.group(3)), ""
 
 
-def _stop_and_resume(ws, name: str, sig: int, argv_of, ref: dict, lo: int = 4, hi: int = 30, tries: int = 3):
+def _stop_and_resume(ws, name: str, sig: int, argv_of, ref: dict, lo: int = 4, hi: int = 30, tries: int = ATTEMPTS):
   """Signals the launcher once the run reached a random step in [lo, hi); checks the stop, then the rerun."""
   for attempt in range(tries):
     wd = ws.fresh(f"{name}_{attempt}")
@@ -150,9 +155,10 @@ def _stop_and_resume(ws, name: str, sig: int, argv_of, ref: dict, lo: int = 4, h
                                f"{problem or 'not the step it stopped at'}")
     r2 = run(argv_of(wd), 600, wd, ws.cache_env)
     o = classify(r2, lambda rr: f"resumed from step {step}" in rr.err and _same_losses(wd, ref))
-    o.detail = f"{signal.Signals(sig).name} once step {at} was logged; saved step {step}; rerun: {o.detail}"
+    o.detail = (f"{signal.Signals(sig).name} once step {at} was logged (attempt {attempt + 1}); saved step {step}; "
+                f"rerun: {o.detail}")
     return o
-  return Outcome("silent", f"the run finished before the signal in {tries} attempts (nothing was checked)")
+  raise NotExercised(f"the run finished before the signal was handled in {tries} attempts (nothing was checked)")
 
 
 # ------------------------------------------------------------------------------------------ stop
@@ -173,7 +179,7 @@ def _second_sigint_during_the_save(ws):
   left is complete and the rerun resumes from the newest, bit-identical to an uninterrupted run."""
   extra = ("--config.checkpoint.every=5",)
   ref = _reference(ws, STEPS, *extra)
-  for attempt in range(4):
+  for attempt in range(ATTEMPTS):
     wd = ws.fresh(f"second_sigint_{attempt}")
     proc = start(_argv(ws, wd, STEPS, *extra), ws.cache_env)
     if not _wait_for_step(proc, wd, random.randrange(12, 30)):
@@ -181,8 +187,12 @@ def _second_sigint_during_the_save(ws):
       continue
     os.kill(proc.pid, signal.SIGINT)
     if not _wait_for_text(proc.err_path, "SIGINT received", proc):
-      finish(proc, 60, wd)
-      continue
+      r = finish(proc, 0 if proc.poll() is None else 60, wd)
+      if r.rc == 0:
+        continue  # the run finished before the signal: try again
+      o = classify(r)
+      o.detail = f"the first SIGINT was not acknowledged within 120 s: {o.detail}"
+      return o
     os.kill(proc.pid, signal.SIGINT)
     r = finish(proc, 120, wd)
     if r.rc == 130 and "second SIGINT: exiting at once" not in r.err:
@@ -196,9 +206,9 @@ def _second_sigint_during_the_save(ws):
       return Outcome("silent", f"after the second SIGINT: steps {steps}, incomplete {bad}", data_lost=bool(bad))
     r2 = run(_argv(ws, wd, STEPS, *extra), 600, wd, ws.cache_env)
     o = classify(r2, lambda rr: f"resumed from step {steps[0]}" in rr.err and _same_losses(wd, ref))
-    o.detail = f"exited at once; complete steps {steps}; rerun: {o.detail}"
+    o.detail = f"exited at once (attempt {attempt + 1}); complete steps {steps}; rerun: {o.detail}"
     return o
-  return Outcome("silent", "could not land a second SIGINT during the save in 4 attempts (nothing was checked)")
+  raise NotExercised(f"no second SIGINT landed during the save in {ATTEMPTS} attempts (nothing was checked)")
 
 
 @case("stop_multiprocess", timeout_s=1500)
@@ -241,38 +251,61 @@ def _sigint_to_the_hotswap_launcher(ws):
     r2 = run(_hs_argv(ws, wd, steps, **res), 600, wd)
     o = classify(r2, lambda rr: summary_json(rr).get("resumed_from") == step and
                  _same_as_reference(ws, wd, steps, **res))
-    o.detail = f"saved step {step}; rerun: {o.detail}"
+    o.detail = f"saved step {step} (attempt {attempt + 1}); rerun: {o.detail}"
     if r.left_pids or r.left_shm:
       o.data_lost, o.detail = True, f"left behind {r.left_pids} {r.left_shm}; {o.detail}"
     return o
-  return Outcome("silent", "the job finished before the signal in 3 attempts (nothing was checked)")
+  raise NotExercised("the job finished before the signal in 3 attempts (nothing was checked)")
 
 
 # ------------------------------------------------------------------------------------------ workdir
 
 @case("workdir", timeout_s=600)
 def _second_run_on_a_live_workdir(ws):
-  """The first run is frozen (SIGSTOP) while the second starts, so any file change is the second's doing."""
+  """The first run's session is frozen (SIGSTOP, seen in /proc) while the second starts, so any file change is the
+  second's doing; then it is continued and stopped with SIGINT, which it must acknowledge and obey (exit 130)."""
   wd = ws.fresh("in_use")
   first = start(_argv(ws, wd, 100_000), ws.cache_env)
   if not _wait_for_step(first, wd, 3):
     return classify(finish(first, 60, wd))
-  os.kill(first.pid, signal.SIGSTOP)
+  killpg(first.pid, signal.SIGSTOP)
+  if not _wait_for_state(first.pid, "T", 10):
+    finish(first, 0, wd)
+    raise NotExercised("the first run did not stop on SIGSTOP within 10 s (nothing was checked)")
   before = file_hashes(wd)
   t0 = time.time()
   r = run(_argv(ws, wd, 100_000), 60, extra_env=ws.cache_env)
   took = time.time() - t0
   after = file_hashes(wd)
-  os.kill(first.pid, signal.SIGCONT)
+  killpg(first.pid, signal.SIGCONT)
   os.kill(first.pid, signal.SIGINT)
+  heard = _wait_for_text(first.err_path, "SIGINT received", first, 60)
   r1 = finish(first, 300, wd)
   o = classify(r)
   if o.kind == "clear_error" and (f"pid {first.pid}" not in o.detail or took > 10):
     o.kind, o.detail = "unclear_error", f"took {took:.1f} s, or does not name the holder: {o.detail}"
   o.detail = f"refused in {took:.1f} s: {o.detail}"
-  if before != after or r1.rc != 130:
-    o.data_lost, o.detail = True, f"first run harmed (files changed: {before != after}, its rc {r1.rc}); {o.detail}"
+  if r1.rc != 130:
+    o.kind = "hang" if r1.rc is None else "unclear_error"
+    o.detail = (f"the first run did not stop on SIGINT after SIGCONT (SIGINT acknowledged: {heard}, rc {r1.rc}, "
+                f"last line {r1.err.strip().splitlines()[-1:]}); {o.detail}")
+  if before != after:
+    o.data_lost, o.detail = True, f"the second run changed the first run's files; {o.detail}"
   return o
+
+
+def _wait_for_state(pid: int, state: str, timeout_s: float) -> bool:
+  """Waits until /proc says process ``pid`` is in ``state`` ('T': stopped)."""
+  end = time.time() + timeout_s
+  while time.time() < end:
+    try:
+      with open(f"/proc/{pid}/stat") as f:
+        if f.read().rsplit(")", 1)[1].split()[0] == state:
+          return True
+    except OSError:
+      return False
+    time.sleep(0.01)
+  return False
 
 
 @case("workdir", timeout_s=600)

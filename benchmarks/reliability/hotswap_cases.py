@@ -1,4 +1,4 @@
-"""The hot-swap cases (registered into ``resilience.faults.CASES``), by class.
+"""The hot-swap cases (registered into ``resilience_area.CASES``), by class.
 
 hotswap_controller: the controller SIGKILLed mid-run (agents clean up, a rerun resumes bit-identically), a
 damaged or foreign persistent checkpoint under a rerun, a second run on a workdir in use, a workdir that is a
@@ -11,11 +11,12 @@ import os
 import signal
 import time
 
+from benchmarks.reliability.harness import (committed_files, finish, losses_by_step, lost_files, run, shm_of, start,
+                                            summary_json, wait_gone)
+from benchmarks.reliability.resilience_area import Outcome, case, classify
+from benchmarks.reliability.resilience_cases import _flip_bit
 from framework import checkpoint as ckpt_lib
 from resilience import injection
-from resilience.faults import (Outcome, case, classify, committed_files, finish, losses_by_step, lost_files, run,
-                               shm_of, start, summary_json, wait_gone)
-from resilience.faults_cases import _flip_bit
 
 HS = "experiments/configs/hotswap.py:runlocal=True"
 

@@ -1,5 +1,5 @@
-"""The config and checkpoint cases (registered into ``resilience.faults.CASES``), by class; the hot-swap ones
-are in ``faults_hotswap_cases.py``.
+"""The config and checkpoint cases (registered into ``resilience_area.CASES``), by class; the hot-swap ones
+are in ``hotswap_cases.py``.
 
 config: type errors, out-of-range sizes and broken config files, on the command line and in files;
 checkpoint_corrupt / checkpoint_partial / checkpoint_foreign: a plain training workdir whose checkpoints were
@@ -14,8 +14,9 @@ import shutil
 import signal
 import time
 
+from benchmarks.reliability.harness import committed_files, finish, lost_files, run, start, summary_json
+from benchmarks.reliability.resilience_area import Outcome, case, classify
 from framework import checkpoint as ckpt_lib
-from resilience.faults import Outcome, case, classify, committed_files, finish, lost_files, run, start, summary_json
 
 QS = "experiments/configs/quickstart.py"
 HS = "experiments/configs/hotswap.py:runlocal=True"

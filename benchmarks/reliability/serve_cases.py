@@ -14,7 +14,7 @@ import json
 import socket
 import threading
 
-from ondevice.faults import Outcome, case, run_cli
+from benchmarks.reliability.ondevice_area import Outcome, case, run_cli
 
 CHATML = ("{% for message in messages %}{{'<|im_start|>' + message['role'] + '\\n' + message['content'] + "
           "'<|im_end|>' + '\\n'}}{% endfor %}{% if add_generation_prompt %}{{ '<|im_start|>assistant\\n' }}{% endif %}")
@@ -26,7 +26,7 @@ def chat_model(ws) -> str:
   from ondevice.gguf_io import write_arrays
   v = vocab.byte_vocab(ws.cfg.vocab_size)
   v.chat_template = CHATML
-  return ws._make("serve-q8_0.gguf", lambda p: write_arrays(ws.arrays, ws.cfg, p, "q8_0", vocab=v))
+  return ws.make("serve-q8_0.gguf", lambda p: write_arrays(ws.arrays, ws.cfg, p, "q8_0", vocab=v))
 
 
 def _server(ws):
