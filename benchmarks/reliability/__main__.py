@@ -1,18 +1,19 @@
 """Bad inputs and faults, per area: does the system recover or fail loudly?
 
   python -m benchmarks.reliability [--workdir DIR] [--area ondevice|resilience ...] [--only NAME ...]
-                                   [--class CLASS ...] [--fast] [--out PATH] [--commit [--no-append]]
+                                   [--class CLASS ...] [--fast] [--out PATH] [--commit]
 
 Runs every selected case in its own subprocess and prints one JSON object: the counts per area and in total
 (bad_inputs_tried, recovered, clear_errors, unclear_errors, crashes, hangs, silent, not_exercised, data_lost),
 per class, and every case's outcome; a case that could not make its fault happen is ``not_exercised``, counted
 apart and named. The JSON is also written to --out (default: <workdir>/reliability.json); nothing is written
-into the repository unless --commit, which records the whole campaign in benchmarks/data/reliability.json and
-appends a row to benchmarks/RESULTS.md (not with --no-append).
+into the repository unless --commit, which records the whole campaign in benchmarks/data/reliability.json
+(``python -m benchmarks.results`` renders it into benchmarks/RESULTS.md).
 """
 from __future__ import annotations
 
 import argparse
+import datetime
 import json
 import os
 import sys
@@ -31,8 +32,7 @@ def main(argv=None) -> int:
   ap.add_argument("--workdir", default=None, help="where the good and corrupted files go (default: a temp dir)")
   ap.add_argument("--out", default=None, help="where the JSON goes (default: <workdir>/reliability.json)")
   ap.add_argument("--commit", action="store_true",
-                  help="also write benchmarks/data/reliability.json and a RESULTS.md row (the whole campaign only)")
-  ap.add_argument("--no-append", action="store_true", help="with --commit: no RESULTS.md row")
+                  help="also write benchmarks/data/reliability.json (the whole campaign only)")
   ap.add_argument("--run-one", default=None, help=argparse.SUPPRESS)
   args = ap.parse_args(argv)
   if args.run_one:
@@ -50,13 +50,12 @@ def main(argv=None) -> int:
   workdir = os.path.abspath(args.workdir or tempfile.mkdtemp(prefix="reliability-"))
   res = campaign.run(areas, workdir, args.only, args.classes, args.fast,
                      log=lambda s: print(s, file=sys.stderr, flush=True))
-  res["command"] = "python -m benchmarks.reliability " + " ".join(argv)
+  res["command"] = ("python -m benchmarks.reliability " + " ".join(argv)).strip()
+  res["date"] = datetime.datetime.now().isoformat(timespec="minutes")
   print(json.dumps(res))
   print(f"wrote {campaign.write(res, args.out or os.path.join(workdir, 'reliability.json'))}", file=sys.stderr)
   if args.commit:
     print(f"wrote {campaign.write(res, campaign.COMMITTED)}", file=sys.stderr)
-    if not args.no_append:
-      campaign.append_results(res["command"], res)
   return 0
 
 

@@ -1,8 +1,8 @@
 """Runs the campaign: every selected case of every selected area, each in its own subprocess under its time limit
 (a hang is killed, a crash cannot take the others down), and counts the outcomes per area, per class and in
 total. The JSON goes to ``--out`` (default ``<workdir>/reliability.json``); only ``--commit`` writes the
-committed ``benchmarks/data/reliability.json`` (and appends a row to benchmarks/RESULTS.md unless
-``--no-append``).
+committed ``benchmarks/data/reliability.json`` (rendered into benchmarks/RESULTS.md by ``python -m
+benchmarks.results``).
 
 An area is a module with ``AREA``, ``CASES`` (the registry its case modules fill: cases with ``name``, ``klass``,
 ``timeout_s``, ``slow``) and ``Workspace(root)`` (the good files its cases start from); ``harness.run_case`` runs a
@@ -10,7 +10,6 @@ case and ``harness.summarise`` counts.
 """
 from __future__ import annotations
 
-import datetime
 import json
 import os
 import platform
@@ -26,7 +25,6 @@ from benchmarks.reliability import ondevice_cases, run_cases, serve_cases  # noq
 
 AREAS = {"ondevice": ondevice_area, "resilience": resilience_area}
 COMMITTED = os.path.join(harness.ROOT, "benchmarks", "data", "reliability.json")
-RESULTS_MD = os.path.join(harness.ROOT, "benchmarks", "RESULTS.md")
 
 
 def area(name: str):
@@ -114,17 +112,3 @@ def write(res: dict, path: str) -> str:
   return path
 
 
-def append_results(cmd: str, res: dict, path: str = RESULTS_MD) -> None:
-  """One row of benchmarks/RESULTS.md: the counts per area, the classes, and every case not recovered or clear."""
-  counts = [k for k in harness.COUNTS]
-  per = "; ".join(f"{a}: " + ", ".join(f"{k} {v[k]}" for k in counts) for a, v in res["areas"].items())
-  by_class = {}
-  for a, v in res["areas"].items():
-    for name, r in v["cases"].items():
-      by_class.setdefault(f"{a}/{r['klass']}", []).append(r["kind"])
-  classes = "; ".join(f"{k} {len(v)} ({', '.join(sorted(set(v)))})" for k, v in sorted(by_class.items()))
-  not_ok = [f"{n} -> {r['kind']}" for v in res["areas"].values() for n, r in v["cases"].items()
-            if r["kind"] not in harness.OK_KINDS or r["data_lost"]]
-  with open(path, "a") as f:
-    f.write(f"| {datetime.datetime.now().isoformat(timespec='minutes')} | `{cmd}` | {res['machine']}, load "
-            f"{res['load_avg']} | {per}. By class: {classes}. Not recovered or clear: {not_ok or 'none'} |\n")
