@@ -19,6 +19,7 @@ MLP_KINDS = ("swiglu", "gelu", "relu")
 BLOCK_KINDS = ("sequential", "parallel")
 MATMUL_PRECISIONS = ("default", "fp8")  # what each does: framework/fp8.py
 DATA_FORMATS = ("auto", "text", "jsonl", "parquet")
+ROPE_SCALINGS = ("none", "llama3")  # what each does: framework/rope.py
 
 
 class ConfigError(ValueError):
@@ -82,6 +83,12 @@ class ModelConfig:
   (q/k/v/out and the MLP) as scaled fp8 matmuls, e4m3 inputs forward and e5m2 gradients backward, each tensor
   scaled by its current absolute maximum (torchtitan's dynamic tensorwise scaling; framework/fp8.py). The LM
   head and attention's score / value products stay in ``dtype``.
+
+  ``rope_scaling``: ``none`` (plain RoPE of ``rope_theta``) or ``llama3`` (Llama 3.1's frequency scaling, by
+  ``rope_factor``, ``rope_low_freq_factor``, ``rope_high_freq_factor`` and ``rope_original_max_len``, the keys
+  of transformers' ``rope_scaling``; framework/rope.py). The four keys are read only with ``llama3``.
+
+  ``qkv_bias``: q/k/v projections with biases (Qwen2); each bias is sharded like its projection's heads.
   """
   vocab_size: int = 256  # byte-level tokenizer
   d_model: int = 256
@@ -95,6 +102,12 @@ class ModelConfig:
   attention: str = "dense"  # one of ATTENTION_KINDS
   attention_block: int = 512  # keys per block (blockwise) / splash block size
   rope_theta: float = 10000.0
+  rope_scaling: str = "none"  # one of ROPE_SCALINGS (framework/rope.py)
+  rope_factor: float = 8.0  # llama3: divisor of the low frequencies
+  rope_low_freq_factor: float = 1.0  # llama3: wavelengths above rope_original_max_len / this are divided
+  rope_high_freq_factor: float = 4.0  # llama3: wavelengths below rope_original_max_len / this are kept
+  rope_original_max_len: int = 8192  # llama3: the context length the model was pretrained with
+  qkv_bias: bool = False  # biases on the q/k/v projections (Qwen2)
   norm_eps: float = 1e-5
   tie_embeddings: bool = False
   max_seq_len: int = 256
@@ -130,6 +143,8 @@ class ModelConfig:
     """Exact parameter count of the model built from this config."""
     d, h, kv, hd, f = self.d_model, self.n_heads, self.n_kv_heads, self.hd, self.ff
     per_layer = (1 if self.block == "parallel" else 2) * d + d * h * hd + 2 * d * kv * hd + h * hd * d + self.mlp_matrices * d * f
+    if self.qkv_bias:
+      per_layer += (h + 2 * kv) * hd
     n = self.n_layers * per_layer + d
     if embeddings:
       n += self.vocab_size * d * (1 if self.tie_embeddings else 2)
@@ -460,7 +475,8 @@ def validate_model(m: ModelConfig) -> None:
   """Checks of the model section alone (names, widths); :func:`validate` calls it."""
   for key, value, choices in (("remat", m.remat, REMAT_POLICIES), ("attention", m.attention, ATTENTION_KINDS),
                               ("mlp", m.mlp, MLP_KINDS), ("block", m.block, BLOCK_KINDS),
-                              ("matmul_precision", m.matmul_precision, MATMUL_PRECISIONS)):
+                              ("matmul_precision", m.matmul_precision, MATMUL_PRECISIONS),
+                              ("rope_scaling", m.rope_scaling, ROPE_SCALINGS)):
     if value not in choices:
       raise ConfigError(f"model.{key}={value!r}; choose one of {choices}")
   if m.head_dim < 0:
@@ -471,6 +487,12 @@ def validate_model(m: ModelConfig) -> None:
     raise ConfigError(f"model.d_ff={m.d_ff} must be positive (or 0 for the MLP family's default width)")
   if m.attention_block <= 0:
     raise ConfigError(f"model.attention_block={m.attention_block} must be a positive number of keys")
+  if m.rope_scaling == "llama3":
+    if not (m.rope_factor > 0 and m.rope_original_max_len > 0
+            and 0 < m.rope_low_freq_factor < m.rope_high_freq_factor):
+      raise ConfigError(f"model.rope_scaling='llama3' needs rope_factor > 0, rope_original_max_len > 0 and "
+                        f"0 < rope_low_freq_factor < rope_high_freq_factor; got {m.rope_factor}, "
+                        f"{m.rope_original_max_len}, {m.rope_low_freq_factor}, {m.rope_high_freq_factor}")
 
 
 def validate_attention(m: ModelConfig, seq_len: int, mesh: MeshConfig) -> None:
