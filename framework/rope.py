@@ -16,7 +16,6 @@ from __future__ import annotations
 import math
 from typing import Optional
 
-import jax.numpy as jnp
 import numpy as np
 
 from framework.config import ROPE_SCALINGS
@@ -55,6 +54,7 @@ def freq_factors(cfg) -> Optional[np.ndarray]:
 def rope(x_BxTxNxE, pos_BxT, theta: float, factors: Optional[np.ndarray] = None):
   """Rotary embedding, HF 'rotate_half' layout (first half / second half of head_dim); ``factors``: the
   per-frequency divisors of :func:`freq_factors` (None: plain RoPE)."""
+  import jax.numpy as jnp  # noqa: PLC0415 - the frequencies above are numpy: GGUF/HF converters run without jax
   e = x_BxTxNxE.shape[-1]
   inv_freq = 1.0 / (theta ** (jnp.arange(0, e, 2, dtype=jnp.float32) / e))
   if factors is not None:
