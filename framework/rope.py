@@ -18,7 +18,7 @@ from typing import Optional
 
 import numpy as np
 
-from framework.config import ROPE_SCALINGS
+from framework.model_config import ROPE_SCALINGS
 
 
 def llama3_factors(head_dim: int, theta: float, factor: float = 8.0, low_freq_factor: float = 1.0,
