@@ -2,7 +2,8 @@
 
 Experiment files (``experiments/configs/*.py``) build an ``ml_collections.ConfigDict``; it is
 converted exactly once, by :func:`from_dict`, into the frozen dataclasses below (the model section,
-:class:`ModelConfig`, is framework/model_config.py's). Library code only ever sees these dataclasses. Unknown keys are errors (a typo must never silently do nothing).
+:class:`ModelConfig`, is framework/model_config.py's). Library code only ever sees these dataclasses.
+Unknown keys are errors (a typo must never silently do nothing).
 """
 from __future__ import annotations
 
