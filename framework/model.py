@@ -206,18 +206,12 @@ class Attention(_Base):
     wk = self.weight("wk", (D, K, E))
     wv = self.weight("wv", (D, K, E))
     wo = self.weight("wo", (H, E, D))
-    q_BxTxHxE = self.project("btd,dhe->bthe", x_BxTxD, wq)
-    k_BxTxKxE = self.project("btd,dke->btke", x_BxTxD, wk)
-    v_BxTxKxE = self.project("btd,dke->btke", x_BxTxD, wv)
-    if c.qkv_bias:
-      zeros = nn.initializers.zeros
-      q_BxTxHxE = q_BxTxHxE + self.weight("bq", (H, E), zeros)[None, None]
-      k_BxTxKxE = k_BxTxKxE + self.weight("bk", (K, E), zeros)[None, None]
-      v_BxTxKxE = v_BxTxKxE + self.weight("bv", (K, E), zeros)[None, None]
     factors = rope_lib.freq_factors(c)
-    q_BxTxHxE = rope(self.tag(q_BxTxHxE, remat_lib.QUERY), pos_BxT, c.rope_theta, factors)
-    k_BxTxKxE = rope(self.tag(k_BxTxKxE, remat_lib.KEY), pos_BxT, c.rope_theta, factors)
-    v_BxTxKxE = self.tag(v_BxTxKxE, remat_lib.VALUE)
+    q_BxTxHxE = rope(self.tag(self.biased("btd,dhe->bthe", x_BxTxD, wq, "bq", (H, E)), remat_lib.QUERY), pos_BxT,
+                     c.rope_theta, factors)
+    k_BxTxKxE = rope(self.tag(self.biased("btd,dke->btke", x_BxTxD, wk, "bk", (K, E)), remat_lib.KEY), pos_BxT,
+                     c.rope_theta, factors)
+    v_BxTxKxE = self.tag(self.biased("btd,dke->btke", x_BxTxD, wv, "bv", (K, E)), remat_lib.VALUE)
     kpos_BxS = pos_BxT
     new_cache = valid_BxS = None
     sequence_parallel = self.ctx.manual and self.ctx.sequence_axis and self.ctx.size((self.ctx.sequence_axis,)) > 1
@@ -248,6 +242,14 @@ class Attention(_Base):
                                    block=c.attention_block, aligned=not sequence_parallel)
     out_BxTxD = self.tp_reduce(self.project("bthe,hed->btd", o_BxTxHxE, wo))
     return self.tag(out_BxTxD, remat_lib.OUT), new_cache
+
+
+  def biased(self, subscripts: str, x_BxTxD, w, bias: str, shape: tuple):
+    """A q/k/v projection, plus its bias ``bias`` (global ``shape`` heads x E, zero-initialised) with ``qkv_bias``."""
+    y = self.project(subscripts, x_BxTxD, w)
+    if not self.cfg.qkv_bias:
+      return y
+    return y + self.weight(bias, shape, nn.initializers.zeros)[None, None]
 
 
 class MLP(_Base):
