@@ -1,21 +1,27 @@
-"""Hugging Face ``transformers`` Llama interop: checkpoint directory <-> (ModelConfig, params).
+"""Hugging Face ``transformers`` interop: checkpoint directory <-> (ModelConfig, params).
+
+Architectures: ``LlamaForCausalLM`` (plain RoPE, or Llama 3.x's rope_scaling type 'llama3' ->
+``model.rope_scaling='llama3'``) and ``Qwen2ForCausalLM`` (q/k/v biases -> ``model.qkv_bias``); tied or
+untied embeddings as ``tie_word_embeddings`` says. Export writes a Qwen2ForCausalLM for a model with
+``qkv_bias``, a LlamaForCausalLM otherwise, with its RoPE scaling.
 
 A HF checkpoint directory is ``config.json`` plus ``model.safetensors`` (or shards listed in
 ``model.safetensors.index.json``). Arrays are read and written with the ``safetensors`` numpy API:
 no torch at run time. Which HF tensor is which framework parameter, and how it is laid out, is
 ``framework/names.py`` (the one name map, shared with GGUF export); this module only adds the
-config mapping, file I/O and the workdir CLI. Our RoPE is HF's rotate-half layout, so q/k load
-without any permutation.
+config mapping, file I/O and the workdir CLI. Our RoPE is HF's rotate-half layout (Llama and Qwen2
+alike), so q/k load without any permutation.
 
   python -m framework.hf import --hf-dir D --workdir W [--config experiments/configs/x.py] [--config.a.b=v]
   python -m framework.hf export --workdir W --out D [--step N] [--dtype bfloat16]
 
 ``import`` writes a step-0 training checkpoint (fresh optimizer state) that ``experiments.run``
 resumes from; ``export`` writes the latest (or ``--step``) checkpoint's params as a HF directory
-that ``LlamaForCausalLM.from_pretrained`` loads. What is not supported (and rejected with a message,
-never silently mis-converted): RoPE scaling (Llama 3.1 'llama3', YaRN, ...), attention/MLP biases,
-activations other than SiLU, non-Llama architectures. Tokenizers are not converted: PrismLLM's
-tokenizer is bytes, so an imported model keeps its vocabulary size but is fed byte ids.
+that ``AutoModelForCausalLM.from_pretrained`` loads. What is not supported (and rejected with a message,
+never silently mis-converted): other RoPE scalings (YaRN, linear, dynamic, ...), Llama attention/MLP
+biases, Qwen2 sliding-window attention, activations other than SiLU, other architectures. Tokenizers are
+not converted: PrismLLM's tokenizer is bytes, so an imported model keeps its vocabulary size but is fed
+byte ids.
 """
 from __future__ import annotations
 
@@ -47,52 +53,99 @@ class HFError(ValueError):
 
 # ---------------------------------------------------------------- config mapping
 
+# HF model_type -> the architecture class written on export; model.qkv_bias picks qwen2.
+ARCHITECTURES = {"llama": "LlamaForCausalLM", "qwen2": "Qwen2ForCausalLM"}
+# transformers' 'llama3' rope_scaling keys -> ModelConfig fields (framework/rope.py)
+LLAMA3_ROPE_KEYS = (("factor", "rope_factor", float), ("low_freq_factor", "rope_low_freq_factor", float),
+                    ("high_freq_factor", "rope_high_freq_factor", float),
+                    ("original_max_position_embeddings", "rope_original_max_len", int))
+
+
+def _rope_fields(hf: Mapping[str, Any]) -> dict:
+  """RoPE keys of a HF config -> ModelConfig fields (rope_theta, and rope_scaling with its keys)."""
+  # transformers >= 5 writes rope_parameters; older versions rope_theta + rope_scaling.
+  rope = dict(hf.get("rope_parameters") or {})
+  scaling = dict(hf.get("rope_scaling") or {})
+  rope_type, params = rope.get("rope_type", rope.get("type", "default")), rope
+  if scaling and scaling.get("rope_type", scaling.get("type", "default")) != "default":
+    rope_type, params = scaling.get("rope_type", scaling.get("type")), scaling
+  theta = float(rope.get("rope_theta", hf.get("rope_theta", 10000.0)))
+  if rope_type == "default":
+    return {"rope_theta": theta}
+  if rope_type != "llama3":
+    raise HFError(f"RoPE scaling {rope_type!r} is not implemented in framework/rope.py; plain RoPE "
+                  f"(rope_type='default') and Llama 3.1's 'llama3' convert exactly")
+  missing = [k for k, _, _ in LLAMA3_ROPE_KEYS if k not in params]
+  if missing:
+    raise HFError(f"rope_scaling of type 'llama3' lacks {missing[0]!r}: add it to config.json (transformers "
+                  f"needs {', '.join(k for k, _, _ in LLAMA3_ROPE_KEYS)})")
+  return dict(rope_theta=theta, rope_scaling="llama3", **{f: t(params[k]) for k, f, t in LLAMA3_ROPE_KEYS})
+
+
 def model_config_from_hf(hf: Mapping[str, Any], dtype: str = "float32") -> ModelConfig:
   """HF ``config.json`` (dict) -> :class:`ModelConfig`; refuses features our model does not have."""
   mt = hf.get("model_type", "llama")
-  if mt != "llama":
-    raise HFError(f"model_type={mt!r}: only 'llama' (LlamaForCausalLM) checkpoints are supported")
+  if mt not in ARCHITECTURES:
+    raise HFError(f"model_type={mt!r}: only 'llama' (LlamaForCausalLM) and 'qwen2' (Qwen2ForCausalLM) "
+                  f"checkpoints are supported")
   act = hf.get("hidden_act", "silu")
   if act != "silu":
     raise HFError(f"hidden_act={act!r}: the PrismLLM MLP is SwiGLU (silu)")
-  for bias in ("attention_bias", "mlp_bias"):
-    if hf.get(bias):
-      raise HFError(f"{bias}=true: PrismLLM Llama layers have no biases")
-  # transformers >= 5 writes rope_parameters; older versions rope_theta + rope_scaling.
-  rope = dict(hf.get("rope_parameters") or {})
-  scaling = hf.get("rope_scaling") or {}
-  rope_type = rope.get("rope_type", rope.get("type", "default"))
-  if scaling and scaling.get("rope_type", scaling.get("type", "default")) != "default":
-    rope_type = scaling.get("rope_type", scaling.get("type"))
-  if rope_type != "default":
-    raise HFError(f"RoPE scaling {rope_type!r} is not implemented in framework/model.py; only plain RoPE "
-                  f"(rope_type='default') converts exactly")
-  theta = float(rope.get("rope_theta", hf.get("rope_theta", 10000.0)))
+  if mt == "llama":
+    if hf.get("attention_bias"):
+      raise HFError("attention_bias=true: a Llama with attention_bias also has an o_proj bias, which PrismLLM "
+                    "lacks (model.qkv_bias covers q/k/v only); convert a checkpoint without attention biases")
+    if hf.get("mlp_bias"):
+      raise HFError("mlp_bias=true: PrismLLM MLPs have no biases; convert a checkpoint without MLP biases")
+  elif hf.get("use_sliding_window") or any(t != "full_attention" for t in hf.get("layer_types") or ()):
+    raise HFError("use_sliding_window=true: PrismLLM attends to the whole context (no sliding window); convert a "
+                  "checkpoint saved with use_sliding_window=false")
   d, h = int(hf["hidden_size"]), int(hf["num_attention_heads"])
   head_dim = int(hf.get("head_dim") or d // h)
-  return ModelConfig(
+  cfg = ModelConfig(
       vocab_size=int(hf["vocab_size"]), d_model=d, n_layers=int(hf["num_hidden_layers"]), n_heads=h,
       n_kv_heads=int(hf.get("num_key_value_heads") or h),
       head_dim=0 if head_dim == d // h else head_dim,
-      d_ff=int(hf["intermediate_size"]), rope_theta=theta, norm_eps=float(hf.get("rms_norm_eps", 1e-6)),
-      tie_embeddings=bool(hf.get("tie_word_embeddings", False)),
-      max_seq_len=int(hf.get("max_position_embeddings", 2048)), dtype=dtype, param_dtype=dtype)
+      d_ff=int(hf["intermediate_size"]), norm_eps=float(hf.get("rms_norm_eps", 1e-6)),
+      tie_embeddings=bool(hf.get("tie_word_embeddings", False)), qkv_bias=mt == "qwen2",
+      max_seq_len=int(hf.get("max_position_embeddings", 2048)), dtype=dtype, param_dtype=dtype, **_rope_fields(hf))
+  try:
+    config_lib.validate_model(cfg)
+  except ConfigError as e:
+    raise HFError(f"config.json: {e}") from None
+  return cfg
 
 
 def hf_config_from_model(cfg: ModelConfig, dtype: str = "float32") -> dict:
-  """:class:`ModelConfig` -> HF ``config.json`` dict (readable by transformers 4.x and 5.x)."""
-  return {
-      "architectures": ["LlamaForCausalLM"], "model_type": "llama",
+  """:class:`ModelConfig` -> HF ``config.json`` dict (readable by transformers 4.x and 5.x): a Qwen2ForCausalLM
+  with ``qkv_bias``, a LlamaForCausalLM otherwise."""
+  if cfg.mlp != "swiglu" or cfg.block != "sequential":
+    raise HFError(f"model.mlp={cfg.mlp!r} / model.block={cfg.block!r}: Llama and Qwen2 are 'swiglu' MLPs in "
+                  f"'sequential' blocks; export a model with those")
+  mt = "qwen2" if cfg.qkv_bias else "llama"
+  rope = {"rope_type": "default", "rope_theta": cfg.rope_theta}
+  if cfg.rope_scaling == "llama3":
+    rope = dict(rope, rope_type="llama3", **{k: getattr(cfg, f) for k, f, _ in LLAMA3_ROPE_KEYS})
+  out = {
+      "architectures": [ARCHITECTURES[mt]], "model_type": mt,
       "vocab_size": cfg.vocab_size, "hidden_size": cfg.d_model, "intermediate_size": cfg.ff,
       "num_hidden_layers": cfg.n_layers, "num_attention_heads": cfg.n_heads,
       "num_key_value_heads": cfg.n_kv_heads, "head_dim": cfg.hd, "hidden_act": "silu",
       "max_position_embeddings": cfg.max_seq_len, "rms_norm_eps": cfg.norm_eps,
-      # Both spellings: transformers 5 reads rope_parameters, 4.x reads rope_theta.
-      "rope_theta": cfg.rope_theta, "rope_parameters": {"rope_type": "default", "rope_theta": cfg.rope_theta},
-      "tie_word_embeddings": cfg.tie_embeddings, "attention_bias": False, "mlp_bias": False,
+      # Both spellings: transformers 5 reads rope_parameters, 4.x reads rope_theta (+ rope_scaling).
+      "rope_theta": cfg.rope_theta, "rope_parameters": rope,
+      "tie_word_embeddings": cfg.tie_embeddings,
       "attention_dropout": 0.0, "initializer_range": cfg.init_std, "use_cache": True,
       "torch_dtype": dtype, "dtype": dtype,
   }
+  if cfg.rope_scaling != "none":
+    out["rope_scaling"] = {k: v for k, v in rope.items() if k != "rope_theta"}
+  if mt == "qwen2":
+    out.update(use_sliding_window=False, sliding_window=None, max_window_layers=cfg.n_layers,
+               layer_types=["full_attention"] * cfg.n_layers)
+  else:
+    out.update(attention_bias=False, mlp_bias=False)
+  return out
 
 
 # ---------------------------------------------------------------- safetensors I/O
@@ -146,7 +199,7 @@ def read_config(hf_dir: str, dtype: str = "float32") -> ModelConfig:
 
 
 def load(hf_dir: str, dtype: str = "float32", scan_layers: bool = True) -> tuple:
-  """Reads a HF Llama checkpoint directory -> (ModelConfig, params tree of numpy arrays).
+  """Reads a HF Llama / Qwen2 checkpoint directory -> (ModelConfig, params tree of numpy arrays).
 
   ``dtype`` is the parameter (and compute) dtype of the returned model; ``scan_layers`` picks the
   stacked ('layers', leading L axis) or unrolled ('layers_{i}') parameter layout."""
@@ -158,7 +211,7 @@ def load(hf_dir: str, dtype: str = "float32", scan_layers: bool = True) -> tuple
                  and not (cfg.tie_embeddings and k == "lm_head.weight"))
   if extra:
     raise HFError(f"{len(extra)} tensors in {d} have no PrismLLM parameter (e.g. {extra[:4]}): the checkpoint "
-                  f"is not a plain Llama with {cfg.n_layers} layers")
+                  f"is not a plain {'Qwen2' if cfg.qkv_bias else 'Llama'} with {cfg.n_layers} layers")
   try:
     params = names.hf_to_framework(arrays, cfg)
   except KeyError as e:
@@ -168,15 +221,16 @@ def load(hf_dir: str, dtype: str = "float32", scan_layers: bool = True) -> tuple
 
 def save(params: Any, cfg: ModelConfig, out_dir: str, dtype: Optional[str] = None,
          max_shard_bytes: int = 4 << 30) -> pathlib.Path:
-  """Writes framework params as a HF Llama directory (config.json + model.safetensors, or shards
+  """Writes framework params as a HF Llama / Qwen2 directory (config.json + model.safetensors, or shards
   with an index past ``max_shard_bytes``). ``dtype`` defaults to the model's param dtype."""
   from safetensors.numpy import save_file  # noqa: PLC0415
   dtype = dtype or cfg.param_dtype
+  hf_cfg = hf_config_from_model(cfg, dtype)  # refuses what HF cannot represent before anything is written
   out = pathlib.Path(out_dir)
   out.mkdir(parents=True, exist_ok=True)
   arrays = {k: np.ascontiguousarray(v.astype(_np_dtype(dtype)))
             for k, v in names.framework_to_hf(params, cfg).items()}
-  (out / CONFIG_FILE).write_text(json.dumps(hf_config_from_model(cfg, dtype), indent=2) + "\n")
+  (out / CONFIG_FILE).write_text(json.dumps(hf_cfg, indent=2) + "\n")
   shards, cur, size = [], {}, 0
   for k, v in arrays.items():
     if cur and size + v.nbytes > max_shard_bytes:
@@ -262,7 +316,7 @@ def import_to_workdir(hf_dir: str, workdir: str, cfg: Config = Config(),
 
 def export_from_workdir(workdir: str, out_dir: str, step: Optional[int] = None,
                         dtype: Optional[str] = None) -> pathlib.Path:
-  """Writes a workdir checkpoint's params (latest, or ``step``) as a HF Llama directory."""
+  """Writes a workdir checkpoint's params (latest, or ``step``) as a HF Llama / Qwen2 directory."""
   import jax  # noqa: PLC0415
 
   from framework import checkpoint as ckpt_lib  # noqa: PLC0415 - orbax, only for workdirs
@@ -306,9 +360,11 @@ def main(argv=None) -> int:
       n_dev = None if -1 in sizes else math.prod(sizes)
       cfg = import_to_workdir(args.hf_dir, args.workdir, cfg, n_devices=n_dev)
       m = cfg.model
-      ov = " ".join(rest + [f"--config.model.{k}={getattr(m, k)!r}" for k in
-                            ("vocab_size", "d_model", "n_layers", "n_heads", "n_kv_heads", "head_dim", "d_ff",
-                             "rope_theta", "norm_eps", "tie_embeddings", "max_seq_len")])
+      keys = ["vocab_size", "d_model", "n_layers", "n_heads", "n_kv_heads", "head_dim", "d_ff", "rope_theta",
+              "norm_eps", "tie_embeddings", "max_seq_len"]
+      keys += [k for k in ("rope_scaling",) + tuple(f for _, f, _ in LLAMA3_ROPE_KEYS) + ("qkv_bias",)
+               if getattr(m, k) != getattr(ModelConfig(), k)]
+      ov = " ".join(rest + [f"--config.model.{k}={getattr(m, k)!r}" for k in keys])
       print(f"imported {m.n_params() / 1e6:.2f}M params into {os.path.abspath(args.workdir)}; train on with:\n"
             f"  python -m experiments.run --config {args.config or 'CONFIG'} --workdir {args.workdir} {ov}")
     else:

@@ -28,6 +28,7 @@ Parameter tree (``L`` leading axis from the layer scan)::
   layers/attn_norm/scale            L x D
   layers/attn/{wq,wk,wv}            L x D x {H,K,K} x E
   layers/attn/wo                    L x H x E x D
+  layers/attn/{bq,bk,bv}            L x {H,K,K} x E   (only with qkv_bias, Qwen2)
   layers/mlp_norm/scale             L x D
   layers/mlp/{w_gate,w_up}          L x D x F   (w_gate only in the gated 'swiglu' MLP)
   layers/mlp/w_down                 L x F x D
@@ -37,8 +38,8 @@ Parameter tree (``L`` leading axis from the layer scan)::
 The attention kernel (``model.attention``) lives in framework/attention.py, the remat policies
 (``model.remat``) in framework/remat.py.
 
-RoPE uses the Hugging Face "rotate-half" layout, so HF checkpoints load without permutation; the
-GGUF name map applies llama.cpp's interleaved permutation in one place.
+RoPE (framework/rope.py, with ``model.rope_scaling``) uses the Hugging Face "rotate-half" layout, so HF checkpoints
+load without permutation; the GGUF name map applies llama.cpp's interleaved permutation in one place.
 """
 from __future__ import annotations
 
@@ -55,7 +56,9 @@ from jax.ad_checkpoint import checkpoint_name
 from framework import attention
 from framework import fp8
 from framework import remat as remat_lib
+from framework import rope as rope_lib
 from framework.config import ModelConfig
+from framework.rope import rope
 
 # Logical axes of every parameter, by its name. Sharding rules (parallelism/rules.py) map these
 # logical names to mesh axes; this table is the single place that says what each dim *is*.
@@ -65,6 +68,9 @@ PARAM_AXES = {
     "wk": ("embed", "kv_heads", "head_dim"),
     "wv": ("embed", "kv_heads", "head_dim"),
     "wo": ("q_heads", "head_dim", "embed"),
+    "bq": ("q_heads", "head_dim"),  # qkv_bias: each bias shards like its projection's heads
+    "bk": ("kv_heads", "head_dim"),
+    "bv": ("kv_heads", "head_dim"),
     "w_gate": ("embed", "mlp"),
     "w_up": ("embed", "mlp"),
     "w_down": ("mlp", "embed"),
@@ -191,18 +197,6 @@ class RMSNorm(_Base):
     return (x * scale).astype(_dtype(self.cfg.dtype))
 
 
-def rope(x_BxTxNxE, pos_BxT, theta: float):
-  """Rotary embedding, HF 'rotate_half' layout (first half / second half of head_dim)."""
-  e = x_BxTxNxE.shape[-1]
-  inv_freq = 1.0 / (theta ** (jnp.arange(0, e, 2, dtype=jnp.float32) / e))
-  ang_BxTxE2 = pos_BxT.astype(jnp.float32)[..., None] * inv_freq.reshape((1,) * pos_BxT.ndim + inv_freq.shape)
-  cos, sin = jnp.cos(ang_BxTxE2)[:, :, None, :], jnp.sin(ang_BxTxE2)[:, :, None, :]
-  x = x_BxTxNxE.astype(jnp.float32)
-  x1, x2 = x[..., : e // 2], x[..., e // 2:]
-  out = jnp.concatenate([x1 * cos - x2 * sin, x2 * cos + x1 * sin], axis=-1)
-  return out.astype(x_BxTxNxE.dtype)
-
-
 class Attention(_Base):
   @nn.compact
   def __call__(self, x_BxTxD, pos_BxT, kv_cache=None, cache_index=None):
@@ -212,9 +206,12 @@ class Attention(_Base):
     wk = self.weight("wk", (D, K, E))
     wv = self.weight("wv", (D, K, E))
     wo = self.weight("wo", (H, E, D))
-    q_BxTxHxE = rope(self.tag(self.project("btd,dhe->bthe", x_BxTxD, wq), remat_lib.QUERY), pos_BxT, c.rope_theta)
-    k_BxTxKxE = rope(self.tag(self.project("btd,dke->btke", x_BxTxD, wk), remat_lib.KEY), pos_BxT, c.rope_theta)
-    v_BxTxKxE = self.tag(self.project("btd,dke->btke", x_BxTxD, wv), remat_lib.VALUE)
+    factors = rope_lib.freq_factors(c)
+    q_BxTxHxE = rope(self.tag(self.biased("btd,dhe->bthe", x_BxTxD, wq, "bq", (H, E)), remat_lib.QUERY), pos_BxT,
+                     c.rope_theta, factors)
+    k_BxTxKxE = rope(self.tag(self.biased("btd,dke->btke", x_BxTxD, wk, "bk", (K, E)), remat_lib.KEY), pos_BxT,
+                     c.rope_theta, factors)
+    v_BxTxKxE = self.tag(self.biased("btd,dke->btke", x_BxTxD, wv, "bv", (K, E)), remat_lib.VALUE)
     kpos_BxS = pos_BxT
     new_cache = valid_BxS = None
     sequence_parallel = self.ctx.manual and self.ctx.sequence_axis and self.ctx.size((self.ctx.sequence_axis,)) > 1
@@ -245,6 +242,14 @@ class Attention(_Base):
                                    block=c.attention_block, aligned=not sequence_parallel)
     out_BxTxD = self.tp_reduce(self.project("bthe,hed->btd", o_BxTxHxE, wo))
     return self.tag(out_BxTxD, remat_lib.OUT), new_cache
+
+
+  def biased(self, subscripts: str, x_BxTxD, w, bias: str, shape: tuple):
+    """A q/k/v projection, plus its bias ``bias`` (global ``shape`` heads x E, zero-initialised) with ``qkv_bias``."""
+    y = self.project(subscripts, x_BxTxD, w)
+    if not self.cfg.qkv_bias:
+      return y
+    return y + self.weight(bias, shape, nn.initializers.zeros)[None, None]
 
 
 class MLP(_Base):

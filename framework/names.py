@@ -73,8 +73,9 @@ TABLE: tuple = (
 BY_GGUF_SUFFIX = {p.gguf.replace("blk.{i}.", ""): p for p in TABLE}
 
 # Parameters other decoder families add to the Llama layer: Qwen2's q/k/v biases (also Llama checkpoints with
-# attention_bias), Qwen3's per-head RMSNorm of q and k. framework/model.py has none of them; the HF -> GGUF
-# export of such checkpoints (ondevice/hf_gguf.py) names them here. Biases of q/k follow the rows' RoPE order.
+# attention_bias), Qwen3's per-head RMSNorm of q and k. framework/model.py has the biases (model.qkv_bias: H x E
+# and K x E arrays), not the norms; the HF -> GGUF export (ondevice/hf_gguf.py) names all of them here. Biases of
+# q/k follow the rows' RoPE order.
 EXTRA: tuple = (
     ParamName(("attn", "bq"), "model.layers.{i}.self_attn.q_proj.bias", "blk.{i}.attn_q.bias", True, "vector", "q"),
     ParamName(("attn", "bk"), "model.layers.{i}.self_attn.k_proj.bias", "blk.{i}.attn_k.bias", True, "vector", "kv"),
@@ -86,9 +87,14 @@ EXTRA: tuple = (
 )
 
 
+QKV_BIASES: tuple = EXTRA[:3]
+
+
 def entries(cfg: ModelConfig) -> tuple:
-  """The table entries present in a model built from ``cfg`` (no lm_head with tied embeddings)."""
-  return tuple(p for p in TABLE if not (cfg.tie_embeddings and p.path[0] == "lm_head"))
+  """The table entries present in a model built from ``cfg`` (no lm_head with tied embeddings; the q/k/v biases
+  with ``qkv_bias``)."""
+  out = tuple(p for p in TABLE if not (cfg.tie_embeddings and p.path[0] == "lm_head"))
+  return out + (QKV_BIASES if cfg.qkv_bias else ())
 
 
 # ---------------------------------------------------------------- RoPE permutation (the one place)
@@ -120,6 +126,8 @@ def _rope_heads(p: ParamName, cfg: ModelConfig) -> int:
 def to_hf(p: ParamName, w: np.ndarray) -> np.ndarray:
   """One framework array (single layer) -> the HF array (n_out, n_in) or vector."""
   w = np.asarray(w)
+  if p.kind == "vector":  # norms (D,), biases H x E -> (H*E,)
+    return np.ascontiguousarray(w.reshape(-1))
   if p.kind == "in_out":  # D x ... (x E) -> (out, D)
     return np.ascontiguousarray(w.reshape(w.shape[0], -1).T)
   if p.kind == "heads_in":  # H x E x D -> (D, H*E)
@@ -132,7 +140,8 @@ def from_hf(p: ParamName, m: np.ndarray, cfg: ModelConfig) -> np.ndarray:
   m = np.asarray(m)
   D, H, K, E, F, V = cfg.d_model, cfg.n_heads, cfg.n_kv_heads, cfg.hd, cfg.ff, cfg.vocab_size
   shapes = {"wq": (D, H, E), "wk": (D, K, E), "wv": (D, K, E), "wo": (H, E, D), "w_gate": (D, F),
-            "w_up": (D, F), "w_down": (F, D), "embedding": (V, D), "kernel": (D, V), "scale": (D,)}
+            "w_up": (D, F), "w_down": (F, D), "embedding": (V, D), "kernel": (D, V), "scale": (D,), "bq": (H, E),
+            "bk": (K, E), "bv": (K, E)}
   want = shapes[p.path[-1]]
   if p.kind == "in_out":
     out = m.T.reshape(want)
@@ -143,13 +152,15 @@ def from_hf(p: ParamName, m: np.ndarray, cfg: ModelConfig) -> np.ndarray:
   return np.ascontiguousarray(out)
 
 
-def hf_to_gguf(p: ParamName, m: np.ndarray, cfg: ModelConfig) -> np.ndarray:
-  n = _rope_heads(p, cfg)
+def hf_to_gguf(p: ParamName, m: np.ndarray, cfg: ModelConfig, arch: str = "llama") -> np.ndarray:
+  """HF array -> GGUF array of ``arch``: q/k rows RoPE-permuted for llama (NORM RoPE); qwen2/qwen3 rotate halves
+  (NEOX), as HF does, so their rows stay."""
+  n = _rope_heads(p, cfg) if arch == "llama" else 0
   return permute_rope(m, n) if n else m
 
 
-def gguf_to_hf(p: ParamName, m: np.ndarray, cfg: ModelConfig) -> np.ndarray:
-  n = _rope_heads(p, cfg)
+def gguf_to_hf(p: ParamName, m: np.ndarray, cfg: ModelConfig, arch: str = "llama") -> np.ndarray:
+  n = _rope_heads(p, cfg) if arch == "llama" else 0
   return unpermute_rope(m, n) if n else m
 
 
@@ -201,9 +212,9 @@ def framework_to_hf(params: Any, cfg: ModelConfig) -> dict:
   return _convert_out(params, cfg, lambda p: p.hf, to_hf)
 
 
-def framework_to_gguf(params: Any, cfg: ModelConfig) -> dict:
-  """Framework params -> {GGUF name: f32/f16 numpy array (n_out, n_in)} with q/k RoPE-permuted."""
-  return _convert_out(params, cfg, lambda p: p.gguf, lambda p, w: hf_to_gguf(p, to_hf(p, w), cfg))
+def framework_to_gguf(params: Any, cfg: ModelConfig, arch: str = "llama") -> dict:
+  """Framework params -> {GGUF name: f32/f16 numpy array (n_out, n_in)}, q/k RoPE-permuted for llama."""
+  return _convert_out(params, cfg, lambda p: p.gguf, lambda p, w: hf_to_gguf(p, to_hf(p, w), cfg, arch))
 
 
 def _convert_in(arrays: Mapping, cfg: ModelConfig, name_of: Callable, conv: Callable, scan: bool,
@@ -211,7 +222,7 @@ def _convert_in(arrays: Mapping, cfg: ModelConfig, name_of: Callable, conv: Call
   missing = [name_of(p).format(i=0) for p in entries(cfg) if name_of(p).format(i=0) not in arrays]
   if missing:
     raise KeyError(f"{fmt} weights lack {missing}; is this a Llama-architecture checkpoint with "
-                   f"{cfg.n_layers} layers and tie_embeddings={cfg.tie_embeddings}?")
+                   f"{cfg.n_layers} layers, tie_embeddings={cfg.tie_embeddings} and qkv_bias={cfg.qkv_bias}?")
   params: dict = {}
   for p in entries(cfg):
     if p.per_layer:
@@ -237,7 +248,7 @@ def hf_to_framework(arrays: Mapping, cfg: ModelConfig) -> dict:
   return _convert_in(arrays, cfg, lambda p: p.hf, lambda p, m: from_hf(p, m, cfg), cfg.scan_layers, "HF")
 
 
-def gguf_to_framework(arrays: Mapping, cfg: ModelConfig) -> dict:
-  """{GGUF name: dequantized (n_out, n_in) array} -> framework params tree."""
-  return _convert_in(arrays, cfg, lambda p: p.gguf, lambda p, m: from_hf(p, gguf_to_hf(p, m, cfg), cfg),
+def gguf_to_framework(arrays: Mapping, cfg: ModelConfig, arch: str = "llama") -> dict:
+  """{GGUF name: dequantized (n_out, n_in) array} of an ``arch`` file -> framework params tree."""
+  return _convert_in(arrays, cfg, lambda p: p.gguf, lambda p, m: from_hf(p, gguf_to_hf(p, m, cfg, arch), cfg),
                      cfg.scan_layers, "GGUF")

@@ -1,7 +1,8 @@
 """GGUF export (framework params -> llama.cpp-compatible file) and import/inspection.
 
-Export writes the llama architecture with llama.cpp tensor names and q/k rows in llama.cpp's RoPE
-order (both via ``framework.names``), page-aligned tensor data (4096 B) so every layer is an
+Export writes the llama architecture (qwen2 for a model with q/k/v biases) with llama.cpp tensor names and
+q/k rows in llama.cpp's RoPE order (both via ``framework.names``), Llama 3's rope_freqs.weight for
+``model.rope_scaling='llama3'``, page-aligned tensor data (4096 B) so every layer is an
 mmap-able, madvise-able byte range, PrismLLM's byte tokenizer as an SPM vocab (ondevice/tokenizer.py),
 and the exact framework ModelConfig as JSON under ``prismllm.model_config`` for a lossless round trip.
 """
@@ -17,7 +18,7 @@ from typing import Any, Optional
 
 import numpy as np
 
-from framework import names
+from framework import names, rope
 from framework.config import ModelConfig
 from ondevice import gguf_check
 from ondevice.gguf_check import CRC_KEY, GGUFError  # noqa: F401  (GGUFError: re-exported)
@@ -84,13 +85,27 @@ def _matrix_qtype(quant: str, n_in: int) -> str:
 
 def export_gguf(params: Any, cfg: ModelConfig, path: str, quant: str = "f32", align: int = PAGE,
                 name: str = "prismllm", output_quant: Optional[str] = None) -> dict:
-  """Writes ``params`` (framework tree) as a llama-architecture GGUF; returns a small summary dict.
+  """Writes ``params`` (framework tree) as a GGUF of architecture :func:`gguf_arch` (llama, or qwen2 for a model
+  with q/k/v biases), with Llama 3's ``rope_freqs.weight`` for ``model.rope_scaling='llama3'``; returns a small
+  summary dict.
 
   ``quant`` applies to every matrix (token_embd included, as llama.cpp does); norms stay F32.
   ``q4_k_m`` / ``q5_k_m`` / ``q6_k`` (``q4_k`` = q4_k_m) quantise an F16 file with llama.cpp's own quantiser
   (needs llama-cpp-python).
   """
-  return write_quantized(names.framework_to_gguf(params, cfg), cfg, path, quant, align, name, output_quant)
+  arch = gguf_arch(cfg)
+  arrays = names.framework_to_gguf(params, cfg, arch)
+  factors = rope.freq_factors(cfg)
+  if factors is not None:
+    arrays = {"rope_freqs.weight": factors, **arrays}
+  return write_quantized(arrays, cfg, path, quant, align, name, output_quant, arch=arch)
+
+
+def gguf_arch(cfg: ModelConfig) -> str:
+  """The llama.cpp architecture a framework model is written as: ``qwen2`` for q/k/v biases with plain RoPE (its
+  NEOX rotary is HF's rotate-half: q/k rows unpermuted), ``llama`` otherwise (its graph adds q/k/v biases when
+  present and reads Llama 3's rope_freqs.weight, which the qwen2 graph ignores)."""
+  return "qwen2" if cfg.qkv_bias and cfg.rope_scaling == "none" else "llama"
 
 
 def write_quantized(arrays: dict, cfg: ModelConfig, path: str, quant: str = "f32", align: int = PAGE,
@@ -337,7 +352,7 @@ def load_params(path: str, scan_layers: bool = True) -> tuple:
     a = dequantize(t.data, t.tensor_type)
     arrays[t.name] = np.asarray(a, np.float32).reshape(info.tensors[t.name].shape)
   cfg = dataclasses.replace(info.cfg, scan_layers=scan_layers)
-  return names.gguf_to_framework(arrays, cfg), cfg
+  return names.gguf_to_framework(arrays, cfg, info.arch), cfg
 
 
 def describe(info: GGUFInfo) -> str:

@@ -11,15 +11,15 @@ Anything else is refused in one line naming the key.
 """
 from __future__ import annotations
 
+import dataclasses
 import json
-import math
 import pathlib
 from typing import Optional
 
 import numpy as np
 
 from framework import hf as fhf
-from framework import names
+from framework import names, rope
 from ondevice import vocab as vocab_lib
 from ondevice.gguf_check import GGUFError
 
@@ -40,23 +40,11 @@ def _json(path: pathlib.Path) -> dict:
 
 
 def llama3_rope_factors(head_dim: int, theta: float, p: dict) -> np.ndarray:
-  """Llama 3.1's per-frequency divisors (rope_scaling rope_type 'llama3'), as llama.cpp's converter writes them
-  into rope_freqs.weight: 1 above the high-frequency wavelength, ``factor`` below the low one, smooth between."""
-  factor = float(p.get("factor", 8.0))
-  low, high = float(p.get("low_freq_factor", 1.0)), float(p.get("high_freq_factor", 4.0))
-  old = float(p.get("original_max_position_embeddings", 8192))
-  freqs = 1.0 / (np.float32(theta) ** (np.arange(0, head_dim, 2, dtype=np.float32) / np.float32(head_dim)))
-  out = []
-  for f in freqs.astype(np.float32):
-    wavelen = 2 * math.pi / float(f)
-    if wavelen < old / high:
-      out.append(1.0)
-    elif wavelen > old / low:
-      out.append(factor)
-    else:
-      smooth = (old / wavelen - low) / (high - low)
-      out.append(1 / ((1 - smooth) / factor + smooth))
-  return np.asarray(out, np.float32)
+  """Llama 3.1's per-frequency divisors (rope_scaling rope_type 'llama3') as rope_freqs.weight: framework/rope.py
+  computes them, from the HF keys (defaults: Llama 3.1's values)."""
+  return rope.llama3_factors(head_dim, theta, float(p.get("factor", 8.0)), float(p.get("low_freq_factor", 1.0)),
+                             float(p.get("high_freq_factor", 4.0)),
+                             int(p.get("original_max_position_embeddings", 8192)))
 
 
 def read_config(hf_dir: str) -> tuple:
@@ -84,9 +72,15 @@ def read_config(hf_dir: str) -> tuple:
     raise HFGGUFError(f"{hf_dir}: hidden_act={hf['hidden_act']!r}: the runtime's MLP is SwiGLU (silu)")
   clean = dict(hf, model_type="llama", attention_bias=False, mlp_bias=False, rope_scaling=None,
                rope_parameters={"rope_type": "default", "rope_theta": theta})
-  cfg = fhf.model_config_from_hf(clean)
-  factors = llama3_rope_factors(cfg.hd, theta, params) if rope_type == "llama3" else None
-  return arch, cfg, factors
+  # The file's prismllm.model_config says what the framework model of these weights is (gguf_io.load_params):
+  # Qwen2's q/k/v biases and Llama 3's RoPE scaling are parameters of it, Qwen3's q/k norms are not.
+  cfg = dataclasses.replace(fhf.model_config_from_hf(clean), qkv_bias=arch == "qwen2")
+  if rope_type == "llama3":
+    factors = llama3_rope_factors(cfg.hd, theta, params)
+    cfg = dataclasses.replace(cfg, rope_scaling="llama3", **{f: t(params.get(k, getattr(cfg, f)))
+                                                              for k, f, t in fhf.LLAMA3_ROPE_KEYS})
+    return arch, cfg, factors
+  return arch, cfg, None
 
 
 def arrays(hf_dir: str, arch: str, cfg) -> dict:
@@ -96,8 +90,8 @@ def arrays(hf_dir: str, arch: str, cfg) -> dict:
   permute = arch == "llama"  # NORM RoPE: q/k rows (and biases) in adjacent-pair order; qwen is NEOX
   conv = (lambda p, m: names.hf_to_gguf(p, m, cfg)) if permute else (lambda p, m: m)
   ents = names.entries(cfg)
-  extra = [p for p in names.EXTRA if p.hf.format(i=0) in src]
-  if arch == "qwen2" and len(extra) < 3:
+  extra = [p for p in names.EXTRA if p not in ents and p.hf.format(i=0) in src]
+  if arch == "qwen2" and not all(p.hf.format(i=0) in src for p in names.QKV_BIASES):
     raise HFGGUFError(f"{hf_dir}: a Qwen2 checkpoint without q/k/v biases; re-save it with them")
   used, out = set(), {}
 

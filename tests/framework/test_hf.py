@@ -1,6 +1,7 @@
-"""Hugging Face interop (framework/hf.py): our model *is* Llama.
+"""Hugging Face interop (framework/hf.py): our model *is* Llama (and, with q/k/v biases, Qwen2).
 
-A small randomly initialised ``LlamaForCausalLM`` is built locally (no download), saved with
+Small randomly initialised ``LlamaForCausalLM`` (plain and Llama 3.1-scaled RoPE) and ``Qwen2ForCausalLM``
+models are built locally (no download), saved with
 ``save_pretrained``, loaded into PrismLLM, and the logits compared; then our export is loaded back by
 transformers. Tolerance 1e-4 absolute on float32 logits of magnitude ~1-10: both sides compute in
 float32 with different op orders (fused einsums vs. separate matmuls), which accounts for ~1e-6.
@@ -20,23 +21,35 @@ from framework import hf  # noqa: E402
 from framework import model as model_lib  # noqa: E402
 from framework.config import Config, MeshConfig, OptimConfig, TrainConfig  # noqa: E402
 
+LLAMA3_ROPE = {"rope_type": "llama3", "factor": 8.0, "low_freq_factor": 1.0, "high_freq_factor": 4.0,
+               # with theta 5000 and head_dim 16 the 8 wavelengths (6.3 ... 11560) fall in all three bands of
+               # original_max 32: kept (< 8), smoothed (8 ... 32), divided by factor (> 32)
+               "original_max_position_embeddings": 32}
 CASES = {
-    # name: (LlamaConfig kwargs, scan_layers)
-    "gqa_untied": (dict(num_attention_heads=4, num_key_value_heads=2, tie_word_embeddings=False), True),
-    "mha_tied": (dict(num_attention_heads=4, num_key_value_heads=4, tie_word_embeddings=True), True),
-    "gqa_headdim_unrolled": (dict(num_attention_heads=4, num_key_value_heads=1, head_dim=24,
-                                  tie_word_embeddings=False), False),
+    # name: (architecture, config kwargs, scan_layers)
+    "gqa_untied": ("llama", dict(num_attention_heads=4, num_key_value_heads=2, tie_word_embeddings=False), True),
+    "mha_tied": ("llama", dict(num_attention_heads=4, num_key_value_heads=4, tie_word_embeddings=True), True),
+    "gqa_headdim_unrolled": ("llama", dict(num_attention_heads=4, num_key_value_heads=1, head_dim=24,
+                                           tie_word_embeddings=False), False),
+    "llama3_rope_scaling": ("llama", dict(num_attention_heads=4, num_key_value_heads=2, tie_word_embeddings=False,
+                                          rope_scaling=LLAMA3_ROPE), True),
+    "qwen2_untied": ("qwen2", dict(num_attention_heads=4, num_key_value_heads=2, tie_word_embeddings=False), True),
+    "qwen2_tied_unrolled": ("qwen2", dict(num_attention_heads=4, num_key_value_heads=1, tie_word_embeddings=True),
+                            False),
 }
+CLASSES = {"llama": ("LlamaConfig", "LlamaForCausalLM"), "qwen2": ("Qwen2Config", "Qwen2ForCausalLM")}
 
 
-def _hf_model(kw, seed=0):
-  cfg = transformers.LlamaConfig(vocab_size=300, hidden_size=64, intermediate_size=96, num_hidden_layers=2,
-                                 max_position_embeddings=64, rms_norm_eps=1e-5, rope_theta=5000.0,
-                                 attn_implementation="eager", **kw)
+def _hf_model(case, seed=0):
+  arch, kw, _ = CASES[case]
+  config_cls, model_cls = (getattr(transformers, n) for n in CLASSES[arch])
+  cfg = config_cls(vocab_size=300, hidden_size=64, intermediate_size=96, num_hidden_layers=2,
+                   max_position_embeddings=64, rms_norm_eps=1e-5, rope_theta=5000.0,
+                   attn_implementation="eager", **kw)
   torch.manual_seed(seed)
-  m = transformers.LlamaForCausalLM(cfg).eval()
-  # Random (not default) values everywhere, norms included, so every tensor's mapping matters and the
-  # logits are O(1-10), not the near-zero logits of a 0.02-std init.
+  m = model_cls(cfg).eval()
+  # Random (not default) values everywhere, norms and Qwen2's q/k/v biases included, so every tensor's mapping
+  # matters and the logits are O(1-10), not the near-zero logits of a 0.02-std init.
   with torch.no_grad():
     for name, p in m.named_parameters():
       if name.endswith("norm.weight"):
@@ -61,12 +74,13 @@ def _our_logits(cfg, params, tokens):
 
 @pytest.mark.parametrize("case", sorted(CASES))
 def test_hf_checkpoint_logits_match_transformers(case, tmp_path):
-  kw, scan = CASES[case]
-  m = _hf_model(kw)
+  arch, kw, scan = CASES[case]
+  m = _hf_model(case)
   m.save_pretrained(tmp_path / "hf")
   cfg, params = hf.load(str(tmp_path / "hf"), scan_layers=scan)
   assert cfg.tie_embeddings == kw["tie_word_embeddings"] and cfg.n_kv_heads == kw["num_key_value_heads"]
   assert cfg.hd == kw.get("head_dim", 16) and cfg.rope_theta == 5000.0
+  assert cfg.qkv_bias == (arch == "qwen2") and cfg.rope_scaling == ("llama3" if "rope_scaling" in kw else "none")
   assert ("layers" in params) == scan and ("lm_head" in params) != cfg.tie_embeddings
   n_hf = sum(p.numel() for p in m.parameters())
   assert cfg.n_params() == n_hf
@@ -74,30 +88,40 @@ def test_hf_checkpoint_logits_match_transformers(case, tmp_path):
   ref, got = _hf_logits(m, toks), _our_logits(cfg, params, toks)
   assert np.abs(ref).max() > 1.0  # non-trivial logits, so 1e-4 is a real bar
   np.testing.assert_allclose(got, ref, rtol=0, atol=1e-4)
+  if cfg.rope_scaling == "llama3":  # the scaling is exercised: plain RoPE on the same weights is far off
+    plain = _our_logits(dataclasses.replace(cfg, rope_scaling="none"), params, toks)
+    assert np.abs(plain - ref).max() > 1e-2
 
 
 @pytest.mark.parametrize("case", sorted(CASES))
 def test_export_loads_in_transformers(case, tmp_path):
-  kw, scan = CASES[case]
-  m = _hf_model(kw, seed=3)
+  arch, kw, scan = CASES[case]
+  m = _hf_model(case, seed=3)
   m.save_pretrained(tmp_path / "hf")
   cfg, params = hf.load(str(tmp_path / "hf"), scan_layers=scan)
   hf.save(params, cfg, str(tmp_path / "out"))
-  back = transformers.LlamaForCausalLM.from_pretrained(str(tmp_path / "out"), attn_implementation="eager").eval()
+  back = transformers.AutoModelForCausalLM.from_pretrained(str(tmp_path / "out"), attn_implementation="eager").eval()
+  assert type(back) is type(m)
   # Bit-exact weights both ways (float32 throughout), and the same config.
   ref_sd, got_sd = m.state_dict(), back.state_dict()
   assert set(ref_sd) == set(got_sd)
   for k in ref_sd:
     assert torch.equal(ref_sd[k], got_sd[k]), k
-  for attr in ("num_key_value_heads", "head_dim", "tie_word_embeddings", "intermediate_size", "rms_norm_eps"):
+  for attr in ("num_key_value_heads", "tie_word_embeddings", "intermediate_size", "rms_norm_eps"):
     assert getattr(back.config, attr) == getattr(m.config, attr), attr
+  head_dim = lambda c: getattr(c, "head_dim", None) or c.hidden_size // c.num_attention_heads  # noqa: E731
+  assert head_dim(back.config) == head_dim(m.config)
   assert back.config.rope_parameters["rope_theta"] == 5000.0
+  assert back.config.rope_parameters["rope_type"] == m.config.rope_parameters["rope_type"]
+  if "rope_scaling" in kw:
+    for k, v in LLAMA3_ROPE.items():
+      assert back.config.rope_parameters[k] == v, k
   toks = _tokens(seed=4)
   np.testing.assert_allclose(_hf_logits(back, toks), _our_logits(cfg, params, toks), rtol=0, atol=1e-4)
 
 
 def test_sharded_checkpoints_both_ways(tmp_path):
-  m = _hf_model(CASES["gqa_untied"][0], seed=5)
+  m = _hf_model("gqa_untied", seed=5)
   m.save_pretrained(tmp_path / "hf", max_shard_size="40KB")
   assert (tmp_path / "hf" / hf.INDEX_FILE).exists()
   cfg, params = hf.load(str(tmp_path / "hf"))
@@ -111,7 +135,7 @@ def test_sharded_checkpoints_both_ways(tmp_path):
 
 
 def test_bfloat16_export_loads_in_transformers(tmp_path):
-  m = _hf_model(CASES["mha_tied"][0], seed=7)
+  m = _hf_model("mha_tied", seed=7)
   m.save_pretrained(tmp_path / "hf")
   cfg, params = hf.load(str(tmp_path / "hf"))
   hf.save(params, cfg, str(tmp_path / "out"), dtype="bfloat16")
@@ -124,16 +148,25 @@ def test_bfloat16_export_loads_in_transformers(tmp_path):
 def test_unsupported_checkpoints_are_refused(tmp_path):
   base = dict(model_type="llama", vocab_size=300, hidden_size=64, intermediate_size=96, num_hidden_layers=2,
               num_attention_heads=4)
-  with pytest.raises(hf.HFError, match="RoPE scaling 'llama3'"):
+  with pytest.raises(hf.HFError, match="'llama3' lacks 'low_freq_factor'"):
     hf.model_config_from_hf({**base, "rope_scaling": {"rope_type": "llama3", "factor": 8.0}})
+  bad_bands = {**LLAMA3_ROPE, "low_freq_factor": 4.0}
+  with pytest.raises(hf.HFError, match="rope_low_freq_factor < rope_high_freq_factor"):
+    hf.model_config_from_hf({**base, "rope_scaling": bad_bands})
   with pytest.raises(hf.HFError, match="RoPE scaling 'yarn'"):
     hf.model_config_from_hf({**base, "rope_parameters": {"rope_type": "yarn", "rope_theta": 1e4}})
-  with pytest.raises(hf.HFError, match="attention_bias"):
+  with pytest.raises(hf.HFError, match="attention_bias=true: .* o_proj bias"):
     hf.model_config_from_hf({**base, "attention_bias": True})
-  with pytest.raises(hf.HFError, match="model_type='qwen2'"):
-    hf.model_config_from_hf({**base, "model_type": "qwen2"})
+  with pytest.raises(hf.HFError, match="model_type='mistral'"):
+    hf.model_config_from_hf({**base, "model_type": "mistral"})
+  with pytest.raises(hf.HFError, match="use_sliding_window=true"):
+    hf.model_config_from_hf({**base, "model_type": "qwen2", "use_sliding_window": True})
+  # What HF's Llama / Qwen2 cannot represent is refused on export, before anything is written.
+  with pytest.raises(hf.HFError, match="model.mlp='gelu'"):
+    hf.save({}, dataclasses.replace(hf.model_config_from_hf(base), mlp="gelu"), str(tmp_path / "gelu"))
+  assert not (tmp_path / "gelu").exists()
   # A tensor the model has no slot for must not be dropped silently.
-  m = _hf_model(CASES["gqa_untied"][0])
+  m = _hf_model("gqa_untied")
   m.save_pretrained(tmp_path / "hf")
   from safetensors.numpy import load_file, save_file
   f = tmp_path / "hf" / hf.SINGLE_FILE
@@ -148,7 +181,7 @@ def test_unsupported_checkpoints_are_refused(tmp_path):
 
 def test_workdir_import_export_cli_round_trip(tmp_path, capsys):
   """HF dir -> step-0 orbax checkpoint (CLI) -> HF dir (CLI): identical tensors."""
-  m = _hf_model(CASES["gqa_untied"][0], seed=8)
+  m = _hf_model("gqa_untied", seed=8)
   m.save_pretrained(tmp_path / "hf")
   wd, out = tmp_path / "wd", tmp_path / "out"
   spec = "experiments/configs/quickstart.py:runlocal=True"
@@ -172,7 +205,7 @@ def test_imported_checkpoint_is_what_training_resumes(tmp_path):
   """The import's step-0 state has exactly the structure the training loop restores (same optimizer)."""
   from framework import checkpoint as ckpt_lib
   from parallelism.step import build_on_devices
-  m = _hf_model(CASES["mha_tied"][0], seed=9)
+  m = _hf_model("mha_tied", seed=9)
   m.save_pretrained(tmp_path / "hf")
   cfg = dataclasses.replace(Config(), optim=OptimConfig(warmup_steps=2), train=TrainConfig(steps=4))
   cfg = dataclasses.replace(cfg, data=dataclasses.replace(cfg.data, seq_len=16, global_batch=8),

@@ -180,3 +180,36 @@ def test_tied_embeddings_tensor_parallel(reference, mesh):
   got_loss, got_grads = harness.loss_and_grads(got, state, batch)
   assert abs(got_loss - want_loss) <= LOSS_TOL["atol"] + LOSS_TOL["rtol"] * abs(want_loss)
   harness.assert_trees_close(got_grads, want_grads, **GRAD_TOL)
+
+
+# Qwen2 / Llama 3.x shapes: q/k/v biases shard like their projections' heads (they carry the same logical axes),
+# RoPE scaling applies at global positions under sequence parallelism. Bands of the llama3 scaling with head_dim 8,
+# theta 1e4, original length 64: wavelength 6.3 kept, 63 smoothed, 628 and 6283 divided by the factor.
+QKV_BIAS_MODEL = {"qkv_bias": True, "rope_scaling": "llama3", "rope_original_max_len": 64}
+QKV_BIAS_LAYOUTS = [
+    ({"data": 2, "tensor": 4}, "jit"),
+    ({"data": 2, "tensor": 4}, "shard_map"),
+    ({"fsdp": 2, "sequence": 2, "tensor": 2}, "shard_map"),
+    ({"pipeline": 2, "data": 2, "tensor": 2, "microbatches": 2, "schedule": "1f1b"}, "shard_map"),
+]
+
+
+@pytest.fixture(scope="module")
+def qkv_bias_reference():
+  """Single-device reference of the biased, RoPE-scaled model, its (zero-initialised) biases drawn at random so
+  that a bias applied to the wrong heads changes the loss, not only the gradients."""
+  rng = np.random.default_rng(0)
+  ref = _own_reference(QKV_BIAS_MODEL)
+
+  def draw(path, a):
+    return rng.normal(0.0, 0.5, a.shape).astype(a.dtype) if getattr(path[-1], "key", None) in ("bq", "bk", "bv") else a
+  state = ref["state"].replace(params=jax.tree_util.tree_map_with_path(draw, ref["state"].params))
+  st = harness.build({}, "jit", QKV_BIAS_MODEL)
+  loss, grads = harness.loss_and_grads(st, state, ref["batch"])
+  assert abs(loss - ref["loss"]) > 1e-3  # the drawn biases matter
+  return {"state": state, "batch": ref["batch"], "loss": loss, "grads": grads}
+
+
+@pytest.mark.parametrize("mesh,form", QKV_BIAS_LAYOUTS, ids=lambda v: _id(v) if isinstance(v, dict) else v)
+def test_qkv_bias_and_rope_scaling_layouts_match_single_device(qkv_bias_reference, mesh, form):
+  _check(qkv_bias_reference, mesh, form, QKV_BIAS_MODEL)
