@@ -43,6 +43,7 @@ class Controller:
                lock_fd: Optional[int] = None):
     self.cfg_dict, self.total, self.s, self.workdir, self.run_id = cfg_dict, total_steps, s, workdir, run_id
     self.fleet = Fleet(s, workdir, run_id, lock_fd)
+    faults = injection.plan(s, total_steps)
     self.membership = Membership()
     self.commits = Commits()
     self.progress = Progress()  # replaced at each generation's start
@@ -51,7 +52,7 @@ class Controller:
     self.events = EventLog(os.path.join(workdir, "hotswap_events.jsonl"), self.t0, self.membership)
     self.metrics_f = open(os.path.join(workdir, "metrics.jsonl"), "a")  # one line per step (rank 0's loss)
     self.recovery = Recovery(s, workdir, self.fleet, self.membership, self.commits, self.events)
-    self.injector = Injector(s, injection.plan(s, total_steps), self.fleet, self.membership, self.events)
+    self.injector = Injector(s, faults, self.fleet, self.membership, self.events)
     self.cache_dir = s.compile_cache_dir or os.path.join(workdir, "jax_cache")
     self.last_commit_pub = 0.0
     self.stop_signal: Optional[int] = None  # SIGINT / SIGTERM to the launcher (on_stop_signal)
