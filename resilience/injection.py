@@ -13,12 +13,13 @@ Kinds (what a real cluster loses):
 from __future__ import annotations
 
 import dataclasses
-import os
 import random
 import signal
 import time
-from typing import List, Optional
+from typing import List, Optional, Tuple
 
+from resilience.fleet import Fleet, kill
+from resilience.run_state import EventLog, Membership
 from resilience.settings import HotswapSettings, items
 
 
@@ -29,6 +30,8 @@ class Fault:
   rank: int
   fired: bool = False
   stage: int = 0  # 'recovery' has two stages
+  t_fail: Optional[float] = None  # when it struck (a 'replication' fault: when its node reported the snapshot)
+  detected: bool = False  # a failure claimed it (a 'spare' fault needs no recovery: claimed when fired)
 
 
 def plan(s: HotswapSettings, total_steps: int) -> List[Fault]:
@@ -64,68 +67,73 @@ def random_campaign(n: int, total_steps: int, nodes: int, replicas: int, seed: i
           "fail_rank": -1, "fail_seed": seed}
 
 
-class InjectorMixin:
-  """Controller side of injection (mixed into Controller): fires the plan's faults at their steps."""
+class Injector:
+  """Controller side of injection: fires the plan's faults at their steps, and tells a failure it detects
+  which of them it is (:meth:`take_detected`)."""
 
-  def _kill(self, pid: Optional[int], sig=signal.SIGKILL):
-    if pid:
-      try:
-        os.kill(pid, sig)
-      except ProcessLookupError:
-        pass
+  def __init__(self, s: HotswapSettings, faults: List[Fault], fleet: Fleet, membership: Membership,
+               events: EventLog):
+    self.s, self.faults, self.fleet, self.membership, self.events = s, faults, fleet, membership, events
 
-  def _kill_node(self, name: str):
-    node = self.nodes[name]
-    self._kill(node.worker_pid)
-    node.proc.kill()
-
-  def maybe_inject(self, step: int):
-    if self.state != "running" or self.rec is not None:
+  def maybe_inject(self, step: int, recovering: bool):
+    if self.membership.phase != "running" or recovering:
       return
+    members, nodes = self.membership.members, self.fleet.nodes
     for f in self.faults:
       if f.fired or step < f.at_step:
         continue
       f.fired = True
-      f.__dict__["t_fail"] = time.time()
-      name = self.members[f.rank]
-      node = self.nodes[name]
-      self.event("inject", kind=f.kind, rank=f.rank, node=name, step=step)
+      f.t_fail = time.time()
+      name = members[f.rank]
+      node = nodes[name]
+      self.events.emit("inject", kind=f.kind, rank=f.rank, node=name, step=step)
       if f.kind == "worker":
-        self._kill(node.worker_pid)
+        kill(node.worker_pid)
       elif f.kind in ("node", "recovery"):
-        self._kill_node(name)
+        self.fleet.kill_node(name)
       elif f.kind == "hang":
-        self._kill(node.worker_pid, signal.SIGSTOP)
+        kill(node.worker_pid, signal.SIGSTOP)
       elif f.kind == "two":
-        self._kill_node(name)
-        self._kill_node(self.members[(f.rank + 1) % self.s.nodes])
+        self.fleet.kill_node(name)
+        self.fleet.kill_node(members[(f.rank + 1) % self.s.nodes])
       elif f.kind == "replication":
-        self.send(name, {"type": "fault", "kind": "replication", "version": step + 1})
-        f.__dict__["t_fail"] = None  # set when that node reports the snapshot it dies sending
+        self.fleet.send(name, {"type": "fault", "kind": "replication", "version": step + 1})
+        f.t_fail = None  # set when that node reports the snapshot it dies sending
       elif f.kind == "spare":
-        idle = self.spares()
+        idle = self.fleet.spares()
         if idle:
-          self.nodes[idle[0]].proc.kill()
-          self.event("inject_target", node=idle[0])
-        f.__dict__["detected"] = True  # no recovery expected
+          nodes[idle[0]].proc.kill()
+          self.events.emit("inject_target", node=idle[0])
+        f.detected = True  # no recovery expected
       return  # one fault per step
 
-  def maybe_inject_replication_time(self, msg: dict):
+  def on_stored(self, msg: dict):
+    """A 'replication' fault's failure time is when its node reports the snapshot it dies sending."""
     for f in self.faults:
-      if f.fired and f.kind == "replication" and f.__dict__.get("t_fail") is None and \
-         self.members[f.rank] in self.nodes and msg["rank"] == f.rank:
-        f.__dict__["t_fail"] = msg["t"]
+      if f.fired and f.kind == "replication" and f.t_fail is None and \
+         self.membership.members[f.rank] in self.fleet.nodes and msg["rank"] == f.rank:
+        f.t_fail = msg["t"]
 
-  def maybe_inject_recovery_stage(self, started_node: str):
-    """'recovery' kind, stage 2: a survivor dies while the new generation is starting."""
-    if self.rec is None:
+  def on_started(self, started_node: str, recovery: Optional[dict]):
+    """'recovery' kind, stage 2: a survivor dies while the new generation (of ``recovery``) is starting."""
+    if recovery is None:
       return
+    rank = self.membership.rank_of(started_node)
     for f in self.faults:
       if f.kind == "recovery" and f.fired and f.stage == 0:
         # the victim is rank+2: a survivor whose replica holder (rank+3) is alive, so the memory tier
         # can still serve it (rank+1 would lose its only replica with the first node when r=1)
-        if "swaps" not in self.rec or self.rank_of(started_node) != (f.rank + 2) % self.s.nodes:
+        if "swaps" not in recovery or rank != (f.rank + 2) % self.s.nodes:
           continue
         f.stage = 1
-        self.event("inject", kind="recovery-stage2", node=started_node, rank=self.rank_of(started_node))
-        self._kill_node(started_node)
+        self.events.emit("inject", kind="recovery-stage2", node=started_node, rank=rank)
+        self.fleet.kill_node(started_node)
+
+  def take_detected(self) -> Tuple[Optional[float], List[str]]:
+    """The fired faults no failure has claimed yet, now claimed: (the last one's failure time, their kinds)."""
+    injected = [f for f in self.faults if f.fired and not f.detected]
+    t_inj = None
+    for f in injected:
+      f.detected = True
+      t_inj = f.t_fail
+    return t_inj, [f.kind for f in injected]
