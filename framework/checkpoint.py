@@ -23,9 +23,9 @@ A save that finds the disk full (ENOSPC / EDQUOT, also as tensorstore's RESOURCE
 error) is ``CheckpointError(kind='io')`` naming the step and the fix; its partial folder is removed at once
 and the complete steps are kept (orbax deletes old steps only after a successful save).
 
-This module imports orbax and jax only inside functions: the step listing, quick checks and the
-quarantine are plain file operations a jax-free controller (resilience/) can use, and experiments/run.py
-imports its error type before it sets the allocator and XLA flags and imports jax quietly.
+This module imports orbax, jax and numpy (which starts a thread) only inside functions: the step listing,
+quick checks and the quarantine are plain file operations a jax-free controller (resilience/) can use, and
+experiments/run.py imports its error type before it sets the allocator and XLA flags and imports jax quietly.
 """
 from __future__ import annotations
 
@@ -41,8 +41,6 @@ import threading
 import time
 import warnings
 from typing import Any, List, Optional
-
-import numpy as np
 
 from framework.config import CheckpointConfig
 
@@ -155,6 +153,7 @@ def _checksum_fn():
 def state_checksum(state: Any) -> List[int]:
   """Per leaf [sum, weighted sum] of its 32-bit words mod 2^32: the same for any sharding of the same values."""
   import jax  # noqa: PLC0415 (jax-free at import: see the module docstring)
+  import numpy as np  # noqa: PLC0415 (numpy-free at import: see the module docstring)
   leaves = jax.tree.leaves(state)
   groups = {}  # one program per device set (a jit cannot mix arrays committed to different devices)
   for i, x in enumerate(leaves):
