@@ -7,6 +7,8 @@ import importlib.util
 
 import pytest
 
+from framework.config import from_dict, validate
+from perfmodel import predict as pr
 from perfmodel.cost import collectives as C
 from perfmodel.cost.chain import Chain
 from perfmodel.cost.physical import Roofline
@@ -215,8 +217,6 @@ def test_param_gather_overlaps_the_next_steps_first_forward(fwd_ms, bucket, tail
 
 
 def test_a_framework_spec_selects_the_overlap_options_predict_models():
-  from framework.config import from_dict, validate  # noqa: PLC0415
-  from perfmodel import predict as pr  # noqa: PLC0415
   cfg = validate(from_dict({"mesh": {"data": 2, "tensor": 2}}), 4)
   every = pr._overlap(cfg, "megatron", 1.0, 2.0)  # noqa: SLF001
   assert (every.tp_comm, every.grad_reduce, every.param_gather) == (True, True, True)
