@@ -51,7 +51,7 @@ def child_real(spec: str, workdir: str, coord: str, pid: int, steps: int) -> Non
   """One process of the real job: experiments.run's own code path, plus the compiled step's memory."""
   host_memory.apply()  # what run.main does first; here before jax is imported (framework/host_memory.py)
   import jax  # noqa: PLC0415 (after host_memory.apply(): allocator settings apply to threads created later)
-  from parallelism import step as step_lib  # noqa: PLC0415 (loads jax: as above)
+  from parallelism import step as step_lib  # noqa: PLC0415 (loads jax: after host_memory.apply())
   captured = {}
   orig_build = step_lib.build_step
 
