@@ -26,6 +26,7 @@ date) and benchmarks/emulate_validate.png.
 from __future__ import annotations
 
 import argparse
+import importlib.util
 import json
 import os
 import statistics
@@ -36,6 +37,10 @@ import time
 from typing import Optional
 
 from benchmarks import provenance
+from experiments import run
+from framework import host_memory
+from parallelism.distributed import free_port
+from perfmodel.emulate import gloo_calibration, localrun
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 CONFIG = "experiments/configs/emulate_validate.py"
@@ -44,10 +49,9 @@ CONFIG = "experiments/configs/emulate_validate.py"
 # ------------------------------------------------------------------ real-run child
 def child_real(spec: str, workdir: str, coord: str, pid: int, steps: int) -> None:
   """One process of the real job: experiments.run's own code path, plus the compiled step's memory."""
-  from framework import host_memory  # noqa: PLC0415
   host_memory.apply()  # what run.main does first; here before jax is imported (framework/host_memory.py)
-  import jax  # noqa: PLC0415
-  from parallelism import step as step_lib  # noqa: PLC0415
+  import jax  # noqa: PLC0415 (after host_memory.apply(): allocator settings apply to threads created later)
+  from parallelism import step as step_lib  # noqa: PLC0415 (loads jax: after host_memory.apply())
   captured = {}
   orig_build = step_lib.build_step
 
@@ -70,7 +74,6 @@ def child_real(spec: str, workdir: str, coord: str, pid: int, steps: int) -> Non
     ready.append(time.perf_counter() - clocks[-1][0])  # the step call itself: put + compute + collectives
     return out
   step_lib.CompiledStep.__call__ = call
-  from experiments import run  # noqa: PLC0415
   rc = run.main(["--config", spec, "--workdir", workdir, "--coordinator", coord, "--num-processes", "2",
                  "--process-id", str(pid), f"--config.train.steps={steps}"])
   st = captured["step"]
@@ -96,8 +99,6 @@ def _stats(xs):
 
 
 def run_real(layout: str, steps: int, warmup_steps: int) -> dict:
-  from parallelism.distributed import free_port  # noqa: PLC0415
-  from perfmodel.emulate import localrun  # noqa: PLC0415
   spec = f"{CONFIG}:layout={layout}"
   wd = tempfile.mkdtemp(prefix=f"ev_real_{layout}_")
   coord = f"127.0.0.1:{free_port()}"
@@ -121,7 +122,6 @@ def run_real(layout: str, steps: int, warmup_steps: int) -> dict:
 
 def run_emulated(layout: str, repeats: int, warmup: int, exact_memory: bool, colocated: int = 2,
                  replay: bool = False, trace_nodes: bool = False, lockstep: bool = False) -> dict:
-  from perfmodel.emulate import localrun  # noqa: PLC0415
   out = tempfile.mkdtemp(prefix=f"ev_emu_{layout}_")
   cmd = localrun.python("-m", "perfmodel.emulate", "--config", f"{CONFIG}:layout={layout}", "--hardware", "cpu",
                         "--repeats", str(repeats), "--warmup", str(warmup), "--out", out,
@@ -145,7 +145,6 @@ def run_emulated(layout: str, repeats: int, warmup: int, exact_memory: bool, col
 
 
 def run_predict(layout: str, backend: str) -> dict:
-  from perfmodel.emulate import localrun  # noqa: PLC0415
   env = localrun.base_env(2)
   p = subprocess.run([sys.executable, "-m", "perfmodel", "predict", "--config", f"{CONFIG}:layout={layout}",
                       "--hardware", "cpu", "--method", "compile", "--backend", backend], env=env, cwd=ROOT,
@@ -321,7 +320,6 @@ def main(argv=None) -> int:
                    previous=saved["layouts"])
   t0 = time.perf_counter()
   layouts = a.layouts.split(",")
-  from perfmodel.emulate import gloo_calibration  # noqa: PLC0415
   rounds = []
   for r in range(a.rounds):
     cal = None
@@ -385,7 +383,6 @@ def _finish(rounds, layouts, a, t0, previous=None) -> int:
   with open(a.json, "w") as f:
     json.dump({**out, "raw_rounds": rounds}, f, indent=1, default=str)
   try:
-    import importlib.util  # noqa: PLC0415 - experiments/figures is scripts, not a package
     spec = importlib.util.spec_from_file_location("fig", os.path.join(ROOT, "experiments", "figures",
                                                                       "emulate_validate.py"))
     fig = importlib.util.module_from_spec(spec)

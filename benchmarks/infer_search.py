@@ -22,6 +22,10 @@ import sys
 import time
 
 from benchmarks import provenance
+from framework import host_memory
+from perfmodel import hardware
+from perfmodel.calib import suite
+from perfmodel.cost import regime
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 BATCHES = (1, 4, 16, 32)
@@ -48,15 +52,13 @@ def main(argv=None) -> int:
   os.environ.setdefault("JAX_PLATFORMS", "cpu")
   # the cpu profile's regime (perfmodel/cli.py _regime), set before jax starts: one pinned core, single-threaded
   # XLA, CPU-time clock, the real job's allocator, so predictions and measurements are in the profile's units
-  from framework import host_memory  # noqa: PLC0415
-  from perfmodel.cost import regime, trace_nodes  # noqa: PLC0415
+  from perfmodel.cost import trace_nodes  # noqa: PLC0415 (loads jax: after JAX_PLATFORMS, the allocator and the pinning)
   host_memory.apply()
   trace_nodes.enable()
   core = regime.pin(-1)
-  from perfmodel import hardware, predict, program  # noqa: PLC0415
-  from perfmodel.calib import runners, suite  # noqa: PLC0415
-  from perfmodel.cost import profiler  # noqa: PLC0415
-  from perfmodel.cost import chain  # noqa: PLC0415
+  from perfmodel import predict, program  # noqa: PLC0415 (loads jax: after JAX_PLATFORMS, the allocator and the pinning)
+  from perfmodel.calib import runners  # noqa: PLC0415 (loads jax: after JAX_PLATFORMS, the allocator and the pinning)
+  from perfmodel.cost import chain, profiler  # noqa: PLC0415 (loads jax: after JAX_PLATFORMS, the allocator and the pinning)
   hw = hardware.load("cpu")
   profiled = chain.resolve_backend(hw, "auto") in chain.NEEDS_PROFILED_PROGRAM
   rows, t0 = [], time.perf_counter()

@@ -30,6 +30,9 @@ command, machine and date, to benchmarks/data/train_step.json, or wherever ``--j
 from __future__ import annotations
 
 import argparse
+import dataclasses
+import functools
+import gc
 import json
 import os
 import pathlib
@@ -38,7 +41,12 @@ import statistics
 import sys
 import time
 
+import ml_collections
+
 from benchmarks import provenance
+from framework import config as config_lib
+from framework import config_file, xla_flags
+from framework.config import from_dict
 
 REPO = pathlib.Path(__file__).resolve().parents[1]
 
@@ -108,7 +116,6 @@ def _set_env(args):
   """Before jax is imported: 8 emulated CPU devices (CPU mode), CPU platform unless --gpu."""
   if str(REPO) not in sys.path:
     sys.path.insert(0, str(REPO))
-  from framework import xla_flags  # noqa: PLC0415 - needs the repository on sys.path; imports no jax
   if not args.gpu:
     os.environ.setdefault("JAX_PLATFORMS", "cpu")
     xla_flags.set_host_device_count(8, keep_existing=True)  # a count the caller set on purpose wins
@@ -125,9 +132,6 @@ def _log(msg):
 
 
 def build_config(args):
-  import ml_collections  # noqa: PLC0415
-  from framework import config_file  # noqa: PLC0415
-  from framework.config import from_dict  # noqa: PLC0415
   base = MODELS["gpu" if args.gpu else "quick" if args.quick else "cpu"]
   d = dict(name="bench_train_step", model=dict(base["model"]), data=dict(base["data"]),
            optim=dict(warmup_steps=2), checkpoint=dict(every=0),
@@ -143,8 +147,7 @@ def build_config(args):
 
 
 def _defaults(section):
-  import dataclasses  # noqa: PLC0415
-  from framework import config as c  # noqa: PLC0415
+  c = config_lib
   cls = {"model": c.ModelConfig, "data": c.DataConfig, "optim": c.OptimConfig, "mesh": c.MeshConfig,
          "train": c.TrainConfig, "checkpoint": c.CheckpointConfig}[section]
   return {f.name: (list(f.default) if isinstance(f.default, tuple) else f.default) for f in dataclasses.fields(cls)}
@@ -152,7 +155,7 @@ def _defaults(section):
 
 def hyper(cfg):
   """The plain step's hyper-parameters, from the same config the framework uses."""
-  from benchmarks import plain_llama  # noqa: PLC0415
+  from benchmarks import plain_llama  # noqa: PLC0415 (loads jax: after _set_env's platform, device count and pinning)
   m, o = cfg.model, cfg.optim
   warmup = max(o.warmup_steps, 1)  # as framework/optim.py resolves them
   decay = max(o.decay_steps or cfg.train.steps, o.warmup_steps + 1)
@@ -185,7 +188,7 @@ class Timing:
 
 
 def _timed(run, state, n):
-  import jax  # noqa: PLC0415
+  import jax  # noqa: PLC0415 (loads jax: after _set_env's platform, device count and pinning)
   t, c = time.perf_counter(), time.process_time()
   for _ in range(n):
     state, metrics = run(state)
@@ -203,8 +206,8 @@ _PROBES = {}
 def _matmul_rate(platform_name, quick) -> Timing:
   """Dense matmul FLOP per wall second and per CPU second: best size of (1024, 2048) f32 on CPU (as
   framework/flops.py's probe, plus a larger size), 8192 bf16 on GPU; median over a few runs."""
-  import jax  # noqa: PLC0415
-  import jax.numpy as jnp  # noqa: PLC0415
+  import jax  # noqa: PLC0415 (loads jax: after _set_env's platform, device count and pinning)
+  import jax.numpy as jnp  # noqa: PLC0415 (loads jax: after _set_env's platform, device count and pinning)
   sizes, dtype = ((1024,) if quick else (1024, 2048), jnp.float32) if platform_name == "cpu" else \
       ((8192,), jnp.bfloat16)
   best = Timing(0.0, 0.0)
@@ -227,13 +230,11 @@ def _matmul_rate(platform_name, quick) -> Timing:
 
 
 def single_device(cfg, args, batch_np):
-  import dataclasses  # noqa: PLC0415
-  import functools  # noqa: PLC0415
-  import jax  # noqa: PLC0415
-  from benchmarks import plain_llama  # noqa: PLC0415
-  from framework import config as config_lib, flops  # noqa: PLC0415
-  from parallelism.mesh import make_mesh  # noqa: PLC0415
-  from parallelism.step import build_step  # noqa: PLC0415
+  import jax  # noqa: PLC0415 (loads jax: after _set_env's platform, device count and pinning)
+  from benchmarks import plain_llama  # noqa: PLC0415 (loads jax: after _set_env's platform, device count and pinning)
+  from framework import flops  # noqa: PLC0415 (loads jax: after _set_env's platform, device count and pinning)
+  from parallelism.mesh import make_mesh  # noqa: PLC0415 (loads jax: after _set_env's platform, device count and pinning)
+  from parallelism.step import build_step  # noqa: PLC0415 (loads jax: after _set_env's platform, device count and pinning)
 
   dev = jax.devices()[0]
   cfg1 = config_lib.validate(dataclasses.replace(cfg, mesh=config_lib.MeshConfig()), 1)
@@ -310,12 +311,9 @@ def single_device(cfg, args, batch_np):
 
 
 def layouts(cfg, args, batch_np, single, single_first_loss: float):
-  import dataclasses  # noqa: PLC0415
-  import gc  # noqa: PLC0415
-  import jax  # noqa: PLC0415
-  from framework import config as config_lib  # noqa: PLC0415
-  from parallelism.mesh import make_mesh  # noqa: PLC0415
-  from parallelism.step import build_step  # noqa: PLC0415
+  import jax  # noqa: PLC0415 (loads jax: after _set_env's platform, device count and pinning)
+  from parallelism.mesh import make_mesh  # noqa: PLC0415 (loads jax: after _set_env's platform, device count and pinning)
+  from parallelism.step import build_step  # noqa: PLC0415 (loads jax: after _set_env's platform, device count and pinning)
 
   fw1, fw1_state, run1 = single
   tokens = cfg.data.global_batch * cfg.data.seq_len
@@ -369,8 +367,8 @@ def main(argv=None) -> int:
   argv = sys.argv[1:] if argv is None else argv
   args = parse(argv)
   _set_env(args)
-  import jax  # noqa: PLC0415 - after XLA_FLAGS
-  import numpy as np  # noqa: PLC0415
+  import jax  # noqa: PLC0415 (loads jax: after _set_env's platform, device count and pinning)
+  import numpy as np  # noqa: PLC0415 (starts a thread: after _set_env's pinning)
 
   if args.gpu and jax.devices()[0].platform != "gpu":
     print(json.dumps({"skipped": f"--gpu needs a GPU; jax sees {jax.devices()[0].platform}"}))

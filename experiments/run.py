@@ -15,6 +15,7 @@ code 2 (config), 3 (checkpoint), 4 (hot swap) or 5 (workdir); --debug shows the 
 from __future__ import annotations
 
 import argparse
+import errno
 import json
 import logging
 import math
@@ -22,9 +23,15 @@ import os
 import sys
 from typing import Optional
 
+import resilience
 from framework import config_file, host_memory, platforms, xla_flags
 from framework import workdir as workdir_lib
+from framework.checkpoint import CheckpointError, checkpoint_dir, disk_full, remove_partial_saves
 from framework.config import ConfigError, extras
+from framework.stop import Stopped
+from framework.workdir import WorkdirError
+from parallelism import distributed
+from resilience.recovery import RunFailed
 
 
 def parse(argv):
@@ -65,8 +72,8 @@ def train(cfg, workdir: str, max_steps: Optional[int] = None) -> dict:
   """Trains ``cfg`` in ``workdir`` in this process, on all the devices jax sees (resuming from a checkpoint
   there); returns the loop's summary (with the final ``state``). What ``main`` runs; notebooks call it."""
   # jax starts here, not at import: this module sets XLA_FLAGS first (main) and must stay importable without it.
-  from framework.train import train_and_evaluate  # noqa: PLC0415
-  from parallelism.step import build_on_devices  # noqa: PLC0415
+  from framework.train import train_and_evaluate  # noqa: PLC0415 (loads jax: after main's allocator and XLA flags, and platforms.import_jax)
+  from parallelism.step import build_on_devices  # noqa: PLC0415 (loads jax: after main's allocator and XLA flags, and platforms.import_jax)
   return train_and_evaluate(cfg, workdir, build=build_on_devices, max_steps=max_steps)
 
 
@@ -75,17 +82,15 @@ def main(argv=None) -> int:
   host_memory.apply()  # before anything allocates (see the module)
   args.host_devices = host_devices(args, overrides)
   if args.processes > 1:
-    from parallelism.distributed import launch_local  # noqa: PLC0415 - jax after XLA_FLAGS
     fwd = [a for a in (sys.argv[1:] if argv is None else argv)]
     fwd = _strip(fwd, "--processes")
-    return launch_local(fwd, args.processes, args.host_devices)
+    return distributed.launch_local(fwd, args.processes, args.host_devices)
   xla_flags.set_host_device_count(args.host_devices, keep_existing=True)
   logging.basicConfig(level=logging.INFO, format="%(asctime)s %(name)s %(message)s", datefmt="%H:%M:%S")
   for noisy in ("absl", "orbax", "jax._src"):
     logging.getLogger(noisy).setLevel(logging.INFO if args.verbose else logging.WARNING)
   cfg = config_file.load(args.config, overrides)
   if extras(cfg, "resilience"):
-    import resilience  # noqa: PLC0415 - hot-swap jobs run under their own node agents
     print(json.dumps(resilience.run_hotswap(cfg, args.workdir), default=str))
     return 0
   # The workdir is locked before jax starts (seconds): a second run on it is refused at once. The training
@@ -107,7 +112,6 @@ def _auto_cluster() -> bool:
 def _train_main(args, cfg) -> int:
   # jax is imported only now, after XLA_FLAGS.
   jax = platforms.import_jax(verbose=args.verbose)
-  from parallelism import distributed  # noqa: PLC0415
   distributed.initialize(args.coordinator, args.num_processes, args.process_id)
   logging.getLogger("prismllm").info("process %d/%d, local devices %s", jax.process_index(), jax.process_count(),
                                      jax.local_devices())
@@ -137,11 +141,6 @@ def _strip(argv, flag):
 def cli(argv=None) -> int:
   """``main`` with a stop on a signal and the errors a user can fix printed as one line (no traceback): exit
   codes 130 / 0 (stopped by SIGINT / SIGTERM), 2 (config), 3 (checkpoint), 4 (hot swap), 5 (workdir)."""
-  import errno  # noqa: PLC0415
-  from framework.checkpoint import CheckpointError  # noqa: PLC0415 - no jax at import
-  from framework.stop import Stopped  # noqa: PLC0415
-  from framework.workdir import WorkdirError  # noqa: PLC0415
-  from resilience.recovery import RunFailed  # noqa: PLC0415
   args = sys.argv[1:] if argv is None else argv
   if "--debug" in args:
     return _stopped_or(main, args, Stopped)
@@ -166,7 +165,6 @@ def cli(argv=None) -> int:
           f"or use another --workdir; then rerun to resume from the last checkpoint", file=sys.stderr)
     return 5
   except Exception as e:  # noqa: BLE001 - a full disk surfaces from orbax's threads as ValueError and others too
-    from framework.checkpoint import checkpoint_dir, disk_full, remove_partial_saves  # noqa: PLC0415
     if not disk_full(e):
       raise
     wd = _value_of(args, "--workdir")

@@ -312,8 +312,8 @@ def dot_product(q_BxTxHxE, k_BxSxKxE, v_BxSxKxE, qpos_BxT, kpos_BxS, *, aligned:
 def _splash_kernel(t: int, s: int, groups: int, block: int, interpret: bool):
   """Multi-query splash kernel for one (batch, kv head): q G x T x E, k/v S x E. Built per trace (not
   cached): it holds the mask's block tables as arrays of the trace that built it."""
-  from jax.experimental.pallas.ops.tpu.splash_attention import splash_attention_kernel as sk  # noqa: PLC0415
-  from jax.experimental.pallas.ops.tpu.splash_attention import splash_attention_mask as sm  # noqa: PLC0415
+  from jax.experimental.pallas.ops.tpu.splash_attention import splash_attention_kernel as sk  # noqa: PLC0415 (TPU-only kernel module)
+  from jax.experimental.pallas.ops.tpu.splash_attention import splash_attention_mask as sm  # noqa: PLC0415 (TPU-only kernel module)
   mask = sm.MultiHeadMask([sm.CausalMask((t, s)) for _ in range(groups)])
   bq, bkv = min(block, t), min(block, s)
   sizes = sk.BlockSizes(block_q=bq, block_kv=bkv, block_kv_compute=bkv, block_q_dkv=bq, block_kv_dkv=bkv,

@@ -23,8 +23,9 @@ A save that finds the disk full (ENOSPC / EDQUOT, also as tensorstore's RESOURCE
 error) is ``CheckpointError(kind='io')`` naming the step and the fix; its partial folder is removed at once
 and the complete steps are kept (orbax deletes old steps only after a successful save).
 
-This module imports orbax and jax only inside functions: the step listing, quick checks and the
-quarantine are plain file operations a jax-free controller (resilience/) can use.
+This module imports orbax, jax and numpy (which starts a thread) only inside functions: the step listing,
+quick checks and the quarantine are plain file operations a jax-free controller (resilience/) can use, and
+experiments/run.py imports its error type before it sets the allocator and XLA flags and imports jax quietly.
 """
 from __future__ import annotations
 
@@ -36,6 +37,7 @@ import logging
 import os
 import shutil
 import sys
+import threading
 import time
 import warnings
 from typing import Any, List, Optional
@@ -116,8 +118,8 @@ def quarantine(ckpt_dir: str, step: int, why: str) -> Optional[str]:
 # ------------------------------------------------------------------------------ integrity (jax)
 
 def _words(x):
-  import jax  # noqa: PLC0415
-  import jax.numpy as jnp  # noqa: PLC0415
+  import jax  # noqa: PLC0415 (jax-free at import: see the module docstring)
+  import jax.numpy as jnp  # noqa: PLC0415 (jax-free at import: see the module docstring)
   if jax.dtypes.issubdtype(x.dtype, jax.dtypes.prng_key):
     x = jax.random.key_data(x)
   if x.dtype == jnp.bool_:
@@ -129,7 +131,7 @@ def _words(x):
 
 
 def _sums(x):
-  import jax.numpy as jnp  # noqa: PLC0415
+  import jax.numpy as jnp  # noqa: PLC0415 (jax-free at import: see the module docstring)
   w = _words(x).reshape(-1)
   pos = jnp.arange(w.size, dtype=jnp.uint32) * jnp.uint32(2654435761) + jnp.uint32(1)
   return jnp.stack([jnp.sum(w, dtype=jnp.uint32), jnp.sum(w * pos, dtype=jnp.uint32)])
@@ -143,15 +145,15 @@ def _checksum_fn():
   a save after the first reuses the compiled checksum (a fresh lambda per call would retrace and recompile)."""
   global _CHECKSUM_FN
   if _CHECKSUM_FN is None:
-    import jax  # noqa: PLC0415
+    import jax  # noqa: PLC0415 (jax-free at import: see the module docstring)
     _CHECKSUM_FN = jax.jit(lambda ls: [_sums(x) for x in ls])
   return _CHECKSUM_FN
 
 
 def state_checksum(state: Any) -> List[int]:
   """Per leaf [sum, weighted sum] of its 32-bit words mod 2^32: the same for any sharding of the same values."""
-  import jax  # noqa: PLC0415
-  import numpy as np  # noqa: PLC0415
+  import jax  # noqa: PLC0415 (jax-free at import: see the module docstring)
+  import numpy as np  # noqa: PLC0415 (numpy-free at import: see the module docstring)
   leaves = jax.tree.leaves(state)
   groups = {}  # one program per device set (a jit cannot mix arrays committed to different devices)
   for i, x in enumerate(leaves):
@@ -168,7 +170,7 @@ def state_checksum(state: Any) -> List[int]:
 
 def _tree_signature(tree) -> dict:
   """{'path': (shape, dtype)} of an abstract state or orbax metadata tree."""
-  import jax  # noqa: PLC0415
+  import jax  # noqa: PLC0415 (jax-free at import: see the module docstring)
   out = {}
   for path, leaf in jax.tree_util.tree_flatten_with_path(tree)[0]:
     key = "/".join(str(getattr(k, "key", getattr(k, "name", getattr(k, "idx", k)))) for k in path)
@@ -203,7 +205,6 @@ def _install_noise_filters():
   if _FILTER_INSTALLED:
     return
   _FILTER_INSTALLED = True
-  import threading  # noqa: PLC0415
   prev, prev_thread = sys.unraisablehook, threading.excepthook
 
   def unraisable(u):
@@ -279,7 +280,7 @@ def remove_partial_saves(ckpt_dir: str) -> List[str]:
 
 class Checkpointer:
   def __init__(self, workdir: str, cfg: CheckpointConfig):
-    import orbax.checkpoint as ocp  # noqa: PLC0415
+    import orbax.checkpoint as ocp  # noqa: PLC0415 (heavy: orbax, ~1 s; jax-free at import: see the module docstring)
     self._ocp = ocp
     self.dir = checkpoint_dir(workdir)
     if os.path.exists(self.dir) and not os.path.isdir(self.dir):
@@ -335,7 +336,7 @@ class Checkpointer:
           f"checkpoints {kept or '(none)'} are kept", kind="io", step=step) from None
 
   def _remove_partial(self):
-    import jax  # noqa: PLC0415
+    import jax  # noqa: PLC0415 (jax-free at import: see the module docstring)
     if jax.process_index() == 0:  # shared storage: process 0 removes
       remove_partial_saves(self.dir)
 
@@ -421,10 +422,10 @@ class Checkpointer:
   def _set_aside(self, bad) -> None:
     if not bad:
       return
-    import jax  # noqa: PLC0415
+    import jax  # noqa: PLC0415 (jax-free at import: see the module docstring)
     multi = jax.process_count() > 1
     if multi:  # every process has finished reading before process 0 moves folders
-      from jax.experimental import multihost_utils  # noqa: PLC0415
+      from jax.experimental import multihost_utils  # noqa: PLC0415 (jax-free at import: see the module docstring)
       multihost_utils.sync_global_devices("prismllm_ckpt_quarantine_before")
     if jax.process_index() == 0:
       for s, why in bad:

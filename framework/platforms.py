@@ -75,9 +75,9 @@ def import_jax(verbose: bool = False):
   or an accelerator is attached (where those lines may matter). Starts no backend. Returns the jax module."""
   quiet = not verbose and not has_accelerator()
   with filtered_stderr() if quiet else contextlib.nullcontext():
-    import jax  # noqa: PLC0415
+    import jax  # noqa: PLC0415 (what this function is for: jax imports inside the stderr filter)
     try:
-      from jax._src import xla_bridge  # noqa: PLC0415 - plugin discovery, which jax would run at first use
+      from jax._src import xla_bridge  # noqa: PLC0415 (jax's plugin discovery, run inside the same filter)
       xla_bridge._discover_and_register_pjrt_plugins()  # noqa: SLF001
     except (ImportError, AttributeError):  # another jax: its first use may print the lines, nothing worse
       pass

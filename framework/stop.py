@@ -45,12 +45,12 @@ class Stopped(Exception):
 
 
 def _multi_process() -> bool:
-  import jax  # noqa: PLC0415
+  import jax  # noqa: PLC0415 (jax-free at import: experiments/run.py imports this module before jax)
   return jax.process_count() > 1
 
 
 def _sync_manager():
-  from jax._src import distributed  # noqa: PLC0415 - where jax keeps the preemption sync manager
+  from jax._src import distributed  # noqa: PLC0415 (jax-free at import: experiments/run.py imports this module before jax)
   return distributed.global_state.preemption_sync_manager
 
 
@@ -94,7 +94,7 @@ class StopOnSignal:
   def should_stop(self, step: int) -> bool:
     if not self._multi:
       return self.signum is not None
-    from jax.experimental import multihost_utils  # noqa: PLC0415
+    from jax.experimental import multihost_utils  # noqa: PLC0415 (jax-free at import: experiments/run.py imports this module before jax)
     if multihost_utils.reached_preemption_sync_point(step):
       if self.signum is None:
         self.signum = signal.SIGTERM  # the notice came from another process (or a SIGTERM the notifier caught)

@@ -10,11 +10,13 @@ end-of-document token (:attr:`Tokenizer.eos_id`), itself (framework/documents.py
 """
 from __future__ import annotations
 
+import hashlib
 import os
 import pathlib
 from typing import Iterable, List, Sequence
 
 import numpy as np
+import tokenizers
 
 from framework.config import ConfigError
 
@@ -51,7 +53,6 @@ class HF:
   :data:`EOS_NAMES` the vocabulary holds."""
 
   def __init__(self, path: pathlib.Path, eos_token: str = ""):
-    import tokenizers  # noqa: PLC0415 - only runs that name a tokenizer.json need it
     try:
       self.tok = tokenizers.Tokenizer.from_file(str(path))
     except Exception as e:  # noqa: BLE001 - the library's parse errors: say which file and what is accepted
@@ -81,7 +82,6 @@ class HF:
 
 
 def hash_file(path: pathlib.Path) -> str:
-  import hashlib  # noqa: PLC0415
   return hashlib.sha1(path.read_bytes()).hexdigest()[:12]
 
 

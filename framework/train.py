@@ -26,6 +26,8 @@ from typing import Any, Callable, List, Optional
 
 import jax
 import numpy as np
+from jax.experimental import multihost_utils
+from tqdm import tqdm
 
 from framework import checkpoint as ckpt_lib
 from framework import config as config_lib
@@ -44,7 +46,6 @@ log = logging.getLogger("prismllm")
 def _progress(total: int, start: int, enabled: bool):
   if not enabled or jax.process_index() != 0:
     return None
-  from tqdm import tqdm  # noqa: PLC0415
   return tqdm(total=total, initial=start, unit="step", dynamic_ncols=True, mininterval=1.0)
 
 
@@ -90,7 +91,6 @@ def _lock(workdir: str):
     except workdir_lib.WorkdirError as e:
       err = e
   if jax.process_count() > 1:
-    from jax.experimental import multihost_utils  # noqa: PLC0415
     ok = int(multihost_utils.broadcast_one_to_all(np.int32(err is None)))
     if not ok and err is None:
       err = workdir_lib.WorkdirError(f"--workdir {workdir} is in use by another run (process 0 could not lock it: "

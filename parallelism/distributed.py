@@ -28,7 +28,7 @@ def initialize(coordinator: Optional[str] = None, num_processes: Optional[int] =
   jax auto-detects everything. On CPU the collectives backend is gloo (must be set before init).
   Pass ``local_device_ids`` under SLURM with one process per GPU (otherwise each process sees 1 GPU,
   maxtext #865 / jax #16788)."""
-  import jax  # noqa: PLC0415 - the launcher imports this module before its children set XLA_FLAGS
+  import jax  # noqa: PLC0415 (jax-free at import: launch_local's parent process never imports jax)
   on_cluster = int(os.environ.get("SLURM_NTASKS", "1")) > 1 or os.environ.get("PRISMLLM_DISTRIBUTED") == "1"
   if coordinator is None and not on_cluster:
     return  # single process

@@ -44,6 +44,10 @@ import pathlib
 import re
 from typing import Optional
 
+from jax._src import xla_bridge
+from jax._src.cudnn import fused_attention_stablehlo as fa
+from jax._src.lib import xla_client
+from jax.experimental import mesh_utils, topologies
 from jax.sharding import AxisType, Mesh
 
 from framework.config import MESH_AXES, ConfigError, MeshConfig, resolve_mesh
@@ -220,7 +224,7 @@ def gpu_target_config(hardware: str) -> str:
     raise TargetError(f"{hardware} is a TPU; GPU target configs exist for {', '.join(_GPUS)}")
   text = (SPECS / _GPUS[hardware]).read_text()
   try:
-    from jax_cuda12_plugin import _versions  # noqa: PLC0415 - optional package (tpu-aot extra)
+    from jax_cuda12_plugin import _versions  # noqa: PLC0415 (optional dependency: the tpu-aot extra)
     v = int(_versions.cudnn_build_version())  # e.g. 90800 = 9.8.0
     text += f"dnn_version_info {{ major: {v // 10000} minor: {v // 100 % 100} patch: {v % 100} }}\n"
   except (ImportError, AttributeError, RuntimeError):
@@ -243,9 +247,8 @@ def trace_context(hardware: str):
   if hardware not in _GPUS or not _importable("jax_plugins.xla_cuda12"):
     yield
     return
-  from jax._src.cudnn import fused_attention_stablehlo as fa  # noqa: PLC0415 - jax's cuDNN attention
   try:
-    from jax_cuda12_plugin import _versions  # noqa: PLC0415
+    from jax_cuda12_plugin import _versions  # noqa: PLC0415 (optional dependency: the tpu-aot extra)
     version = int(_versions.cudnn_build_version())
   except (ImportError, AttributeError, RuntimeError):
     yield
@@ -288,12 +291,8 @@ def _importable(module: str) -> bool:
 def _tpu_devices(target: Target) -> list:
   if not _importable("libtpu"):
     raise TargetError(f"compiling for {target.hardware} needs libtpu: {INSTALL}")
-  from jax._src.lib import xla_client  # noqa: PLC0415
-
   if not xla_client.pjrt_plugin_loaded("tpu"):  # this process drives no TPU: load libtpu as a compiler only
     os.environ.setdefault("ALLOW_MULTIPLE_LIBTPU_LOAD", "1")
-  from jax.experimental import topologies  # noqa: PLC0415
-
   gen = _TPUS[target.hardware]
   desc = topologies.get_topology_desc(
       platform="tpu", topology_name=f"{gen.prefix}:{target.topology}", chip_config_name=gen.chip_config,
@@ -307,8 +306,6 @@ def _tpu_devices(target: Target) -> list:
 def _gpu_devices(target: Target) -> list:
   if not _importable("jax_plugins.xla_cuda12"):
     raise TargetError(f"compiling for {target.hardware} needs the CUDA plugin: {INSTALL}")
-  from jax._src import xla_bridge  # noqa: PLC0415
-
   try:
     topo = xla_bridge.make_pjrt_topology("cuda", target.topology, topology=target.topology,
                                          target_config=gpu_target_config(target.hardware))
@@ -342,8 +339,6 @@ def target_mesh(cfg_mesh: MeshConfig, hardware: str, topology: Optional[str] = N
 def _multislice_mesh(cfg_mesh: MeshConfig, devices, num_slices: int) -> Mesh:
   """Slices span the outermost axes (pipeline, then data, ...): only their collectives cross the slow
   data-center network, and inside a slice the devices keep jax's physical (ICI ring) order."""
-  from jax.experimental import mesh_utils  # noqa: PLC0415
-
   shape = [getattr(cfg_mesh, a) for a in MESH_AXES]
   dcn, left = [1] * len(shape), num_slices
   for i, s in enumerate(shape):

@@ -6,13 +6,20 @@ backend, so each command sets them first and imports what runs on jax afterwards
 from __future__ import annotations
 
 import argparse
+import datetime
 import json
 import os
+import platform
 import sys
 import tempfile
 
+from framework import host_memory
 from framework.config import MESH_AXES, ConfigError, validate
 from framework.config_file import load
+from perfmodel import hardware, trace
+from perfmodel.calib import suite
+from perfmodel.cost import regime
+from perfmodel.emulate import cli as emulate_cli
 
 VALIDATE_DEVICES = 8  # virtual host devices of calibrate and validate processes (measuring children have their own)
 
@@ -41,7 +48,7 @@ def cmd_predict(a, overrides):
   if a.trace:
     _check_writable(a.trace)
   cfg = load(a.config, _mesh_overrides(overrides, a.mesh))
-  from perfmodel import predict  # noqa: PLC0415 (after the config: nothing has touched jax yet)
+  from perfmodel import predict  # noqa: PLC0415 (loads jax: after the command's flags, see the module docstring)
   p = predict.predict(cfg, a.hardware, mode=a.mode, method=a.method, backend=a.backend, batch=a.batch,
                       prompt_len=a.prompt_len, gen_len=a.gen_len, topology=a.topology,
                       compile_budget_s=None if a.compile_budget == "full" else float(a.compile_budget),
@@ -50,7 +57,6 @@ def cmd_predict(a, overrides):
   if p.profiled_nodes is not None:
     print(json.dumps({"profiled_nodes": p.profiled_nodes}), file=sys.stderr)
   if a.trace:
-    from perfmodel import trace  # noqa: PLC0415
     label = "predicted " + ("generation" if a.mode == "infer" else "step") + f" ({p.config} on {p.hardware})"
     out["trace_file"] = trace.write_file(a.trace, trace.trace_events(p.events, 0, label), {
         "config": p.config, "hardware": p.hardware, "route": p.route, "mesh": p.mesh,
@@ -69,8 +75,7 @@ def _regime(a, trace: bool = True):
   """The measurement regime (perfmodel/calib/bench.py): one pinned core, single-threaded XLA, CPU-time clock, the
   real job's allocator; TraceMe compiled in (calibration reads it; validation keeps the same code). Set before jax
   starts: calibration and validation share it, so predictions and measurements are in the same units."""
-  from framework import host_memory  # noqa: PLC0415
-  from perfmodel.cost import regime, trace_nodes  # noqa: PLC0415
+  from perfmodel.cost import trace_nodes  # noqa: PLC0415 (loads jax: after the command's flags, see the module docstring)
   host_memory.apply()
   if trace:
     trace_nodes.enable()
@@ -79,11 +84,11 @@ def _regime(a, trace: bool = True):
 
 
 def cmd_calibrate(a, overrides):
-  from perfmodel import program  # noqa: PLC0415
+  from perfmodel import program  # noqa: PLC0415 (loads jax: after the command's flags, see the module docstring)
   if not (a.refit_composition or a.refit_hybrid):  # a refit times nothing
     _regime(a, trace=not a.profiled)  # the profiler's worker enables its own tracing
   program.ensure_devices(VALIDATE_DEVICES)  # the multi-device calibration programs compile on virtual devices
-  from perfmodel.calib import calibrate, refit  # noqa: PLC0415
+  from perfmodel.calib import calibrate, refit  # noqa: PLC0415 (loads jax: after the command's flags, see the module docstring)
   prof = calibrate.destination(commit=a.commit)
   _log(f"calibrating {prof}" + ("" if a.commit else " (the user's profile; --commit writes the committed one)"))
   if a.refit_composition:
@@ -109,16 +114,16 @@ def cmd_calibrate(a, overrides):
 
 def cmd_validate(a, overrides):
   if a.published:
-    from perfmodel.calib import published_validate  # noqa: PLC0415
+    from perfmodel.calib import published_validate  # noqa: PLC0415 (loads jax: after the command's flags, see the module docstring)
     out = published_validate.run(csv=a.csv, limit=a.limit, ids=[x for x in (a.rows or "").split(",") if x] or None,
                                  png=a.png or os.path.join(tempfile.gettempdir(), "perfmodel_published.png"),
                                  record=a.record, backend=a.backend, log=_log, reprice=a.reprice,
                                  save_programs=a.save_programs, strict=a.strict, compile_budget=a.compile_budget)
     return _print(out)
-  from perfmodel import program  # noqa: PLC0415
+  from perfmodel import program  # noqa: PLC0415 (loads jax: after the command's flags, see the module docstring)
   _regime(a)
   program.ensure_devices(VALIDATE_DEVICES)
-  from perfmodel.calib import validate  # noqa: PLC0415
+  from perfmodel.calib import validate  # noqa: PLC0415 (loads jax: after the command's flags, see the module docstring)
   png = a.png or (validate.COMMITTED_PNG if a.record else os.path.join(tempfile.gettempdir(), "perfmodel_validate.png"))
   _print(validate.run(a.suite, reps=a.reps, backend=a.backend, png=png, results=a.record,
                       limit=a.limit, measurements=a.measurements, hlo_cache=a.hlo_cache, isolate=not a.in_process,
@@ -126,13 +131,10 @@ def cmd_validate(a, overrides):
 
 
 def cmd_floor(a, overrides):
-  from perfmodel.calib import suite  # noqa: PLC0415
-  from perfmodel.calib.host import HostSpeed  # noqa: PLC0415
+  from perfmodel.calib.host import HostSpeed  # noqa: PLC0415 (loads jax: after the command's flags, see the module docstring)
   out = HostSpeed(a.statistic).floor_between(a.measurements, [e["name"] for e in suite.SUITE],
                                              [e["name"] for e in suite.INFER])
   if a.out:
-    import datetime  # noqa: PLC0415
-    import platform  # noqa: PLC0415
     out.update({"command": " ".join(["python -m perfmodel floor", *a.measurements, "--statistic", a.statistic,
                                      "--out", a.out]),
                 "machine": f"{platform.machine()} {os.cpu_count()} cores (stored measurements)",
@@ -144,15 +146,15 @@ def cmd_floor(a, overrides):
 
 def cmd_search(a, overrides):
   cfg = load(a.config, list(overrides))  # the config's own mesh need not match --devices
-  from perfmodel import program  # noqa: PLC0415
+  from perfmodel import program  # noqa: PLC0415 (loads jax: after the command's flags, see the module docstring)
   if a.run_top:
     _regime(a)
     program.ensure_devices(a.devices)
-  from perfmodel import hardware, search  # noqa: PLC0415
+  from perfmodel import search  # noqa: PLC0415 (loads jax: after the command's flags, see the module docstring)
   hw = hardware.load(a.hardware)
   out = search.run(cfg, hw, a.devices, top=a.top, backend=a.backend)
   if a.run_top:
-    from perfmodel.calib import layouts  # noqa: PLC0415
+    from perfmodel.calib import layouts  # noqa: PLC0415 (loads jax: after the command's flags, see the module docstring)
     _, ranked = search.rank(cfg, hw, a.devices, a.backend)
     if ranked:
       out["run_check"] = layouts.run_check(cfg, ranked, a.devices, hw, a.refine)
@@ -160,7 +162,6 @@ def cmd_search(a, overrides):
 
 
 def _hardware_help() -> str:
-  from perfmodel import hardware  # noqa: PLC0415 - no jax
   return f"target hardware profile: {' | '.join(hardware.available())} (perfmodel/profiles/), or a .json path"
 
 
@@ -296,7 +297,6 @@ def main(argv=None):
   argv = sys.argv[1:] if argv is None else list(argv)
   if argv[:1] == ["emulate"]:
     # emulation owns its flags: the rest of argv goes to it untouched
-    from perfmodel.emulate import cli as emulate_cli  # noqa: PLC0415
     return emulate_cli.main(argv[1:])
   p = _parser()
   a, rest = p.parse_known_args(argv)

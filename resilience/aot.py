@@ -17,6 +17,7 @@ import pickle
 from typing import Optional
 
 import jax
+import jaxlib
 from jax.experimental import serialize_executable as ser
 from jax.sharding import NamedSharding
 
@@ -44,7 +45,6 @@ def code_fingerprint() -> str:
 
 def key(cfg_dict: dict, n: int, extra: str = "") -> str:
   """Everything the executable depends on: config, process count, jax / jaxlib, XLA flags, the code."""
-  import jaxlib  # noqa: PLC0415
   blob = (json.dumps(cfg_dict, sort_keys=True, default=str) + f"|n={n}|jax={jax.__version__}|"
           f"jaxlib={jaxlib.__version__}|xla={os.environ.get('XLA_FLAGS', '')}|code={code_fingerprint()}|{extra}")
   return hashlib.sha256(blob.encode()).hexdigest()[:16]

@@ -25,6 +25,7 @@ import logging
 import os
 import signal
 import sys
+import threading
 import time
 import uuid
 
@@ -128,7 +129,6 @@ def run_hotswap(cfg: config_lib.Config, workdir: str) -> dict:
     with open(os.path.join(workdir, "run_id"), "w") as f:  # the next run (or a supervisor) cleans up after a SIGKILL
       f.write(run_id + "\n")
     ctl = Controller(cfg_dict, cfg.train.steps, s, workdir, run_id, lock_fd=lock.fd)
-    import threading  # noqa: PLC0415
     if threading.current_thread() is threading.main_thread():
       old_handlers = {signal.SIGHUP: signal.signal(signal.SIGHUP, _on_hup)}
       old_handlers.update({sig: signal.signal(sig, ctl.on_stop_signal) for sig in (signal.SIGINT, signal.SIGTERM)})

@@ -126,7 +126,7 @@ def standby(agent_addr: str, name: str, warm: dict):
   push = wire.new_socket(ctx, zmq.PUSH)
   push.connect(start["controller_pull"])
   info = {"rank": start["rank"], "gen": start["gen"], "pid": os.getpid(), "node": name}
-  from framework.train import Hooks  # noqa: PLC0415 - imported by the zygote already
+  from framework.train import Hooks  # noqa: PLC0415 (loaded by _warm, which times the warm-up: see the module docstring)
   # Heartbeats from now until the process ends: set-up and compilation, the loop, and the wait to be fenced.
   hooks = Hooks(on_heartbeat=[_heartbeat(ctx, start["controller_pull"], info)],
                 heartbeat_s=start["settings"]["heartbeat_s"])
@@ -284,7 +284,7 @@ def _train(start, agent, push, ctx, t_start, name, warm, hooks):
     run, run_donated = compiled["run"], compiled.get("run_donated")
   else:
     if fresh_compile:  # see above: the step itself must not come from the persistent cache
-      from jax._src import compilation_cache  # noqa: PLC0415
+      from jax._src import compilation_cache  # noqa: PLC0415 (loaded by _warm, which times the warm-up: see the module docstring)
       jax.config.update("jax_enable_compilation_cache", False)
       compilation_cache.reset_cache()
     with step_obj.context():
@@ -379,7 +379,7 @@ class _Report:
     self.exe.use = "run" if on or not self.block else "run_donated"
 
   def after_step(self, done: int, state, m):
-    import jax  # noqa: PLC0415
+    import jax  # noqa: PLC0415 (loaded by _warm, which times the warm-up: see the module docstring)
     loss = float(m.loss)  # blocks: the step time below is a completed step
     t_now = time.perf_counter()
     dt, self.t_prev = t_now - self.t_prev, t_now

@@ -21,7 +21,7 @@ def main(argv) -> int:
              "validate)")
   kind, out_path, req = argv[0], argv[1], json.loads(argv[2])
   # jax and what compiles on it load after the allocator settings (they apply to threads created afterwards)
-  from perfmodel.calib import host, nodes, runners  # noqa: PLC0415
+  from perfmodel.calib import host, nodes, runners  # noqa: PLC0415 (loads jax: after host_memory.apply())
   if kind == "measure":
     probe = host.HostSpeed.probe() if req["probe"] else None
     got = runners.measure_entries(req["suite"], req["names"], req["reps"], probe)

@@ -13,6 +13,8 @@ collectives implementation before jax loads.
 """
 from __future__ import annotations
 
+from perfmodel.calib import bench
+
 KINDS = ("all-reduce", "all-gather", "collective-permute")
 
 
@@ -25,8 +27,8 @@ def local_elems(kind: str, size: float) -> int:
 def issue(kind: str, vs: tuple, locals_) -> tuple:
   """The collective ``kind`` over axis 'x' on buffers ``vs``, issued together (one multi-operand psum /
   ppermute, as a program's combined call); each result has its input's shape, so calls chain."""
-  import jax  # noqa: PLC0415
-  import jax.numpy as jnp  # noqa: PLC0415
+  import jax  # noqa: PLC0415 (jax-free at import: gloo_calibration imports this module before host_memory.apply())
+  import jax.numpy as jnp  # noqa: PLC0415 (jax-free at import: gloo_calibration imports this module before host_memory.apply())
   if not vs:
     return ()
   if kind == "all-reduce":
@@ -41,8 +43,8 @@ def issue(kind: str, vs: tuple, locals_) -> tuple:
 def chained(mesh, kind: str, local: int, k: int, real: bool):
   """A jitted 2-device program: ``k`` chained collectives of ``kind`` on a ``local``-element buffer per device
   (``real``), or the same loop with local work in their place."""
-  import jax  # noqa: PLC0415
-  from jax.sharding import PartitionSpec as P  # noqa: PLC0415
+  import jax  # noqa: PLC0415 (jax-free at import: gloo_calibration imports this module before host_memory.apply())
+  from jax.sharding import PartitionSpec as P  # noqa: PLC0415 (jax-free at import: gloo_calibration imports this module before host_memory.apply())
 
   def step(i, v):
     return issue(kind, (v,), [local])[0] if real else v * 0.5
@@ -55,10 +57,9 @@ def chained(mesh, kind: str, local: int, k: int, real: bool):
 def marginal_curve(mesh, kind: str, sizes, k: int = 8, reps: int = 7) -> list:
   """[[payload bytes, seconds per collective], ...]: (loop with ``k`` collectives - loop without) / k, timed in
   alternating blocks (bench.time_slope, so the host's drift hits both) in the regime's clock."""
-  import jax  # noqa: PLC0415
-  import numpy as np  # noqa: PLC0415
-  from jax.sharding import NamedSharding, PartitionSpec as P  # noqa: PLC0415
-  from perfmodel.calib import bench  # noqa: PLC0415
+  import jax  # noqa: PLC0415 (jax-free at import: gloo_calibration imports this module before host_memory.apply())
+  import numpy as np  # noqa: PLC0415 (jax-free at import: gloo_calibration imports this module before host_memory.apply())
+  from jax.sharding import NamedSharding, PartitionSpec as P  # noqa: PLC0415 (jax-free at import: gloo_calibration imports this module before host_memory.apply())
   pts = []
   for size in sizes:
     local = local_elems(kind, size)

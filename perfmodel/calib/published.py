@@ -40,6 +40,8 @@ import os
 import re
 from typing import Optional
 
+from perfmodel import hardware
+
 ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 # the config file a row's predict starts from, read as data: the row's overrides set every field that matters
 BASE_CONFIG = "experiments/configs/llama3_70b.py"
@@ -329,7 +331,6 @@ def _row(row: dict, splits: dict) -> PublishedRun:
 
 
 def bf16_peak(profile: str) -> float:
-  from perfmodel import hardware  # noqa: PLC0415
   return hardware.load(profile).peak("bf16")
 
 

@@ -164,9 +164,9 @@ def score(rows: list) -> dict:
 
 
 def _plot(rows, path):
-  import matplotlib  # noqa: PLC0415 (only a validation that draws needs it)
+  import matplotlib  # noqa: PLC0415 (heavy: matplotlib, ~1 s; only a validation that draws needs it)
   matplotlib.use("Agg")
-  import matplotlib.pyplot as plt  # noqa: PLC0415
+  import matplotlib.pyplot as plt  # noqa: PLC0415 (after matplotlib.use('Agg'))
   fig, ax = plt.subplots(figsize=(5, 5))
   for kind, mk in (("train", "o"), ("infer", "^")):
     rr = [r for r in rows if r["kind"] == kind]

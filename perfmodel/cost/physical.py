@@ -17,7 +17,7 @@ import dataclasses
 from typing import Optional
 
 from perfmodel.graph.nodes import Node
-from perfmodel.hardware import HardwareProfile, interp_log
+from perfmodel.hardware import HardwareProfile, interp_log, load
 
 
 @dataclasses.dataclass(frozen=True)
@@ -87,7 +87,6 @@ class Efficiency:
   name = "efficiency"
 
   def __init__(self, hw: HardwareProfile):
-    from perfmodel.hardware import load  # noqa: PLC0415 (the stand-in curve's profile, only when needed)
     self.hw, self.assumptions = hw, set()
     eff = hw.efficiency or {}
     self.matmul = eff.get("matmul")

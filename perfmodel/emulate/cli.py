@@ -12,8 +12,9 @@ import os
 import sys
 
 from framework import config as config_lib
-from framework import host_memory
+from framework import config_file, host_memory
 from perfmodel import hardware as hw_lib
+from perfmodel.emulate import topology
 
 
 def parse(argv):
@@ -95,11 +96,10 @@ def main(argv=None) -> int:
   args, overrides = parse(sys.argv[1:] if argv is None else argv)
   host_memory.apply()  # the real job's allocator regime (experiments.run applies it too), before jax starts
   if args.trace_nodes:
-    from perfmodel.cost import trace_nodes  # noqa: PLC0415
+    from perfmodel.cost import trace_nodes  # noqa: PLC0415 (loads jax: after host_memory.apply() and the XLA flags)
     trace_nodes.enable()  # XLA reads its flags when the backend starts: before anything touches a device
   # what runs on jax loads after the allocator settings and XLA flags
-  from framework import config_file  # noqa: PLC0415
-  from perfmodel.emulate import emulator, topology  # noqa: PLC0415
+  from perfmodel.emulate import emulator  # noqa: PLC0415 (loads jax: after host_memory.apply() and the XLA flags)
   mesh = topology.parse_mesh(args.mesh)
   overrides = list(overrides) + mesh_overrides(mesh) + ["--config.mesh.form=shard_map"]
   cfg = config_file.load(args.config, overrides)

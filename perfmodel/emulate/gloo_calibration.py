@@ -40,10 +40,14 @@ import json
 import os
 import platform
 import sys
+import tempfile
 import time
 from typing import Optional
 
+from parallelism.distributed import free_port
 from perfmodel.calib import bench, collective_bench
+from perfmodel.cost import collectives
+from perfmodel.emulate import localrun
 from perfmodel.hardware import cache_root
 
 DEFAULT_PATH = os.path.join(os.path.dirname(__file__), "calibration", "cpu_gloo.json")  # committed (--commit)
@@ -76,7 +80,7 @@ def with_gloo_curves(hw, path: str = DEFAULT_PATH):
 
 def _init_child(coord: str, pid: int):
   """One of the 2 gloo processes: jax.distributed up, a 1-D mesh 'x' over the 2 processes' devices."""
-  import jax  # noqa: PLC0415
+  import jax  # noqa: PLC0415 (after host_memory.apply() in __main__: threads start later)
   jax.config.update("jax_cpu_collectives_implementation", "gloo")
   jax.distributed.initialize(coordinator_address=coord, num_processes=2, process_id=pid)
   return jax.make_mesh((2,), ("x",), axis_types=(jax.sharding.AxisType.Explicit,))
@@ -84,10 +88,10 @@ def _init_child(coord: str, pid: int):
 
 def _child(coord: str, pid: int, reps: int, k: int, burst_dim: int = 0, kinds: tuple = KINDS) -> None:
   mesh = _init_child(coord, pid)
-  import jax  # noqa: PLC0415
-  import jax.numpy as jnp  # noqa: PLC0415
-  import numpy as np  # noqa: PLC0415
-  from jax.sharding import NamedSharding, PartitionSpec as P  # noqa: PLC0415
+  import jax  # noqa: PLC0415 (after host_memory.apply() in __main__: threads start later)
+  import jax.numpy as jnp  # noqa: PLC0415 (after host_memory.apply() in __main__: threads start later)
+  import numpy as np  # noqa: PLC0415 (after host_memory.apply() in __main__: threads start later)
+  from jax.sharding import NamedSharding, PartitionSpec as P  # noqa: PLC0415 (after host_memory.apply() in __main__: threads start later)
 
   def make(kind: str, local_elems: int, n_coll: int):
     """MANY buffers; the first ``n_coll`` go through the collective, the rest through local work."""
@@ -128,10 +132,10 @@ def _replay_child(coord: str, pid: int, spec_path: str) -> None:
   """Times each call of ``spec_path`` (a JSON list of {kind, sizes, burst_s}) as it runs in the program:
   the buffers written by a compute burst as long as the compute before it, then issued together."""
   mesh = _init_child(coord, pid)
-  import jax  # noqa: PLC0415
-  import jax.numpy as jnp  # noqa: PLC0415
-  import numpy as np  # noqa: PLC0415
-  from jax.sharding import NamedSharding, PartitionSpec as P  # noqa: PLC0415
+  import jax  # noqa: PLC0415 (after host_memory.apply() in __main__: threads start later)
+  import jax.numpy as jnp  # noqa: PLC0415 (after host_memory.apply() in __main__: threads start later)
+  import numpy as np  # noqa: PLC0415 (after host_memory.apply() in __main__: threads start later)
+  from jax.sharding import NamedSharding, PartitionSpec as P  # noqa: PLC0415 (after host_memory.apply() in __main__: threads start later)
   with open(spec_path) as f:
     spec = json.load(f)
 
@@ -170,11 +174,6 @@ def replay(calls, reps: int = 5, timeout_s: float = 600.0, per_process: bool = F
   ``HardwareProfile.collective_calls``. The faithful choice when the target is this host's own 2-rank gloo
   job: no curve, no interpolation between sizes, no model of how a tuple's buffers add up.
   ``per_process``: also return ``{key: [process 0's seconds, process 1's]}``."""
-  import tempfile  # noqa: PLC0415
-
-  from parallelism.distributed import free_port  # noqa: PLC0415
-  from perfmodel.cost import collectives  # noqa: PLC0415
-  from perfmodel.emulate import localrun  # noqa: PLC0415
   calls = list(calls)
   if not calls:
     return ({}, {}) if per_process else {}
@@ -226,8 +225,6 @@ def calibrate(path: Optional[str] = None, reps: int = 7, k: int = 8, timeout_s: 
   unknown = set(kinds) - set(KINDS)
   if unknown or not kinds:
     raise ValueError(f"gloo calibration: unknown collective kinds {sorted(unknown)}; known: {KINDS}")
-  from parallelism.distributed import free_port  # noqa: PLC0415
-  from perfmodel.emulate import localrun  # noqa: PLC0415
   cores = localrun.cores()
   if len(cores) < 2:
     raise RuntimeError("gloo calibration needs 2 cores (one per process)")

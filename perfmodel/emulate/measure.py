@@ -24,7 +24,9 @@ import time
 from typing import Optional
 
 import jax
+import psutil
 
+from framework import data as data_lib
 from perfmodel.program import memory_of  # one peak-memory convention for predict and emulate
 from perfmodel.cost import trace_nodes as tn
 from perfmodel.emulate import rank_program as rp
@@ -89,7 +91,6 @@ def _has_cond(jaxpr) -> bool:
 
 def _data_iterator(prog: rp.RankProgram, rank: int):
   """The framework's batch iterator for this rank's rows: process index = its position over the batch axes."""
-  from framework import data as data_lib  # noqa: PLC0415
   cfg = prog.cfg
   axes = [a for a in ("data", "fsdp") if prog.space.axis_sizes.get(a, 1) > 1]
   pc = 1
@@ -116,7 +117,6 @@ def host_fit(memory: dict, count: bool = True) -> tuple:
   """(fits, bytes needed, bytes available): a rank's compiled peak (arguments, outputs and temporaries of its
   step), plus one more copy of its state when its branches are counted first (``count_branches`` runs a copy),
   against ``MEMORY_MARGIN`` x the memory the host has available now (psutil)."""
-  import psutil  # noqa: PLC0415 (a run asks the host; nothing else needs it)
   need = memory["peak_bytes"] + (memory["argument_size_in_bytes"] if count else 0)
   avail = psutil.virtual_memory().available
   return need <= MEMORY_MARGIN * avail, need, avail

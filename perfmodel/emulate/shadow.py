@@ -56,7 +56,7 @@ class Shadows:
     self.ready_s = None
 
   def __enter__(self):
-    from framework import config as config_lib  # noqa: PLC0415
+    from framework import config as config_lib  # noqa: PLC0415 (loads numpy: see _child)
     blob = json.dumps(config_lib.to_dict(self.cfg))
     env = localrun.base_env(1)
     t0 = time.perf_counter()
@@ -126,8 +126,8 @@ class Shadows:
 
 def _child(blob: str, rank: int, core: int, lockstep: bool = False) -> None:
   os.sched_setaffinity(0, {core})  # before jax starts: its threads inherit the mask
-  from framework import config as config_lib  # noqa: PLC0415
-  from perfmodel.emulate import measure, rank_program as rp  # noqa: PLC0415
+  from framework import config as config_lib  # noqa: PLC0415 (after the affinity mask: numpy's threads inherit it)
+  from perfmodel.emulate import measure, rank_program as rp  # noqa: PLC0415 (after the affinity mask: jax's threads inherit it)
   cfg = config_lib.from_dict(json.loads(blob))
   prog = rp.build(cfg)
   compiled, _, _ = measure.compile_rank(prog, rank)

@@ -7,17 +7,22 @@ cell's `pip install -e` branch is not taken there (the test does not install int
 That branch, and the Colab clone, are checked by running the cell with `subprocess.run` recording the commands;
 the choice of pip extra per runtime (experiments/notebook.py) by calling it with the runtime detection mocked.
 """
+import fnmatch
+import importlib.metadata
+import importlib.util
 import json
 import math
 import os
 import pathlib
 import re
+import subprocess
 import sys
 import time
 
 import pytest
 
 from experiments import notebook as nb_lib
+from framework import config_file
 
 nbformat = pytest.importorskip("nbformat")
 nbclient = pytest.importorskip("nbclient")
@@ -38,7 +43,6 @@ def _text(nb) -> str:
 
 
 def _plugins_present() -> bool:
-  import importlib.util  # noqa: PLC0415
   return all(importlib.util.find_spec(m) is not None for m in ("libtpu", "jax_plugins.xla_cuda12"))
 
 
@@ -79,7 +83,6 @@ def test_jax_range_and_extras_match_setup_cfg():
 
 
 def test_quickstart_text_matches_config():
-  from framework import config_file  # noqa: PLC0415
   steps = config_file.load_configdict(str(REPO / "experiments" / "configs" / "quickstart.py")).train.steps
   local = config_file.load_configdict(str(REPO / "experiments" / "configs" / "quickstart.py") + ":runlocal=True")
   md = "".join(c.source for c in nbformat.read(FOLDER / "quickstart.ipynb", as_version=4).cells
@@ -183,9 +186,6 @@ class _Calls:
 
 
 def _run_install_cell(monkeypatch, cwd, jax_version="0.10.2", missing=(), repo_url="", runtime="cpu"):
-  import importlib.metadata  # noqa: PLC0415
-  import importlib.util  # noqa: PLC0415
-  import subprocess  # noqa: PLC0415
   calls = _Calls()
   real_find = importlib.util.find_spec
   monkeypatch.setattr(subprocess, "run", calls)
@@ -240,7 +240,6 @@ def test_install_command_never_changes_jax_on_an_accelerator_without_its_extra()
     ({}, [], "cpu"), ({}, ["/dev/nvidia0"], "gpu"), ({"COLAB_TPU_ADDR": "10.0.0.2:8470"}, [], "tpu"),
     ({}, ["/dev/accel0"], "tpu"), ({"TPU_NAME": "v5e"}, ["/dev/nvidia0"], "tpu")])
 def test_runtime_detection(monkeypatch, env, nodes, want):
-  import fnmatch  # noqa: PLC0415
   for k in ("COLAB_TPU_ADDR", "TPU_NAME", "TPU_ACCELERATOR_TYPE"):
     monkeypatch.delenv(k, raising=False)
   for k, v in env.items():
@@ -250,7 +249,6 @@ def test_runtime_detection(monkeypatch, env, nodes, want):
 
 
 def test_missing_asks_for_the_runtimes_plugin(monkeypatch):
-  import importlib.util  # noqa: PLC0415
   monkeypatch.setattr(importlib.util, "find_spec", lambda m, *a: None if m in ("libtpu", "jax_cuda12_plugin") else 1)
   assert nb_lib.missing("cpu") == [] and nb_lib.missing("gpu") == ["jax_cuda12_plugin"]
   assert nb_lib.missing("tpu") == ["libtpu"]

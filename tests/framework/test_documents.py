@@ -7,12 +7,14 @@ import subprocess
 import sys
 import zlib
 
+import jax
 import numpy as np
 import pyarrow as pa
 import pyarrow.parquet as pq
 import pytest
 from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
 
+from framework import config as config_lib
 from framework import data as data_lib
 from framework import documents
 from framework import tokenizer as tok_lib
@@ -268,7 +270,6 @@ def test_jsonl_bpe_run_stops_and_resumes_bit_identically(jsonl_run):
 
 
 def jax_leaves(tree):
-  import jax  # noqa: PLC0415
   return jax.tree.leaves(jax.device_get(tree))
 
 
@@ -298,13 +299,11 @@ def test_parquet_bpe_run_killed_after_a_checkpoint_resumes_exactly(bpe, jsonl_ru
   """The issue's acceptance: a run on a parquet dataset with a BPE tokenizer, SIGKILLed in its own process while
   computing step 6 (after the saves of steps 2 and 4 started), resumes from its newest complete checkpoint; every
   step's loss equals the uninterrupted run's (the same documents in jsonl, so the same token stream)."""
-  from framework import config as config_lib  # noqa: PLC0415
   root, _, _ = jsonl_run
   docs = _docs()
   _write_parquet(tmp_path / "docs.parquet", docs)
   cfg = _train_cfg(tmp_path / "docs.parquet", bpe)
   wd = tmp_path / "killed"
-  import jax  # noqa: PLC0415
   env = dict(os.environ, PYTHONPATH=REPO, JAX_PLATFORMS="cpu",  # the session's compilation cache (tiny.py)
              JAX_COMPILATION_CACHE_DIR=jax.config.values["jax_compilation_cache_dir"] or "",
              JAX_PERSISTENT_CACHE_MIN_COMPILE_TIME_SECS="0", JAX_PERSISTENT_CACHE_MIN_ENTRY_SIZE_BYTES="0")

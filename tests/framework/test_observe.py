@@ -10,6 +10,7 @@ import pytest
 
 from framework import config as config_lib
 from framework import config_file
+from framework import optim
 from framework import train
 from parallelism.step import build_on_devices
 from tests.framework.tiny import tiny_config
@@ -64,7 +65,6 @@ def test_tensorboard_scalars_are_the_metrics_records(run):
 
 def test_lr_is_the_schedules_rate_of_the_logged_update(run):
   workdir, _ = run
-  from framework import optim  # noqa: PLC0415
   cfg = tiny_config()
   sched = optim.schedule(cfg.optim, cfg.train.steps)
   recs = [json.loads(line) for line in (workdir / "metrics.jsonl").read_text().splitlines() if "lr" in line]

@@ -3,16 +3,28 @@
 Synthetic graphs with hand-computed timelines (no overlap possible, full overlap, partial overlap), and a real
 program compiled for 8 compile-only H100s whose exposed communication must equal its makespan less its compute.
 """
+import dataclasses
 import importlib.util
+import os
 
+import jax
+import jax.numpy as jnp
+import numpy as np
 import pytest
+from jax.sharding import Mesh, NamedSharding, PartitionSpec as P
 
+from framework.config import from_dict, validate
+from parallelism import targets
+from perfmodel import hardware
+from perfmodel import predict as pr
 from perfmodel.cost import collectives as C
+from perfmodel.cost import chain as chain_lib
 from perfmodel.cost.chain import Chain
 from perfmodel.cost.physical import Roofline
-from perfmodel.graph.nodes import CollectiveInfo, ExecGraph, Node, Region
+from perfmodel.graph import from_hlo
+from perfmodel.graph.nodes import Attribution, CollectiveInfo, DotInfo, ExecGraph, Node, Region
 from perfmodel.hardware import HardwareProfile, LinkLevel
-from perfmodel.timeline import schedule
+from perfmodel.timeline import Overlap, schedule
 
 HAS_CUDA = importlib.util.find_spec("jax_plugins") is not None and \
     importlib.util.find_spec("jax_plugins.xla_cuda12") is not None
@@ -72,16 +84,6 @@ def test_a_wait_with_other_inputs_stalls_only_past_them():
 def test_a_compiled_gpu_program_exposes_what_its_makespan_adds_to_its_compute():
   """8 compile-only H100s, a data-parallel gradient step: the gradient all-reduce at the end has nothing after it to
   overlap with, so it is exposed; every stall the compute stream sees is counted once."""
-  import jax
-  import jax.numpy as jnp
-  import numpy as np
-  from jax.sharding import Mesh, NamedSharding, PartitionSpec as P
-
-  from parallelism import targets
-  from perfmodel import hardware
-  from perfmodel.cost import chain as chain_lib
-  from perfmodel.graph import from_hlo
-
   mesh = Mesh(np.array(targets.compile_only_devices("h100", 8)), ("d",))
 
   def grads(w1, w2, x):
@@ -106,10 +108,6 @@ def test_tpu_async_collective_fusions_are_an_async_transfer_and_its_wait():
   (golden/tpu_async_collective_fusion.hlo, the shape of libtpu's output): one async all-gather of the gathered
   bytes, the step priced as its matmul only, the done a wait on that start; the transfer hides behind the step's
   matmul and only the rest is exposed."""
-  import os
-
-  from perfmodel.graph import from_hlo
-
   with open(os.path.join(os.path.dirname(__file__), "golden", "tpu_async_collective_fusion.hlo")) as f:
     g = from_hlo.from_hlo_text(f.read())
   nodes = {n.name: n for n, _ in g.walk()}
@@ -136,20 +134,17 @@ TP, DP = "{{0,1},{2,3}}", "{{0,2},{1,3}}"
 def _coll(i, kind, groups, mb, deps, phase="fwd"):
   """A synchronous collective over 2 devices moving ``mb`` MB: at 1 GB/s an all-reduce takes mb ms, an all-gather
   mb / 2 ms."""
-  from perfmodel.graph.nodes import Attribution
   info = CollectiveInfo(kind, 2, 2, mb * 1e6, groups, is_async=False, n_devices=4)
   return Node(id=i, name=f"{kind}{i}", kind="collective", opcode=kind, deps=deps, collective=info,
               attribution=Attribution(phase=phase))
 
 
 def _dot(i, ms, deps):
-  from perfmodel.graph.nodes import DotInfo
   return Node(id=i, name=f"d{i}", kind="dot", opcode="dot", flops=ms * 1e9, deps=deps,
               dot=DotInfo(1, 1, 1, 1, "f32"))
 
 
 def test_overlap_options_see_which_mesh_axes_a_collective_spans():
-  from perfmodel.timeline import Overlap
   ov = Overlap(sizes=SIZES)
   assert ov.axes(_coll(0, "all-reduce", TP, 1, ()).collective) == {"tensor"}
   assert ov.axes(_coll(0, "all-reduce", DP, 1, ()).collective) == {"data"}
@@ -159,7 +154,6 @@ def test_overlap_options_see_which_mesh_axes_a_collective_spans():
 def test_tp_comm_overlap_hides_a_tensor_collective_behind_the_matmul_that_produces_it(comm_mb, exposed_ms):
   """In a layer (a loop body): a 2 ms matmul, its tensor-parallel all-reduce, the consumer (1 ms). Pipelined with
   the matmul, the transfer is exposed only beyond it; without the option it is all exposed."""
-  from perfmodel.timeline import Overlap
   body = [_dot(0, 2.0, ()), _coll(1, "all-reduce", TP, comm_mb, (0,)), _comp(2, 1.0, (1,))]
   g = ExecGraph({"e": Region("e", [Node(id=9, name="loop", kind="loop", opcode="while", body="b", trip_count=3)]),
                  "b": Region("b", body)}, "e", 4)
@@ -174,7 +168,6 @@ def test_tp_comm_overlap_hides_a_tensor_collective_behind_the_matmul_that_produc
 def _step(grad_mb=3.0, param_mb=0.0, param_async=False):
   """The backward loop (4 ms), the data-parallel gradient all-reduce, the optimizer (1 ms) reading it, then the
   data-parallel all-gather of the updated parameters (distributed optimizer; async: a start and its wait)."""
-  import dataclasses
   nodes = [Node(id=0, name="bwd", kind="loop", opcode="while", body="b", trip_count=1),
            _coll(1, "all-reduce", DP, grad_mb, (0,), "bwd"), _comp(2, 1.0, (1,))]
   if param_mb:
@@ -190,7 +183,6 @@ def _step(grad_mb=3.0, param_mb=0.0, param_async=False):
 def test_grad_reduce_overlaps_the_last_micro_batch_backward_but_not_the_last_bucket():
   """A 3 ms gradient all-reduce behind a 2 ms backward window starts 2 ms before the backward ends: the optimizer
   waits 1 ms. With a bucket of half the gradients the last half (1.5 ms) starts only at the end: 1.5 ms."""
-  from perfmodel.timeline import Overlap
   ov = Overlap(grad_reduce=True, sizes=SIZES, bwd_window_s=2 * MS)
   tl = schedule(_step(), _chain(), overlap=ov)
   assert tl.exposed_comm == pytest.approx(1 * MS) and tl.makespan == pytest.approx(6 * MS)
@@ -206,7 +198,6 @@ def test_grad_reduce_overlaps_the_last_micro_batch_backward_but_not_the_last_buc
 def test_param_gather_overlaps_the_next_steps_first_forward(fwd_ms, bucket, tail_ms, param_async):
   """A 2 ms parameter all-gather (4 MB) after the optimizer, read by the next step's forward: the step is longer by
   what the transfer outlasts the first micro-batch's forward, and at least by the first bucket's transfer."""
-  from perfmodel.timeline import Overlap
   ov = Overlap(param_gather=True, sizes=SIZES, fwd_window_s=fwd_ms * MS, bucket_fraction=bucket)
   tl = schedule(_step(grad_mb=0.001, param_mb=4.0, param_async=param_async), _chain(), overlap=ov)
   base = 4.0 + 0.001 + 1.0
@@ -215,8 +206,6 @@ def test_param_gather_overlaps_the_next_steps_first_forward(fwd_ms, bucket, tail
 
 
 def test_a_framework_spec_selects_the_overlap_options_predict_models():
-  from framework.config import from_dict, validate  # noqa: PLC0415
-  from perfmodel import predict as pr  # noqa: PLC0415
   cfg = validate(from_dict({"mesh": {"data": 2, "tensor": 2}}), 4)
   every = pr._overlap(cfg, "megatron", 1.0, 2.0)  # noqa: SLF001
   assert (every.tp_comm, every.grad_reduce, every.param_gather) == (True, True, True)

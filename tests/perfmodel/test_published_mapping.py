@@ -3,6 +3,8 @@
 The facts are checked against what the rows and their frameworks state (cited in the module); the translation is
 checked for its failure mode: a feature whose key this checkout lacks is never compiled without it.
 """
+import dataclasses
+
 import pytest
 
 from framework.config import ConfigError
@@ -52,7 +54,6 @@ def test_the_features_reach_the_built_config(rows):
   r = rows["dgxc_nemo_llama31_405b_bf16_576"]
   cfg = M.build_config(M.row_config(r).overrides, r.n_chips)
   assert (cfg.mesh.schedule, cfg.mesh.virtual_stages, cfg.model.attention) == ("1f1b", 7, "cudnn")
-  import dataclasses  # noqa: PLC0415
   mx = dataclasses.replace(rows["maxtext_v5e_16b_1x256"], pipeline=4, fsdp=64)  # MaxText pipelines are circular
   f = M.row_features(mx)
   assert M.features_to_overrides(f)["mesh.schedule"] == "gpipe" and f["virtual_stages"].value == 2
@@ -110,7 +111,6 @@ def test_row_config_of_a_row_without_new_features_builds(rows):
 
 
 def test_a_framework_without_rules_is_an_error(rows):
-  import dataclasses  # noqa: PLC0415
   r = dataclasses.replace(rows["maxtext_v5e_16b_1x256"], framework="SomeOtherTrainer")
   with pytest.raises(ConfigError, match="no mapping rules"):
     M.row_features(r)

@@ -19,6 +19,7 @@ from perfmodel import target as target_lib
 from perfmodel.cost import collectives as C
 from perfmodel.graph import from_hlo, hlo_parse as hp
 from perfmodel.hardware import load
+from tests.framework.tiny import tiny_config
 
 HAS_TPU = importlib.util.find_spec("libtpu") is not None
 HAS_CUDA = importlib.util.find_spec("jax_plugins") is not None and \
@@ -173,7 +174,6 @@ def test_placed_collectives_cross_gpu_nodes_hierarchically():
 def test_a_compile_that_outgrows_the_host_is_stopped_with_one_line(monkeypatch):
   """The compile child is watched: past the host-memory limit it is killed and the error says so (never the
   kernel's OOM killer)."""
-  from tests.framework.tiny import tiny_config  # noqa: PLC0415
   monkeypatch.setattr(target_lib, "_host_memory_limit", lambda: 1)  # any resident byte is too many
   cfg = config_lib.validate(tiny_config(mesh=dict(data=8)), 8)
   with pytest.raises(target_lib.HostMemoryError, match="needs more than .* of this host's memory"):
