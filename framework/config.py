@@ -34,7 +34,7 @@ class DataConfig:
   eval_fraction: float = 0.02
   seed: int = 0
   extensions: tuple = (".py", ".txt", ".md", ".rst")  # text files a text-corpus folder contributes
-  tokenizer: str = "bytes"  # "bytes" or a path to a Hugging Face tokenizer.json
+  tokenizer: str = "bytes"  # "bytes", a Hugging Face tokenizer.json or a SentencePiece .model
   format: str = "auto"  # one of DATA_FORMATS
   text_key: str = "text"  # the document field of a jsonl row / the column of a parquet file
   eos_token: str = ""  # the token that ends each document; "" -> the tokenizer's own (bytes: byte 0)

@@ -94,10 +94,28 @@ def test_bpe_tokenizer_from_tokenizer_json(bpe, tmp_path):
       bad()
   (tmp_path / "sp.model").write_bytes(b"\x00" * 10)
   (tmp_path / "bad.json").write_text("{not json")
-  for path, match in [("sp.model", "SentencePiece .model files are not read"), ("bad.json", "not a tokenizer.json")]:
+  for path, match in [("sp.model", "is not a SentencePiece model"), ("bad.json", "not a tokenizer.json")]:
     with pytest.raises(ConfigError, match=match) as e:
       tok_lib.load(str(tmp_path / path))
     assert "\n" not in str(e.value) and "tokenizer.json" in str(e.value)
+
+
+def test_sentencepiece_model(tmp_path):
+  """A SentencePiece .model (trained here on the test documents) encodes as the library does, without BOS / EOS,
+  decodes back, and ends documents with its own </s>."""
+  import sentencepiece as spm
+  (tmp_path / "docs.txt").write_text("\n".join(_docs()))
+  spm.SentencePieceTrainer.Train(input=str(tmp_path / "docs.txt"), model_prefix=str(tmp_path / "sp"),
+                                 vocab_size=48, model_type="unigram", minloglevel=2)
+  tok = tok_lib.load(str(tmp_path / "sp.model"))
+  ref = spm.SentencePieceProcessor(model_file=str(tmp_path / "sp.model"))
+  text = "the model reads parquet windows."
+  assert list(tok.encode(text)) == ref.encode(text) and tok.decode(tok.encode(text)) == text
+  assert [list(x) for x in tok.encode_batch([text, "data packing."])] == [ref.encode(text), ref.encode("data packing.")]
+  assert tok.vocab_size == 48 and tok.eos_id == ref.piece_to_id("</s>") != ref.unk_id()
+  assert len(tok.encode(text)) < len(text.encode())
+  with pytest.raises(ConfigError, match="has no token '<nope>'"):
+    tok_lib.load(str(tmp_path / "sp.model"), eos_token="<nope>")
 
 
 @pytest.mark.parametrize("kind", ["jsonl", "parquet"])
@@ -224,7 +242,7 @@ def test_bad_datasets_are_one_line_errors(bpe, tmp_path):
   _one_line_error(cfg(tmp_path / "p"), "both .jsonl and .parquet")
   small = tiny_config(data=dict(good, corpus=str(tmp_path / "k.jsonl"), text_key="content"), model=dict(vocab_size=64))
   _one_line_error(small, "model.vocab_size=64 is smaller")
-  _one_line_error(cfg(tmp_path / "k.jsonl", text_key="content", tokenizer="/no/tok.model"), "SentencePiece")
+  _one_line_error(cfg(tmp_path / "k.jsonl", text_key="content", tokenizer="/no/tok.model"), "does not exist")
   with_eval = tiny_config(data=dict(good, corpus=str(tmp_path / "k.jsonl"), text_key="content", eval_fraction=0.01),
                           model=dict(vocab_size=VOCAB), train=dict(eval_every=2))
   _one_line_error(with_eval, "the eval split .* holds 0 tokens")  # 5 documents, none held out
