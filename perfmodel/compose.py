@@ -3,13 +3,13 @@
 On a host whose N virtual devices run their per-device programs on shared cores (the ``cpu`` profile), a step is not
 the makespan of one device's timeline: the devices' node times add up, with a per-thunk gap, a per-device cost and
 the in-process collectives between them. ``python -m perfmodel calibrate`` fits how, per program type, as a
-:class:`perfmodel.calibration.Composition` over the :class:`perfmodel.calibration.StepFeatures` computed here.
+:class:`perfmodel.compositions.Composition` over the :class:`perfmodel.compositions.StepFeatures` computed here.
 """
 from __future__ import annotations
 
 from typing import Callable, Optional
 
-from perfmodel.calibration import StepFeatures
+from perfmodel.compositions import StepFeatures
 from perfmodel.cost import collectives
 from perfmodel.graph.nodes import COMPUTE_KINDS, ExecGraph
 

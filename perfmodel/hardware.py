@@ -20,7 +20,7 @@ import math
 import os
 from typing import Optional
 
-from perfmodel.calibration import Calibration
+from perfmodel.compositions import Calibration
 
 PROFILE_DIR = os.path.join(os.path.dirname(__file__), "profiles")
 CACHE_ENV = "PRISMLLM_CACHE"

@@ -35,7 +35,7 @@ from jax.sharding import NamedSharding, PartitionSpec as P
 from perfmodel import hardware
 from perfmodel.calib import bench, collective_bench, nodes, runners, store, suite
 from perfmodel.calib.host import HostSpeed
-from perfmodel.calibration import Calibration
+from perfmodel.compositions import Calibration
 from perfmodel.cost import database, learned, regime
 from perfmodel.graph.from_hlo import from_hlo_text
 from perfmodel.hardware import interp_log

@@ -1,6 +1,6 @@
 """Fitting a step composition, and the learned backend's choices, by leave-one-program-out error.
 
-A composition (perfmodel/calibration.py) says how a backend's node prices add up to a step, per program type. Its
+A composition (perfmodel/compositions.py) says how a backend's node prices add up to a step, per program type. Its
 coefficients are fitted by non-negative least squares on the calibration programs' measured steps, with every
 program's nodes priced *without that program's own samples*, so the interpolation error of the backend is part of
 what the fit sees, and each choice below is judged by the leave-one-program-out error of the whole fit (never by a
@@ -13,7 +13,7 @@ import numpy as np
 from scipy.optimize import nnls
 
 from perfmodel import compose
-from perfmodel.calibration import TERMS, Composition, Form, Neighbours, StepFeatures
+from perfmodel.compositions import TERMS, Composition, Form, Neighbours, StepFeatures
 from perfmodel.cost import learned
 
 TYPE_TERMS = {

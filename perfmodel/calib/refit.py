@@ -24,7 +24,7 @@ import numpy as np
 from perfmodel import compose, hardware, program
 from perfmodel.calib import fit, nodes, runners, store, suite
 from perfmodel.cost import profiler
-from perfmodel.calibration import Composition, Neighbours
+from perfmodel.compositions import Composition, Neighbours
 from perfmodel.cost import chain as chain_lib
 from perfmodel.cost import database, hybrid, learned
 from perfmodel.graph.from_hlo import from_hlo_text

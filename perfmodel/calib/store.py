@@ -5,7 +5,7 @@ from __future__ import annotations
 
 import dataclasses
 
-from perfmodel.calibration import Calibration
+from perfmodel.compositions import Calibration
 from perfmodel.cost.database import read_json, write_bytes, write_json  # noqa: F401 (calib reads and writes through these)
 
 

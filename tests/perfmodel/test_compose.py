@@ -7,7 +7,7 @@ import pytest
 
 from perfmodel import compose, hardware
 from perfmodel.calib import fit, runners, suite
-from perfmodel.calibration import TERMS, Calibration, Composition, Form, StepFeatures
+from perfmodel.compositions import TERMS, Calibration, Composition, Form, StepFeatures
 from perfmodel.graph.nodes import ExecGraph, Region
 
 

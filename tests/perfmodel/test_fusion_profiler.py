@@ -10,7 +10,7 @@ import numpy as np
 
 from perfmodel import hardware
 from perfmodel.cost import profiler as fp, regime
-from perfmodel.calibration import Calibration, Composition, Form
+from perfmodel.compositions import Calibration, Composition, Form
 from perfmodel.cost import chain as costs
 from perfmodel.cost import database
 from perfmodel.graph import from_hlo as G

@@ -8,7 +8,7 @@ import jax.numpy as jnp
 
 from perfmodel import hardware
 from perfmodel.calib import nodes, refit
-from perfmodel.calibration import Composition, Form
+from perfmodel.compositions import Composition, Form
 from perfmodel.cost import chain as costs
 from perfmodel.cost import database, hybrid, learned
 from perfmodel.cost.physical import Calibrated

@@ -1,4 +1,5 @@
-"""What a calibration fits, as a profile carries it: typed, every term named.
+"""What a calibration fits, as a profile carries it: typed, every term named (the calibration record, the
+backends' neighbour choices and their step compositions).
 
 ``python -m perfmodel calibrate`` (perfmodel/calib/) measures a host and writes a :class:`Calibration` into the
 profile's ``calibration`` field; prediction only reads it. Three parts matter to prediction:
