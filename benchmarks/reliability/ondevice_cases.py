@@ -27,10 +27,13 @@ def _corrupt(ws, name: str, mutate) -> Outcome:
   return _run_model(ws.copy_with(name, mutate))
 
 
+REFERENCE_TIMEOUT_S = 600.0  # a reference run of an intact file: not the case under test, so no tight limit
+
+
 def _tokens_of(ws, path: str, n: int = 8) -> str:
   """The text our engine generates from ``path`` (reference for the 'recovered' checks)."""
   r = invoke("ondevice.run", ["--model", path, "--prompt", "def f(x):", "--max-tokens", str(n), "--greedy",
-                              "--no-stop"])
+                              "--no-stop"], timeout_s=REFERENCE_TIMEOUT_S)
   _reference_ran(r, path)
   return r.out
 
@@ -396,7 +399,7 @@ def _foreign_ok(ws, name, quant, ref=None, **kw):
 
 def _ids(path, prompt_ids, n=8):
   r = invoke("ondevice.run", ["--model", path, "--prompt-ids", ",".join(map(str, prompt_ids)),
-                              "--max-tokens", str(n), "--no-stop"])
+                              "--max-tokens", str(n), "--no-stop"], timeout_s=REFERENCE_TIMEOUT_S)
   _reference_ran(r, path)
   return _ids_summary(r.err)
 
