@@ -223,6 +223,7 @@ def _install_noise_filters():
     prev_thread(a)
   sys.unraisablehook, threading.excepthook = unraisable, thread_hook
   logging.getLogger("absl").addFilter(_DiskFullLogFilter())  # orbax logs each failed writer thread's traceback
+  logging.getLogger("asyncio").addFilter(_OrbaxTaskLogFilter())  # its read tasks, garbage-collected after a failure
   warnings.filterwarnings("ignore", message=r"coroutine '.*' was never awaited", category=RuntimeWarning,
                           module=r"(orbax|framework\.checkpoint|asyncio).*")
 
@@ -233,6 +234,16 @@ class _DiskFullLogFilter(logging.Filter):
   def filter(self, record) -> bool:
     exc = record.exc_info[1] if record.exc_info else None
     return not (exc is not None and disk_full(exc))
+
+
+class _OrbaxTaskLogFilter(logging.Filter):
+  """Drops asyncio's 'Task exception was never retrieved' records for orbax's read / write tasks: when one shard
+  read fails, the sibling tasks' failures are never awaited and asyncio logs each with its traceback whenever the
+  garbage collector frees it (the first failure reaches the caller, which reports it in one line)."""
+
+  def filter(self, record) -> bool:
+    exc = record.exc_info[1] if record.exc_info else None
+    return not (exc is not None and _from_orbax(exc))
 
 
 @contextlib.contextmanager

@@ -127,6 +127,12 @@ class Run:
   seconds: float = 0.0
   exc: Optional[BaseException] = None  # an exception that escaped a CLI run in this process
 
+  def __post_init__(self):
+    _TRANSCRIPT.append(self)
+
+
+_TRANSCRIPT: List[Run] = []  # the runs of the case in progress (run_case keeps them when the outcome is bad)
+
 
 @dataclasses.dataclass(frozen=True)
 class Refusal:
@@ -153,8 +159,8 @@ def classify(r: Run, refusal: Refusal, ok: Optional[Callable[[Run], bool]] = Non
     return Outcome("hang", "no result within the time limit" + leak, lost)
   if r.exc is not None:
     return Outcome("crash", f"{type(r.exc).__name__}: {str(r.exc)[:200]}" + leak, lost)
-  if "Traceback (most recent call last)" in r.err or "Traceback (most recent call last)" in r.out:
-    return Outcome("crash", last_line(r.err) + leak, lost)
+  if TRACEBACK in r.err or TRACEBACK in r.out:
+    return Outcome("crash", exception_line(r.err if TRACEBACK in r.err else r.out) + leak, lost)
   if r.rc < 0:
     return Outcome("crash", f"killed by signal {-r.rc}" + leak, lost)
   if r.rc == 0:
@@ -171,13 +177,25 @@ def classify(r: Run, refusal: Refusal, ok: Optional[Callable[[Run], bool]] = Non
   return Outcome("unclear_error", " | ".join(lines[-3:])[:400] + leak, lost)
 
 
+TRACEBACK = "Traceback (most recent call last)"
+
+
+def exception_line(s: str) -> str:
+  """The exception a traceback ends with (the first unindented line after the last traceback's header)."""
+  tail = s[s.rindex(TRACEBACK) + len(TRACEBACK):].splitlines()[1:]
+  return next((ln[:300] for ln in tail if ln.strip() and not ln.startswith(" ")), last_line(s))
+
+
 def last_line(s: str) -> str:
   lines = [ln for ln in s.strip().splitlines() if ln.strip()]
   return lines[-1][:300] if lines else ""
 
 
 def run_case(c: Case, ws: Workspace) -> Outcome:
+  """The case's outcome; when it is a failure, every run's exit code, stdout and stderr go to
+  ``<workspace>/logs/<case>.log``."""
   t0 = time.perf_counter()
+  _TRANSCRIPT.clear()
   try:
     o = c.fn(ws)
   except NotExercised as e:
@@ -187,7 +205,18 @@ def run_case(c: Case, ws: Workspace) -> Outcome:
   except Exception as e:  # noqa: BLE001 - a case whose harness part fails is reported, not hidden
     o = Outcome("crash", f"case harness: {type(e).__name__}: {str(e)[:300]}")
   o.seconds = time.perf_counter() - t0
+  if o.kind not in ("recovered", "clear_error", "not_exercised"):
+    _write_log(os.path.join(ws.root, "logs", f"{c.name}.log"), o)
   return o
+
+
+def _write_log(path: str, o: Outcome):
+  os.makedirs(os.path.dirname(path), exist_ok=True)
+  with open(path, "w") as f:
+    f.write(f"outcome {o.kind}: {o.detail}\n")
+    for i, r in enumerate(_TRANSCRIPT):
+      f.write(f"\n===== run {i}: exit {r.rc}, {r.seconds:.1f} s, exception {r.exc!r}\n"
+              f"----- stdout\n{r.out}\n----- stderr\n{r.err}\n")
 
 
 def run_until_exercised(c: Case, ws: Workspace, tries: int = 2) -> Outcome:

@@ -2,6 +2,8 @@
 
 Every case ends in a verified restore (of the newest good step, bad ones moved aside with their files intact)
 or in a CheckpointError naming the fix; nothing is ever deleted."""
+import asyncio
+import gc
 import glob
 import os
 import signal
@@ -139,6 +141,29 @@ def test_bad_latest_step_falls_back_and_is_kept_aside(tmp_path, mutate, caplog):
   c = ck.Checkpointer(wd, CheckpointConfig())
   assert c.latest_step() == 4 and _same(c.restore(_abstract(_state(4)))[0], _state(4))
   c.close()
+
+
+def _unretrieved_task_failure(filename):
+  """A task whose coroutine (compiled as if it lived in ``filename``) fails and is freed unawaited: what orbax's
+  sibling shard reads become when one read of a bad step fails first."""
+  ns = {}
+  exec(compile("async def read():\n  raise ValueError('Truncated Zstd-compressed stream')\n", filename, "exec"), ns)
+  loop = asyncio.new_event_loop()
+  try:
+    task = loop.create_task(ns["read"]())
+    loop.run_until_complete(asyncio.sleep(0))
+    del task
+    gc.collect()
+  finally:
+    loop.close()
+
+
+def test_orbax_tasks_freed_after_a_failed_read_are_not_logged(caplog):
+  ck._install_noise_filters()
+  _unretrieved_task_failure("/site-packages/orbax/checkpoint/_src/serialization/serialization.py")
+  assert not [r for r in caplog.records if r.name == "asyncio"]
+  _unretrieved_task_failure("/elsewhere/user_code.py")  # anyone else's lost failure is still reported
+  assert [r for r in caplog.records if r.name == "asyncio" and "never retrieved" in r.getMessage()]
 
 
 def test_nothing_restorable_is_one_error_and_nothing_moves(tmp_path):
