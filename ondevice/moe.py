@@ -17,8 +17,9 @@ Only the routed experts are read. A stacked expert tensor (n_expert, rows, n_in)
 file's mapping: F16 / BF16 / F32 experts are computed in place on the mapped pages (no copy; ``matmul_desc``
 reads the file bytes at the expert's offset); quantised experts (Q8_0, Q4_0, Q4_K, Q5_K, Q6_K) are repacked from
 the expert's bytes when first routed and kept in an LRU cache of ``cache_bytes`` (None: unbounded; 0: repacked
-from the file at every use). The mapping is ``MADV_RANDOM`` so that a fault reads the faulting page, not its
-neighbours (other experts' pages). Files we export carry a CRC32 per expert (``name#e``), checked on first use.
+from the file at every use). Both mappings of the file are ``MADV_RANDOM``: a page fault then reads that page,
+not the kernel's read-around window about it (read_ahead_kb, 128 KB to megabytes), which would be other experts'
+pages (a fault on one embedding row read this whole 2 MB test file on an 8 MB read-ahead disk). Files we export carry a CRC32 per expert (``name#e``), checked on first use.
 ``counts[layer, expert]`` counts routed tokens (activation frequency), ``mapped_bytes`` the expert bytes read
 through the mapping (every use for float experts, every cache miss for quantised ones).
 """
@@ -65,6 +66,7 @@ class Experts:
     # same page-cache pages as the engine's read-only mapping.
     self._mm = mmap.mmap(mapped.fd, 0, access=mmap.ACCESS_COPY)
     self._mm.madvise(mmap.MADV_RANDOM)
+    mapped.mm.madvise(mmap.MADV_RANDOM)
     self.W = np.frombuffer(self._mm, np.uint8)
     self.router = {}
     for i in self.layer_ids:
@@ -162,6 +164,13 @@ class Experts:
     for j in range(1, k):
       out = out + y[:, j]
     return out
+
+  def evict(self) -> None:
+    """Empties the repacked-expert cache and drops this mapping's pages (the caller releases the file's other
+    mapping: ``MappedGGUF.release``; the page cache drops pages no mapping holds)."""
+    self._lru.clear()
+    self._held = 0
+    self._mm.madvise(mmap.MADV_DONTNEED)
 
   def stats(self) -> dict:
     return {"expert_cache_mb": None if self.cache_bytes is None else self.cache_bytes / 2**20,
