@@ -61,16 +61,32 @@ def _fix(path: str) -> str:
   return f"re-export it with `python -m ondevice.export ... --out {path}` or re-copy it"
 
 
+class _Short(Exception):
+  """The header runs past the bytes read so far: read more."""
+
+
 def scan_header(path: str) -> dict:
   """Walks the header with bounds checks; returns {'n_tensors', 'n_kv', 'header_end'}. Raises GGUFError
-  naming the part that is damaged (truncated, impossible count or length, unknown type)."""
+  naming the part that is damaged (truncated, impossible count or length, unknown type). Reads 1 MB of the file
+  first and up to 64 MB only if the header is longer (headers of real files are a few MB at most: vocabularies)."""
   size = os.path.getsize(path)
-  with open(path, "rb") as f:
-    buf = f.read(min(size, 64 << 20))  # headers of real files are a few MB at most (vocabularies)
+  for limit in (1 << 20, 64 << 20):
+    with open(path, "rb") as f:
+      buf = f.read(min(size, limit))
+    try:
+      return _scan(path, size, buf, len(buf) < min(size, 64 << 20))
+    except _Short:
+      continue
+  raise AssertionError("unreachable")
+
+
+def _scan(path: str, size: int, buf: bytes, partial: bool) -> dict:
   end = len(buf)
   pos = 0
 
   def need(n, what):
+    if n >= 0 and pos + n > end and partial:
+      raise _Short()
     if n < 0 or pos + n > end:
       raise GGUFError(f"{path} is truncated or corrupt in its {what} (needs {n} bytes at offset {pos}, the "
                       f"header region has {end}); {_fix(path)}")
@@ -126,6 +142,8 @@ def scan_header(path: str) -> dict:
         pos += n * _FIXED[et]
       elif et == _STRING:
         if n * 8 > end - pos:
+          if partial:
+            raise _Short()
           raise GGUFError(f"{path}: {what} claims {n} strings, more than the header holds: corrupt; {_fix(path)}")
         for j in range(n):
           string(f"{what}[{j}]")

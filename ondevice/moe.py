@@ -55,6 +55,28 @@ class _InPlace:
     return pk.matmul_desc(self.desc, self.W, self.S, x, batched and x.shape[0] >= 2)[:, :self.n_out]
 
 
+class _Repacked:
+  """A Q8_0 / Q4_0 expert repacked into planes (moe_kernels.repack_q0): ``planes.Matrix``'s buffers and call."""
+
+  def __init__(self, qtype: str, raw: np.ndarray, n_out: int, n_in: int):
+    q, s = moe_kernels.repack_q0(qtype, raw, n_out, n_in)
+    self.W, self.S = _padded(q), _padded(s.view(np.uint8))
+    self.desc = np.array([matvec.CODES[qtype], 0, 0, q.shape[0], n_out, n_in], np.int64)
+    self.n_out = n_out
+
+  def __call__(self, x_TxI: np.ndarray, batched: bool = False) -> np.ndarray:
+    x = np.ascontiguousarray(x_TxI, np.float32)
+    return pk.matmul_desc(self.desc, self.W, self.S, x, batched and x.shape[0] >= 2)[:, :self.n_out]
+
+
+def _padded(a: np.ndarray) -> np.ndarray:
+  """``planes._Buf`` of one piece: the bytes, zeros to a multiple of 64, then 64 more."""
+  n = a.size
+  out = np.zeros(n + (-n) % 64 + 64, np.uint8)
+  out[:n] = a.reshape(-1)
+  return out
+
+
 class Experts:
   """The MoE blocks of the bound layers of a mapped MoE file (module docstring)."""
 
@@ -115,8 +137,11 @@ class Experts:
       self._lru.move_to_end(key)
       return m
     raw = self._raw(i, kind, e)
-    m = planes.Matrix(t.qtype, raw.reshape(n_out, -1) if t.qtype not in _IN_PLACE else
-                      raw.view(planes_dtype(t.qtype)).reshape(n_out, n_in), n_out, n_in)
+    if t.qtype in ("Q8_0", "Q4_0") and planes.HAVE_NUMBA:
+      m = _Repacked(t.qtype, raw, n_out, n_in)
+    else:
+      m = planes.Matrix(t.qtype, raw.reshape(n_out, -1) if t.qtype not in _IN_PLACE else
+                        raw.view(planes_dtype(t.qtype)).reshape(n_out, n_in), n_out, n_in)
     self.mapped_bytes += raw.nbytes
     self.repacks += 1
     size = m.W.nbytes + m.S.nbytes

@@ -88,3 +88,29 @@ def swiglu(g_TxF: np.ndarray, u_TxF: np.ndarray) -> np.ndarray:
       e = expf(-g[t, f]) if HAVE_NUMBA else np.float32(np.exp(-g[t, f]))
       out[t, f] = g[t, f] / (np.float32(1.0) + e) * u[t, f]
   return out
+
+
+@_jit
+def _repack_q0(raw, n_rows, nb, bb, nq, xor, q, s):  # pragma: no cover - compiled
+  for row in range(n_rows):
+    g, rr = row // 64, row % 64
+    sg, r = rr // 16, rr % 16
+    for b in range(nb):
+      base = (row * nb + b) * bb
+      s[g, b * 64 + rr] = np.uint16(raw[base]) | (np.uint16(raw[base + 1]) << np.uint16(8))
+      for c in range(nq):
+        d = (((b * 4 + sg) * nq + c) * 16 + r) * 4
+        for i in range(4):
+          q[g, d + i] = raw[base + 2 + c * 4 + i] ^ xor
+
+
+def repack_q0(qtype: str, raw: np.ndarray, n_rows: int, n_in: int) -> tuple:
+  """``planes._repack_q0`` in one compiled pass (the same bytes; ~20x faster than numpy's 6-D transposes, which
+  matters when quantised experts are repacked at every cache miss)."""
+  nb = n_in // 32
+  bb, nq, xor = (34, 8, 0x80) if qtype == "Q8_0" else (18, 4, 0)
+  G = -(-n_rows // 64)
+  q = np.full((G, nb * 64 * nq * 4), xor, np.uint8)
+  s = np.zeros((G, nb * 64), np.uint16)
+  _repack_q0(np.ascontiguousarray(raw, np.uint8).reshape(-1), n_rows, nb, bb, nq, np.uint8(xor), q, s)
+  return q, s
