@@ -177,6 +177,7 @@ def main(argv=None) -> int:
   ap.add_argument("--no-jax", action="store_true")
   ap.add_argument("--cap-mb", type=float, default=24.0, help="moe: memory allowance per engine (memory cgroup)")
   ap.add_argument("--expert-cache-mb", type=float, default=8.0, help="moe: our repacked-expert cache")
+  ap.add_argument("--uncapped-too", action="store_true", help="moe: also run both engines with no cap")
   ap.add_argument("--record", action="store_true",
                   help="write this run to the committed benchmarks/data/ondevice_bench_<suite>.json")
   ap.add_argument("--scenarios", default="", help="ring: 'all' adds prima.cpp's runtime on Halda's windows")
@@ -204,6 +205,8 @@ def main(argv=None) -> int:
   elif args.suite == "moe":
     from ondevice import bench_moe
     res["moe"] = bench_moe.run(args.model, prompt, args.tokens, args.cap_mb, args.expert_cache_mb)
+    if args.uncapped_too:  # the same file with no cap and an unbounded expert cache
+      res["moe_uncapped"] = bench_moe.run(args.model, prompt, args.tokens, None, None)
   elif args.suite == "spec":
     if not args.draft:
       ap.error("--suite spec needs --draft")

@@ -64,7 +64,7 @@ def _child(engine, path, warm, prompt, n, cap_mb, cg, ver, expert_cache_mb, q) -
     run = _ours if engine == "ours" else _llama
     run(warm, prompt, 4, None, None, 0, expert_cache_mb)  # libraries and kernels in, outside the cap
     cap = None
-    if cg:
+    if cg and cap_mb is not None:
       lim, cur, _ = _cg_files(ver)
       base = int(open(os.path.join(cg, cur)).read())
       cap = base + int(cap_mb * 2**20)
@@ -75,7 +75,7 @@ def _child(engine, path, warm, prompt, n, cap_mb, cg, ver, expert_cache_mb, q) -
     os.close(fd)
     out = run(path, prompt, n, cg, ver, cap, expert_cache_mb)
     if cg:
-      out["cgroup_base_mb"] = base / 2**20
+      out["cgroup_base_mb"] = None if cap is None else base / 2**20
       out["cgroup_peak_mb"] = int(open(os.path.join(cg, _cg_files(ver)[2])).read()) / 2**20
     q.put(out)
   except Exception as e:  # noqa: BLE001 - one line back to the parent
@@ -148,8 +148,9 @@ def run(path: str, prompt: list, n: int, cap_mb: float, expert_cache_mb: float) 
   ver, where = _own_cgroup()
   out = {"clock": "wall", "threads": 1, "file_mb": info.file_size / 2**20, "cap_mb": cap_mb,
          "expert_cache_mb": expert_cache_mb,
-         "cap_kind": (f"memory cgroup v{ver}: per engine process, its baseline after loading libraries and "
-                      f"compiling kernels + {cap_mb} MB") if ver else f"none ({where}): neither engine is capped"}
+         "cap_kind": "none (uncapped run)" if cap_mb is None else
+         (f"memory cgroup v{ver}: per engine process, its baseline after loading libraries and "
+          f"compiling kernels + {cap_mb} MB") if ver else f"none ({where}): neither engine is capped"}
   work = tempfile.mkdtemp(prefix="ondevice-moe-")
   warm = os.path.join(work, "warm.gguf")
   kind = "qwen3moe" if info.arch == "qwen3moe" else "mixtral"

@@ -136,6 +136,9 @@ class Experts:
     if m is not None:
       self._lru.move_to_end(key)
       return m
+    a, b = self.expert_range(i, kind, e)
+    a0 = a - a % mmap.PAGESIZE
+    self._mm.madvise(mmap.MADV_WILLNEED, a0, b - a0)  # one read of the expert's pages, not a fault per page
     raw = self._raw(i, kind, e)
     if t.qtype in ("Q8_0", "Q4_0") and planes.HAVE_NUMBA:
       m = _Repacked(t.qtype, raw, n_out, n_in)
