@@ -287,6 +287,19 @@ def _ondevice_spec_prov(d):
   return (" ; ".join(cmds) or None, d.get("machine"), f"{dates[0]} to {dates[-1]}" if dates else None)
 
 
+def _ondevice_moe(d):
+  r = d.get("result") or {}
+  m = r.get("moe") or {}
+  o, l = m.get("ours") or {}, m.get("llama_cpp") or {}
+  fig = (f"{r.get('model', 'n/a')}, cap {m.get('cap_kind', 'n/a')}: ours {num(o.get('tpot_ms'), '.1f')} ms/token, "
+         f"{num(o.get('pages_read_per_token'), '.0f')} pages read/token (routed experts "
+         f"{num(o.get('routed_expert_mb_per_token'), '.2f')} MB/token of {num(o.get('all_expert_mb'), '.1f')} MB), "
+         f"same greedy tokens {m.get('same_greedy_tokens')}" + (f"; ours: {o['error']}" if "error" in o else ""))
+  base = (f"llama.cpp on the same file and cap: {num(l.get('tpot_ms'), '.1f')} ms/token, "
+          f"{num(l.get('pages_read_per_token'), '.0f')} pages read/token" + (f"; {l['error']}" if "error" in l else ""))
+  return fig, base
+
+
 def _reliability(d):
   def counts(x):
     return ", ".join(f"{k.replace('_', ' ')} {v}" for k, v in x.items() if isinstance(v, (int, float, str)))
@@ -323,6 +336,7 @@ HEADLINES = [
     Headline("On-device, ring across model sizes", ("ondevice_latency.json",), _ondevice_sizes),
     Headline("On-device, ring rounds k", ("ondevice_ksweep.json",), _ondevice_ksweep),
     Headline("On-device, speculative decoding", ("ondevice_spec.json",), _ondevice_spec, _ondevice_spec_prov),
+    Headline("On-device, MoE under a memory cap vs llama.cpp", ("ondevice_bench_moe.json",), _ondevice_moe),
     Headline("Failing loudly (reliability campaign)", ("reliability.json",), _reliability),
 ]
 

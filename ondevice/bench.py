@@ -2,6 +2,7 @@
    python -m ondevice.bench --suite kernels
    python -m ondevice.bench --model m.gguf --suite ring --devices devices.yaml [--draft d.gguf]
    python -m ondevice.bench --model m.gguf --suite halda-real --devices benchmarks/ondevice_devices_real.yaml
+   python -m ondevice.bench --model moe.gguf --suite moe --tokens 32 --cap-mb 24 [--expert-cache-mb 8]
 
 Prints one JSON object; --record also writes it, with the command, machine and date, to the committed
 benchmarks/data/ondevice_bench_<suite>.json.
@@ -11,6 +12,8 @@ single: TPOT / prefill of our engine vs llama.cpp (exact and default configurati
 halda-real: Halda's predicted TPOT vs a ring that really reads its files through kernel-throttled disks
         (realio.py; wall clock; needs root and cgroups).
 kernels: one 2816x1024 mat-vec per kernel (mmap layout, planes hot/streamed/4 tokens, F16, F32 BLAS).
+moe:    a mixture-of-experts file under a memory cap (a memory cgroup per engine process, the same allowance for
+        both): TPOT and pages read from storage per token, ours vs llama.cpp (bench_moe.py).
 ring:   emulated devices (labelled "clock": "emulated"): every device alone (the best one is the baseline),
         exo-like, equal-layers and dllama-like tensor-parallel splits, Halda's ring, and speculative decoding on
         stdlib text (bench_ring.py).
@@ -162,7 +165,7 @@ def main(argv=None) -> int:
   ap = argparse.ArgumentParser(prog="python -m ondevice.bench", description=__doc__,
                                formatter_class=argparse.RawDescriptionHelpFormatter)
   ap.add_argument("--model", default=None, help="GGUF file (all suites but kernels)")
-  ap.add_argument("--suite", default="single", choices=["single", "ring", "halda-real", "spec", "kernels"])
+  ap.add_argument("--suite", default="single", choices=["single", "ring", "halda-real", "spec", "kernels", "moe"])
   ap.add_argument("--devices", default=None)
   ap.add_argument("--draft", default=None)
   ap.add_argument("--gamma", type=int, default=4, help="ring: draft length")
@@ -172,6 +175,9 @@ def main(argv=None) -> int:
   ap.add_argument("--threads", default="1,2", help="single: thread counts to compare (ours and llama.cpp alike)")
   ap.add_argument("--rounds", type=int, default=3, help="single: repetitions of the paired stream (noise floor)")
   ap.add_argument("--no-jax", action="store_true")
+  ap.add_argument("--cap-mb", type=float, default=24.0, help="moe: memory allowance per engine (memory cgroup)")
+  ap.add_argument("--expert-cache-mb", type=float, default=8.0, help="moe: our repacked-expert cache")
+  ap.add_argument("--uncapped-too", action="store_true", help="moe: also run both engines with no cap")
   ap.add_argument("--record", action="store_true",
                   help="write this run to the committed benchmarks/data/ondevice_bench_<suite>.json")
   ap.add_argument("--scenarios", default="", help="ring: 'all' adds prima.cpp's runtime on Halda's windows")
@@ -196,6 +202,11 @@ def main(argv=None) -> int:
       print(f"error: {e}", file=sys.stderr)
       return 2
     res["jax_f32"] = {"skipped": "--no-jax"} if args.no_jax else bench_jax(args.model, prompt, args.tokens)
+  elif args.suite == "moe":
+    from ondevice import bench_moe
+    res["moe"] = bench_moe.run(args.model, prompt, args.tokens, args.cap_mb, args.expert_cache_mb)
+    if args.uncapped_too:  # the same file with no cap and an unbounded expert cache
+      res["moe_uncapped"] = bench_moe.run(args.model, prompt, args.tokens, None, None)
   elif args.suite == "spec":
     if not args.draft:
       ap.error("--suite spec needs --draft")

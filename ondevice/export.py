@@ -5,6 +5,9 @@
       LayerSkip / draft-and-verify; re-quantised from the file's dequantised weights)
    python -m ondevice.export --hf-dir CHECKPOINT --out model.gguf --quant q4_k_m [--byte-vocab]
      (a Hugging Face Llama 3.x / Mistral / Qwen2 / Qwen3 directory with its tokenizer: ondevice/hf_gguf.py)
+   python -m ondevice.export --random-moe qwen3moe --moe n_layers=4,d_model=512,n_expert=16,n_used=2,ff=512 \
+       --out moe.gguf --quant q8_0
+     (a random mixture-of-experts file in llama.cpp's layout: qwen3moe or mixtral shape; testmodels.moe_gguf)
 --quant: f32 | f16 | bf16 | q8_0 | q4_0, or q4_k_m | q5_k_m | q6_k (an F16 file through llama.cpp's quantiser).
 """
 from __future__ import annotations
@@ -31,6 +34,7 @@ def main(argv=None) -> int:
   src.add_argument("--workdir", help="training workdir (config.json + orbax checkpoints)")
   src.add_argument("--random", action="store_true", help="random weights from --config (framework init)")
   src.add_argument("--from-gguf", help="an existing GGUF (with --keep-layers: a layer-truncated draft)")
+  src.add_argument("--random-moe", choices=["qwen3moe", "mixtral"], help="a random MoE file of this shape")
   src.add_argument("--hf-dir", help="a Hugging Face checkpoint directory (config.json, safetensors, tokenizer)")
   ap.add_argument("--byte-vocab", action="store_true", help="with --hf-dir: PrismLLM's byte vocabulary instead")
   ap.add_argument("--keep-layers", type=int, default=None, help="with --from-gguf: keep the first N blocks")
@@ -41,15 +45,39 @@ def main(argv=None) -> int:
                                                  "last three need llama-cpp-python)")
   ap.add_argument("--output-quant", default=None, help="type of output.weight (default: --quant)")
   ap.add_argument("--seed", type=int, default=0)
+  ap.add_argument("--moe", default="", help="with --random-moe: k=v,... of testmodels.moe_gguf (n_layers, d_model, "
+                                           "n_heads, n_kv_heads, n_expert, n_used, ff, vocab_size, max_len)")
   args, overrides = ap.parse_known_args(argv)
   bad = [o for o in overrides if not o.startswith("--config.")]
   if bad:
     ap.error(f"unrecognized arguments {bad}")
+  if args.random_moe:
+    from ondevice.errors import cli
+    return cli(_export_moe, args)
   if not args.from_gguf:  # these read weights through jax: start it without the compile-only plugins' noise
     from framework import platforms
     platforms.import_jax()
   from ondevice.errors import cli
   return cli(_export, ap, args, overrides)
+
+
+def _export_moe(args) -> int:
+  from ondevice import testmodels
+  from ondevice.errors import InputError
+  keys = ("n_layers", "d_model", "n_heads", "n_kv_heads", "n_expert", "n_used", "ff", "vocab_size", "max_len")
+  kw = {}
+  for item in [x for x in args.moe.split(",") if x.strip()]:
+    k, _, v = item.partition("=")
+    if k.strip() not in keys or not v.strip().isdigit():
+      raise InputError(f"--moe {item!r}: pass k=INT with k one of {', '.join(keys)}")
+    kw[k.strip()] = int(v)
+  if not 1 <= kw.get("n_used", 2) <= kw.get("n_expert", 8):
+    raise InputError("--moe: n_used must be between 1 and n_expert")
+  t0 = time.time()
+  summary = testmodels.moe_gguf(args.out, args.random_moe, args.quant, seed=args.seed, **kw)
+  summary.update(origin=f"random {args.random_moe} seed {args.seed}", seconds=round(time.time() - t0, 2))
+  print(json.dumps(summary))
+  return 0
 
 
 def _export(ap, args, overrides) -> int:

@@ -1,6 +1,8 @@
 """The decoder forward pass on packed GGUF weights with a KV cache (llama, mistral, qwen2, qwen3 graphs).
 
-Works on any subset of layers, so a ring device binds only its windows. Math follows llama.cpp's graphs:
+Works on any subset of layers, so a ring device binds only its windows. Mixture-of-experts files (Mixtral-shaped
+llama, qwen3moe) run their feed-forward blocks in ``moe.py`` (router, top-k, only the routed experts read).
+Math follows llama.cpp's graphs:
 RMSNorm (ggml's roundings), q/k/v projections (+ biases: qwen2; + per-head RMSNorm of q and k: qwen3), RoPE in
 NORM mode (adjacent pairs; llama files' q/k rows are permuted, see framework/names.py) or NEOX mode (pairs i,
 i + E/2: qwen2/qwen3), with Llama 3's rope_freqs factors, grouped-query attention, SwiGLU; quantised dots
@@ -20,7 +22,7 @@ from typing import Iterable, Optional
 import numpy as np
 
 from framework.config import ModelConfig
-from ondevice import gguf_check, kernels, planes
+from ondevice import gguf_check, kernels, moe, planes
 from ondevice.weights import MappedGGUF
 
 
@@ -86,9 +88,10 @@ class GGUFLlama:
   (ring devices)."""
 
   def __init__(self, mapped: MappedGGUF, layers: Optional[Iterable[int]] = None, head: bool = True,
-               max_len: Optional[int] = None, repack: bool = True):
+               max_len: Optional[int] = None, repack: bool = True, expert_cache_mb: Optional[float] = None):
     """``repack``: copy the matrices once into SIMD planes (planes.py; the exact, fast path). False computes on
-    the mmap views, so the file's pages are what the kernels touch (ring devices with real I/O)."""
+    the mmap views, so the file's pages are what the kernels touch (ring devices with real I/O).
+    ``expert_cache_mb``: MoE files: MB of repacked quantised experts kept (None: all that were used; 0: none)."""
     gguf_check.check_runnable(mapped.info)
     self.mapped = mapped
     info = mapped.info
@@ -97,11 +100,15 @@ class GGUFLlama:
     c = self.cfg
     self.layer_ids = list(range(c.n_layers) if layers is None else layers)
     self.max_len = max_len or c.max_seq_len
+    self.experts = None
+    if info.moe is not None:
+      self.experts = moe.Experts(mapped, self.layer_ids,
+                                 None if expert_cache_mb is None else int(expert_cache_mb * 2**20))
     ff = np.asarray(mapped.view("rope_freqs.weight"), np.float32) if "rope_freqs.weight" in info.tensors else None
     self.rope = RopeTable(self.max_len, c.hd, c.rope_theta, info.rope_neox, ff)
     self.layers = {i: self._layer(i) for i in self.layer_ids}
-    self.pack = planes.pack_layers(mapped, self.layer_ids) if (repack and planes.HAVE_NUMBA and self.layer_ids) \
-        else None
+    packer = planes.pack_layers if self.experts is None else moe.pack_attention
+    self.pack = packer(mapped, self.layer_ids) if (repack and planes.HAVE_NUMBA and self.layer_ids) else None
     self._teams: dict = {}
     self.has_head = head
     if head:
@@ -118,7 +125,8 @@ class GGUFLlama:
   def _layer(self, i: int) -> LayerW:
     vec = {v: np.asarray(self.mapped.view(f"blk.{i}.{v}"), np.float32) for v in planes.VECTORS
            if f"blk.{i}.{v}" in self.mapped.info.tensors}
-    return LayerW({s: self._mat(f"blk.{i}.{s}.weight") for s in planes.SLOTS}, vec)
+    return LayerW({s: self._mat(f"blk.{i}.{s}.weight") for s in planes.SLOTS
+                   if f"blk.{i}.{s}.weight" in self.mapped.info.tensors}, vec)
 
   def team(self) -> "planes.Team":
     """The kernel threads for this model's pack at the current planes.set_threads (started on first use)."""
@@ -143,15 +151,25 @@ class GGUFLlama:
       return self.output(h, not batch_invariant)
     return self.output(h)
 
-  def layer(self, i: int, x_TxD: np.ndarray, pos0: int, cache: KVCache, batch_invariant: bool = False) -> np.ndarray:
+  def _moe(self, i: int, x_TxD: np.ndarray, batch_invariant: bool, last_only: bool) -> np.ndarray:
+    """x + the MoE block of layer i (only the last row when only its result is used, as llama.cpp does)."""
+    rows = slice(len(x_TxD) - 1, None) if last_only else slice(None)
+    x = np.array(x_TxD, np.float32)
+    h = rms_norm(x[rows], self.layers[i].vec["ffn_norm.weight"], self.cfg.norm_eps)
+    x[rows] = self.experts.ffn(i, h, not batch_invariant) + x[rows]
+    return x
+
+  def layer(self, i: int, x_TxD: np.ndarray, pos0: int, cache: KVCache, batch_invariant: bool = False,
+            last_only: bool = False) -> np.ndarray:
     c, w = self.cfg, self.layers[i]
     T, H, K, E = x_TxD.shape[0], c.n_heads, c.n_kv_heads, c.hd
     if pos0 + T > cache.max_len:
       raise ValueError(f"context overflow: position {pos0 + T} > max_len {cache.max_len}; raise --ctx")
     if self.pack is not None:
       j, cj = self.layer_ids.index(i), cache.layer_ids.index(i)
-      return planes.layers(self.team(), j, j + 1, x_TxD, cache.k_all[cj:cj + 1], cache.v_all[cj:cj + 1], pos0,
-                           batch_invariant)
+      x = planes.layers(self.team(), j, j + 1, x_TxD, cache.k_all[cj:cj + 1], cache.v_all[cj:cj + 1], pos0,
+                        batch_invariant)
+      return x if self.experts is None else self._moe(i, x, batch_invariant, last_only)
     m, v = w.mats, w.vec
     h_TxD = rms_norm(x_TxD, v["attn_norm.weight"], c.norm_eps)
     qkv = []
@@ -177,6 +195,8 @@ class GGUFLlama:
     o_KxGxTxE = np.matmul(p_KxGxTxS, v_SxKxE.transpose(1, 0, 2)[:, None])
     o_TxHE = o_KxGxTxE.transpose(2, 0, 1, 3).reshape(T, H * E)
     x_TxD = x_TxD + m["attn_output"](o_TxHE)
+    if self.experts is not None:
+      return self._moe(i, x_TxD, batch_invariant, last_only)
     h_TxD = rms_norm(x_TxD, v["ffn_norm.weight"], c.norm_eps)
     g_TxF, u_TxF = m["ffn_gate"](h_TxD), m["ffn_up"](h_TxD)
     a_TxF = g_TxF / (np.float32(1.0) + np.exp(-g_TxF)) * u_TxF
@@ -191,6 +211,10 @@ class GGUFLlama:
     layers = list(layers)
     if pos0 + x_TxD.shape[0] > cache.max_len:
       raise ValueError(f"context overflow: position {pos0 + x_TxD.shape[0]} > max_len {cache.max_len}; raise --ctx")
+    if self.experts is not None:  # attention in the fused step, the MoE block outside it, layer by layer
+      for i in layers:
+        x_TxD = self.layer(i, x_TxD, pos0, cache, batch_invariant, last_only and i == self.cfg.n_layers - 1)
+      return x_TxD
     if self.pack is not None and layers and all(i in self.layer_ids and i in cache.layer_ids for i in layers):
       j, cj = self.layer_ids.index(layers[0]), cache.layer_ids.index(layers[0])
       n = len(layers)

@@ -11,10 +11,12 @@ non-finite block scales and norms.
 """
 from __future__ import annotations
 
+import dataclasses
 import json
 import math
 import os
 import struct
+from typing import Optional
 
 MAGIC = b"GGUF"
 # GGUF value types: size in bytes for the fixed-size ones; 8 = string, 9 = array.
@@ -22,8 +24,33 @@ _FIXED = {0: 1, 1: 1, 2: 2, 3: 2, 4: 4, 5: 4, 6: 4, 7: 1, 10: 8, 11: 8, 12: 8}
 _STRING, _ARRAY = 8, 9
 MAX_DIMS = 4
 RUNTIME_TYPES = ("F32", "F16", "BF16", "Q8_0", "Q4_0", "Q4_K", "Q5_K", "Q6_K")
-ARCHS = ("llama", "qwen2", "qwen3")  # mistral files are llama files
+ARCHS = ("llama", "qwen2", "qwen3", "qwen3moe")  # mistral files are llama files; Mixtral: llama with experts
 CRC_KEY = "prismllm.tensor_crc32"
+EXPERT_MATS = ("ffn_gate_exps", "ffn_up_exps", "ffn_down_exps")
+
+
+@dataclasses.dataclass(frozen=True)
+class MoE:
+  """A mixture-of-experts file's routing: ``n_expert`` experts per layer, ``n_used`` routed per token, expert
+  feed-forward width ``ff`` (llama: feed_forward_length; qwen3moe: expert_feed_forward_length)."""
+  n_expert: int
+  n_used: int
+  ff: int
+
+
+def moe_from_fields(path: str, fields: dict, cfg, arch: str) -> Optional[MoE]:
+  """The MoE spec of a file's ``{arch}.*`` metadata (prefix removed), None for a dense file; bad counts raise."""
+  n = int(fields.get("expert_count") or 0)
+  if n == 0:
+    if arch == "qwen3moe":
+      raise GGUFError(f"{path}: a qwen3moe file without qwen3moe.expert_count; {_fix(path)}")
+    return None
+  used = int(fields.get("expert_used_count") or 0)
+  ff = int(fields.get("expert_feed_forward_length") or 0) if arch == "qwen3moe" else cfg.ff
+  if not 1 <= used <= n or ff <= 0:
+    raise GGUFError(f"{path}: {arch}.expert_used_count={used} / expert_count={n} / expert feed-forward width {ff} "
+                    f"are inconsistent (need 1 <= used <= count, width > 0); {_fix(path)}")
+  return MoE(n, used, ff)
 
 
 class GGUFError(ValueError):
@@ -34,16 +61,32 @@ def _fix(path: str) -> str:
   return f"re-export it with `python -m ondevice.export ... --out {path}` or re-copy it"
 
 
+class _Short(Exception):
+  """The header runs past the bytes read so far: read more."""
+
+
 def scan_header(path: str) -> dict:
   """Walks the header with bounds checks; returns {'n_tensors', 'n_kv', 'header_end'}. Raises GGUFError
-  naming the part that is damaged (truncated, impossible count or length, unknown type)."""
+  naming the part that is damaged (truncated, impossible count or length, unknown type). Reads 1 MB of the file
+  first and up to 64 MB only if the header is longer (headers of real files are a few MB at most: vocabularies)."""
   size = os.path.getsize(path)
-  with open(path, "rb") as f:
-    buf = f.read(min(size, 64 << 20))  # headers of real files are a few MB at most (vocabularies)
+  for limit in (1 << 20, 64 << 20):
+    with open(path, "rb") as f:
+      buf = f.read(min(size, limit))
+    try:
+      return _scan(path, size, buf, len(buf) < min(size, 64 << 20))
+    except _Short:
+      continue
+  raise AssertionError("unreachable")
+
+
+def _scan(path: str, size: int, buf: bytes, partial: bool) -> dict:
   end = len(buf)
   pos = 0
 
   def need(n, what):
+    if n >= 0 and pos + n > end and partial:
+      raise _Short()
     if n < 0 or pos + n > end:
       raise GGUFError(f"{path} is truncated or corrupt in its {what} (needs {n} bytes at offset {pos}, the "
                       f"header region has {end}); {_fix(path)}")
@@ -99,6 +142,8 @@ def scan_header(path: str) -> dict:
         pos += n * _FIXED[et]
       elif et == _STRING:
         if n * 8 > end - pos:
+          if partial:
+            raise _Short()
           raise GGUFError(f"{path}: {what} claims {n} strings, more than the header holds: corrupt; {_fix(path)}")
         for j in range(n):
           string(f"{what}[{j}]")
@@ -128,8 +173,10 @@ def scan_header(path: str) -> dict:
   return {"n_tensors": n_tensors, "n_kv": n_kv, "header_end": pos, "version": version}
 
 
-def expected_shapes(cfg, arch: str = "llama") -> dict:
-  """GGUF tensor name -> numpy-order shape of the tensors a model of ``cfg`` and ``arch`` must have."""
+def expected_shapes(cfg, arch: str = "llama", moe: Optional[MoE] = None) -> dict:
+  """GGUF tensor name -> numpy-order shape of the tensors a model of ``cfg`` and ``arch`` must have. With ``moe``
+  the feed-forward block is llama.cpp's MoE layout: the router ``ffn_gate_inp`` (n_expert, D) and the stacked
+  experts ``ffn_{gate,up}_exps`` (n_expert, F, D) and ``ffn_down_exps`` (n_expert, D, F)."""
   D, H, K, E, F, V = cfg.d_model, cfg.n_heads, cfg.n_kv_heads, cfg.hd, cfg.ff, cfg.vocab_size
   out = {"token_embd.weight": (V, D), "output_norm.weight": (D,)}
   if not cfg.tie_embeddings:
@@ -137,12 +184,17 @@ def expected_shapes(cfg, arch: str = "llama") -> dict:
   for i in range(cfg.n_layers):
     out.update({f"blk.{i}.attn_norm.weight": (D,), f"blk.{i}.attn_q.weight": (H * E, D),
                 f"blk.{i}.attn_k.weight": (K * E, D), f"blk.{i}.attn_v.weight": (K * E, D),
-                f"blk.{i}.attn_output.weight": (D, H * E), f"blk.{i}.ffn_norm.weight": (D,),
-                f"blk.{i}.ffn_gate.weight": (F, D), f"blk.{i}.ffn_up.weight": (F, D),
-                f"blk.{i}.ffn_down.weight": (D, F)})
+                f"blk.{i}.attn_output.weight": (D, H * E), f"blk.{i}.ffn_norm.weight": (D,)})
+    if moe is None:
+      out.update({f"blk.{i}.ffn_gate.weight": (F, D), f"blk.{i}.ffn_up.weight": (F, D),
+                  f"blk.{i}.ffn_down.weight": (D, F)})
+    else:
+      X, Fe = moe.n_expert, moe.ff
+      out.update({f"blk.{i}.ffn_gate_inp.weight": (X, D), f"blk.{i}.ffn_gate_exps.weight": (X, Fe, D),
+                  f"blk.{i}.ffn_up_exps.weight": (X, Fe, D), f"blk.{i}.ffn_down_exps.weight": (X, D, Fe)})
     if arch == "qwen2":
       out.update({f"blk.{i}.attn_q.bias": (H * E,), f"blk.{i}.attn_k.bias": (K * E,), f"blk.{i}.attn_v.bias": (K * E,)})
-    if arch == "qwen3":
+    if arch in ("qwen3", "qwen3moe"):
       out.update({f"blk.{i}.attn_q_norm.weight": (E,), f"blk.{i}.attn_k_norm.weight": (E,)})
   return out
 
@@ -174,9 +226,10 @@ def check_config(path: str, cfg, n_vocab_tokens: int) -> None:
     raise GGUFError(f"{path}: inconsistent model metadata ({'; '.join(bad)}); {_fix(path)}")
 
 
-def check_structure(path: str, info_tensors: dict, cfg, alignment: int, size: int, arch: str = "llama") -> None:
+def check_structure(path: str, info_tensors: dict, cfg, alignment: int, size: int, arch: str = "llama",
+                    moe: Optional[MoE] = None) -> None:
   """Shapes vs the config, every tensor inside the file, aligned, and no two overlapping."""
-  want = expected_shapes(cfg, arch)
+  want = expected_shapes(cfg, arch, moe)
   opt = optional_shapes(cfg, arch)
   missing = [n for n in want if n not in info_tensors]
   if missing:
@@ -205,7 +258,10 @@ _UNSUPPORTED = {
     "rope.scaling.type": lambda v: v not in (None, "none"),
     "rope.scale_linear": lambda v: v not in (None, 1.0),
     "rope.scaling.factor": lambda v: v not in (None, 1.0),
-    "expert_count": lambda v: v not in (None, 0),
+    "expert_shared_count": lambda v: v not in (None, 0),
+    "expert_gating_func": lambda v: v not in (None, 1),  # 1: softmax
+    "expert_weights_scale": lambda v: v not in (None, 0.0, 1.0),
+    "leading_dense_block_count": lambda v: v not in (None, 0),
     "attention.clamp_kqv": lambda v: v is not None,
     "attention.scale": lambda v: v not in (None, 0.0),
     "logit_scale": lambda v: v not in (None, 1.0),
@@ -213,21 +269,23 @@ _UNSUPPORTED = {
 }
 
 
-def unsupported_features(path: str, fields: dict, cfg, arch: str = "llama", tensor_names=(), rope_dim=None) -> list:
+def unsupported_features(path: str, fields: dict, cfg, arch: str = "llama", tensor_names=(), rope_dim=None,
+                         moe: Optional[MoE] = None) -> list:
   """``fields``: the file's ``{arch}.*`` metadata with the prefix removed. Also every tensor the graph of
   ``arch`` does not read (a bias or norm llama.cpp would apply and we would not)."""
   out = [f"{arch}.{k}={fields[k]!r}" for k, bad in _UNSUPPORTED.items() if k in fields and bad(fields[k])]
   rd = fields.get("rope.dimension_count")
   if rd is not None and int(rd) != cfg.hd:
     out.append(f"{arch}.rope.dimension_count={rd} (partial RoPE; head dim {cfg.hd})")
-  known = set(expected_shapes(cfg, arch)) | set(optional_shapes(cfg, arch))
+  known = set(expected_shapes(cfg, arch, moe)) | set(optional_shapes(cfg, arch))
   out += [f"tensor {n}" for n in tensor_names if n not in known][:3]
   return out
 
 
 def check_runnable(info) -> None:
   """What the numba runtime computes on: the RUNTIME_TYPES tensors and the llama / qwen2 / qwen3 graphs as
-  llama.cpp runs them (no RoPE scaling other than rope_freqs, no MoE, no tensors the graph would ignore...)."""
+  llama.cpp runs them (no RoPE scaling other than rope_freqs, MoE only as softmax top-k routing without shared
+  experts, no tensors the graph would ignore...)."""
   if info.unsupported:
     raise GGUFError(f"{info.path} uses features this runtime does not implement ({', '.join(info.unsupported)}); "
                     f"run it with llama.cpp")
@@ -243,8 +301,8 @@ def check_runnable(info) -> None:
                     f"which this CPU lacks; convert it to F16 or Q8_0 with llama.cpp's quantiser")
   tied = "output.weight" not in info.tensors
   for n, t in info.tensors.items():
-    if len(t.shape) == 2 and t.qtype in ("Q4_K", "Q4_0") and t.shape[0] % 8 and (n != "token_embd.weight" or tied):
-      raise GGUFError(f"{info.path}: {n} is {t.qtype} with {t.shape[0]} rows, not a multiple of 8: llama.cpp "
+    if len(t.shape) >= 2 and t.qtype in ("Q4_K", "Q4_0") and t.shape[-2] % 8 and (n != "token_embd.weight" or tied):
+      raise GGUFError(f"{info.path}: {n} is {t.qtype} with {t.shape[-2]} rows, not a multiple of 8: llama.cpp "
                       f"computes it with other kernels than the repacked ones implemented here; re-quantise it")
 
 

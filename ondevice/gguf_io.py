@@ -56,12 +56,13 @@ class GGUFInfo:
   unsupported: tuple = ()  # features this runtime does not implement (gguf_check.check_runnable)
   crc: dict = dataclasses.field(default_factory=dict)  # tensor name -> CRC32 of its bytes (our exports)
   bos_id: Optional[int] = None  # prepended to text prompts when the file says add_bos_token (llama.cpp does)
-  arch: str = "llama"  # general.architecture: llama (and mistral), qwen2, qwen3
+  arch: str = "llama"  # general.architecture: llama (and mistral, Mixtral), qwen2, qwen3, qwen3moe
+  moe: Optional[gguf_check.MoE] = None  # experts per layer, routed per token, expert width (None: dense)
 
   @property
   def rope_neox(self) -> bool:
     """llama.cpp's RoPE mode for the architecture: NEOX (pairs i, i + E/2) for qwen2/qwen3, NORM for llama."""
-    return self.arch in ("qwen2", "qwen3")
+    return self.arch in ("qwen2", "qwen3", "qwen3moe")
 
   def layer_range(self, i: int) -> tuple:
     """[start, end) bytes of layer i's tensors (contiguous as written by export)."""
@@ -110,22 +111,22 @@ def gguf_arch(cfg: ModelConfig) -> str:
 
 def write_quantized(arrays: dict, cfg: ModelConfig, path: str, quant: str = "f32", align: int = PAGE,
                     name: str = "prismllm", output_quant: Optional[str] = None, arch: str = "llama",
-                    vocab=None) -> dict:
+                    vocab=None, moe: Optional[gguf_check.MoE] = None) -> dict:
   """``write_arrays`` for every ``QUANTS`` entry: the K-quant mixes go through llama.cpp's quantiser."""
   quant = quant.lower()
   if quant not in QUANTS:
     raise GGUFError(f"--quant {quant!r} unknown; choose one of {', '.join(QUANTS)}")
   if quant not in LLAMA_QUANTS:
-    return write_arrays(arrays, cfg, path, quant, align, name, output_quant, arch=arch, vocab=vocab)
-  bad = [n for n, a in arrays.items() if np.ndim(a) == 2 and np.shape(a)[1] % 256]
+    return write_arrays(arrays, cfg, path, quant, align, name, output_quant, arch=arch, vocab=vocab, moe=moe)
+  bad = [n for n, a in arrays.items() if np.ndim(a) >= 2 and np.shape(a)[-1] % 256]
   if bad:
     raise GGUFError(f"{quant} needs matrices with a multiple of 256 inputs ({bad[0]} has "
-                    f"{np.shape(arrays[bad[0]])[1]}); use --quant q4_0 or q8_0")
+                    f"{np.shape(arrays[bad[0]])[-1]}); use --quant q4_0 or q8_0")
   tmp = path + ".f16.tmp"
   # Default (32-byte) alignment: llama.cpp 0.3.36's quantiser copies general.alignment = 4096 from its input but
   # pads tensors to 32, so a page-aligned input gives a file llama.cpp itself rejects. K-quant files are therefore
   # not page-aligned. No CRCs: the quantiser copies the metadata, and the CRCs would be the F16 tensors'.
-  write_arrays(arrays, cfg, tmp, "f16", 32, name, arch=arch, vocab=vocab, crc=False)
+  write_arrays(arrays, cfg, tmp, "f16", 32, name, arch=arch, vocab=vocab, crc=False, moe=moe)
   try:
     llama_quantize(tmp, path, LLAMA_QUANTS[quant])
   finally:
@@ -156,10 +157,13 @@ def llama_quantize(src: str, dst: str, kind: str) -> None:
 
 def write_arrays(arrays: dict, cfg: ModelConfig, path: str, quant: str = "f32", align: int = PAGE,
                  name: str = "prismllm", output_quant: Optional[str] = None, crc: bool = True, arch: str = "llama",
-                 vocab=None) -> dict:
+                 vocab=None, moe: Optional[gguf_check.MoE] = None) -> dict:
   """GGUF tensor name -> f32 array (llama.cpp layout: q/k rows RoPE-permuted for llama, not for qwen2/qwen3)
   -> a GGUF file of architecture ``arch``. ``vocab``: a ``vocab.Vocab`` (default: the byte vocabulary).
-  ``crc=False``: no per-tensor CRC32s (a file llama.cpp's quantiser rewrites: it copies the metadata)."""
+  ``crc=False``: no per-tensor CRC32s (a file llama.cpp's quantiser rewrites: it copies the metadata).
+  ``moe``: a mixture-of-experts file (``{arch}.expert_count`` / ``expert_used_count``, and for qwen3moe
+  ``expert_feed_forward_length``); the router ``ffn_gate_inp`` stays F32 (llama.cpp's quantiser keeps it so) and
+  each stacked expert tensor gets one CRC32 per expert (``name#e``), checked when that expert is first read."""
   import gguf
   if arch not in gguf_check.ARCHS:
     raise GGUFError(f"architecture {arch!r} unknown; choose one of {', '.join(gguf_check.ARCHS)}")
@@ -171,6 +175,11 @@ def write_arrays(arrays: dict, cfg: ModelConfig, path: str, quant: str = "f32", 
   w.add_embedding_length(cfg.d_model)
   w.add_block_count(cfg.n_layers)
   w.add_feed_forward_length(cfg.ff)
+  if moe is not None:
+    w.add_expert_count(moe.n_expert)
+    w.add_expert_used_count(moe.n_used)
+    if arch == "qwen3moe":
+      w.add_expert_feed_forward_length(moe.ff)
   w.add_head_count(cfg.n_heads)
   w.add_head_count_kv(cfg.n_kv_heads)
   w.add_key_length(cfg.hd)
@@ -191,11 +200,11 @@ def write_arrays(arrays: dict, cfg: ModelConfig, path: str, quant: str = "f32", 
   data = {}
   for tname, arr in arrays.items():
     arr = np.asarray(arr, np.float32)
-    if arr.ndim == 1:
+    if arr.ndim == 1 or tname.endswith("ffn_gate_inp.weight"):
       qt = "F32"
     else:
       q = output_quant if (output_quant and tname == "output.weight") else quant
-      qt = _matrix_qtype(q, arr.shape[1])
+      qt = _matrix_qtype(q, arr.shape[-1])
     counts[qt] = counts.get(qt, 0) + 1
     counts_of[tname] = qt
     gq = getattr(gguf.GGMLQuantizationType, qt)
@@ -209,8 +218,13 @@ def write_arrays(arrays: dict, cfg: ModelConfig, path: str, quant: str = "f32", 
   # damaged after export fails with a clear error instead of computing on flipped bits. A tool that re-quantises
   # the file (llama.cpp's quantiser) copies this metadata: tensors whose type changed are not checked.
   if crc:
-    w.add_string(CRC_KEY, json.dumps({n: [zlib.crc32(np.ascontiguousarray(a).tobytes()), counts_of[n]]
-                                      for n, (a, _) in data.items()}))
+    crcs = {}
+    for n, (a, _) in data.items():
+      a = np.ascontiguousarray(a)
+      crcs[n] = [zlib.crc32(a.tobytes()), counts_of[n]]
+      if layer_of(n) is not None and n.split(".")[2] in gguf_check.EXPERT_MATS:
+        crcs.update({f"{n}#{e}": [zlib.crc32(a[e].tobytes()), counts_of[n]] for e in range(a.shape[0])})
+    w.add_string(CRC_KEY, json.dumps(crcs))
   for tname, (a, gq) in data.items():
     w.add_tensor(tname, a, raw_dtype=gq)
   tmp = path + ".partial"  # written next to the target, renamed only when complete: a failed export loses nothing
@@ -234,13 +248,13 @@ def tiny_config(**kw) -> ModelConfig:
 
 
 def random_arrays(cfg: ModelConfig, seed: int = 0, std: float = 0.2, arch: str = "llama",
-                  rope_freqs=None) -> dict:
+                  rope_freqs=None, moe: Optional[gguf_check.MoE] = None) -> dict:
   """GGUF tensor name -> f32 array of a random ``arch`` model (std 0.2: peaked logits, so greedy tokens are
   stable against rounding and comparisons between files are meaningful). Norm weights are 1 + 0.1 N(0, 1),
   biases std N(0, 1); ``rope_freqs``: Llama 3's factors (rope_freqs.weight), written first."""
   rng = np.random.default_rng(seed)
   out = {} if rope_freqs is None else {"rope_freqs.weight": np.asarray(rope_freqs, np.float32)}
-  for name, shape in gguf_check.expected_shapes(cfg, arch).items():
+  for name, shape in gguf_check.expected_shapes(cfg, arch, moe).items():
     if name.endswith(".bias"):
       a = std * rng.standard_normal(shape)
     else:
@@ -324,7 +338,9 @@ def read_info(path: str) -> GGUFInfo:
     raise GGUFError(f"{path}: a vocabulary entry is not UTF-8: the metadata is corrupt; re-export or re-copy it") \
         from None
   gguf_check.check_config(path, cfg, len(tokens))
-  gguf_check.check_structure(path, tensors, cfg, int(reader.alignment), size, arch)
+  fields = {k[len(arch) + 1:]: _field(reader, k) for k in reader.fields if k.startswith(arch + ".")}
+  moe = gguf_check.moe_from_fields(path, fields, cfg, arch)
+  gguf_check.check_structure(path, tensors, cfg, int(reader.alignment), size, arch, moe)
   tt_field = reader.fields.get("tokenizer.ggml.token_type")
   types = tuple(int(tt_field.parts[i][0]) for i in tt_field.data) if tt_field else (1,) * len(tokens)
   eos = int(_field(reader, "tokenizer.ggml.eos_token_id", 2))
@@ -334,11 +350,10 @@ def read_info(path: str) -> GGUFInfo:
                and tokens[:256] == tuple(ByteTokenizer(256).gguf_vocab()[0])))
   bos = _field(reader, "tokenizer.ggml.bos_token_id")
   bos = int(bos) if bos is not None and _field(reader, "tokenizer.ggml.add_bos_token", False) else None
-  fields = {k[len(arch) + 1:]: _field(reader, k) for k in reader.fields if k.startswith(arch + ".")}
-  unsupported = tuple(gguf_check.unsupported_features(path, fields, cfg, arch, list(tensors)))
+  unsupported = tuple(gguf_check.unsupported_features(path, fields, cfg, arch, list(tensors), moe=moe))
   crc = gguf_check.parse_crc(_field(reader, CRC_KEY))
   return GGUFInfo(path, cfg, tensors, int(reader.alignment), size, tokens, types, eos, byte_tok, unsupported, crc, bos,
-                  arch)
+                  arch, moe)
 
 
 def load_params(path: str, scan_layers: bool = True) -> tuple:
@@ -346,6 +361,9 @@ def load_params(path: str, scan_layers: bool = True) -> tuple:
   from gguf import GGUFReader
   from gguf.quants import dequantize
   info = read_info(path)
+  if info.moe is not None:
+    raise GGUFError(f"{path} is a mixture-of-experts file: the framework has no MoE model to load it into; run it "
+                    f"with `python -m ondevice.run --model {path}`")
   reader = GGUFReader(path, "r")
   arrays = {}
   for t in reader.tensors:
@@ -358,8 +376,9 @@ def load_params(path: str, scan_layers: bool = True) -> tuple:
 def describe(info: GGUFInfo) -> str:
   c = info.cfg
   kinds = sorted({t.qtype for t in info.tensors.values()})
+  moe = f" experts={info.moe.n_used}/{info.moe.n_expert}x{info.moe.ff}" if info.moe else ""
   return (f"{os.path.basename(info.path)}: {info.arch} L={c.n_layers} D={c.d_model} H={c.n_heads}/{c.n_kv_heads} "
-          f"F={c.ff} V={c.vocab_size} types={kinds} {info.file_size / 2**20:.1f} MiB")
+          f"F={c.ff}{moe} V={c.vocab_size} types={kinds} {info.file_size / 2**20:.1f} MiB")
 
 
 _LAYER_RE = re.compile(r"^blk\.(\d+)\.")

@@ -7,6 +7,12 @@ small random Hugging Face checkpoints (Llama 3.1, Qwen2, Qwen3, Mistral shapes) 
 ``kind``: "llama3" / "qwen2" (byte-level BPE with that family's pre-tokenizer regex and special tokens),
 "gpt2" (byte-level BPE, GPT-2's regex), "spm" (Metaspace + byte-fallback BPE, Llama 2 / Mistral style).
 The tests and benchmarks use them (tests/ondevice/test_hub.py, test_serve.py).
+
+Random mixture-of-experts GGUFs in llama.cpp's MoE layout (``moe_gguf``): a Qwen3-MoE shape (arch ``qwen3moe``:
+per-head q/k norms, NEOX RoPE, ``expert_feed_forward_length``) or a Mixtral shape (arch ``llama`` with experts),
+byte vocabulary, any ``gguf_io.QUANTS`` type (tests/ondevice/test_moe.py, ``python -m ondevice.bench --suite moe``).
+
+    moe_gguf("/tmp/q3moe.gguf", "qwen3moe", quant="q8_0", n_layers=2, d_model=128, n_expert=8, n_used=2, ff=128)
 """
 from __future__ import annotations
 
@@ -75,6 +81,25 @@ def train_tokenizer(out_dir: str, kind: str = "llama3", vocab_size: int = 512, c
   (d / "tokenizer_config.json").write_text(json.dumps(dict(cfg, tokenizer_class="PreTrainedTokenizerFast"),
                                                       indent=1))
   return str(d)
+
+
+MOE_KINDS = {"qwen3moe": "qwen3moe", "mixtral": "llama"}  # shape -> GGUF architecture
+
+
+def moe_gguf(path: str, kind: str = "qwen3moe", quant: str = "q8_0", n_layers: int = 2, d_model: int = 128,
+             n_heads: int = 4, n_kv_heads: int = 2, n_expert: int = 8, n_used: int = 2, ff: int = 128,
+             vocab_size: int = 256, max_len: int = 256, seed: int = 0, std: float = 0.2) -> dict:
+  """A random-weight MoE GGUF of ``kind`` (qwen3moe or mixtral) written by ``gguf_io.write_quantized``; std 0.2
+  (peaked logits, as ``gguf_io.random_arrays``). Returns the writer's summary."""
+  from ondevice import gguf_check, gguf_io
+  if kind not in MOE_KINDS:
+    raise ValueError(f"MoE shape {kind!r}: choose {' or '.join(MOE_KINDS)}")
+  arch = MOE_KINDS[kind]
+  cfg = gguf_io.tiny_config(vocab_size=vocab_size, d_model=d_model, n_layers=n_layers, n_heads=n_heads,
+                            n_kv_heads=n_kv_heads, d_ff=ff, max_seq_len=max_len, init_std=std)
+  moe = gguf_check.MoE(n_expert, n_used, ff)
+  arrays = gguf_io.random_arrays(cfg, seed=seed, std=std, arch=arch, moe=moe)
+  return gguf_io.write_quantized(arrays, cfg, path, quant, name=f"random-{kind}", arch=arch, moe=moe)
 
 
 def hf_checkpoint(out_dir: str, arch: str = "llama3", vocab_size: int = 512, d_model: int = 256, n_layers: int = 2,
