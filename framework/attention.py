@@ -13,7 +13,8 @@ sequence while its keys (all-gathered) are the whole of it.
 * :func:`dot_product`: ``jax.nn.dot_product_attention`` (``implementation`` None lets XLA choose,
   ``'cudnn'`` asks for the cuDNN fused kernel).
 * :func:`ring`: context parallelism without gathering K/V: key/value blocks travel around the ``sequence`` ring,
-  each folded into an online softmax, with the zig-zag layout that balances causal work (Llama 3, NeMo).
+  each folded into an online softmax, with the zig-zag layout that balances causal work (Llama 3, NeMo); in GPU
+  programs each block is a cuDNN flash-attention call (framework/ring_cudnn.py).
 * :func:`splash`: the Pallas TPU splash-attention kernel, per (batch, kv head) as multi-query attention
   over the G query heads of the group; under a mesh it runs in a ``shard_map`` over the batch and head
   axes, because GSPMD cannot partition a Mosaic custom call and would gather its operands.
@@ -31,9 +32,14 @@ import flax.linen as nn
 import jax
 import jax.numpy as jnp
 
+from framework import ring_cudnn
+
 # Runs the splash kernel in Pallas' interpreter (any backend) instead of as a Mosaic TPU kernel. Only for
 # checking its numerics off-TPU; never set for real programs.
 SPLASH_INTERPRET = False
+# (forward, backward) block kernels that replace cuDNN's in the GPU ring (framework/ring_cudnn.py) and make every
+# platform run that ring: only for checking its schedule and merge off-GPU (``ring_cudnn.xla_blocks()``).
+RING_BLOCKS = None
 
 
 def platform() -> str:
@@ -198,7 +204,12 @@ def ring(q_BxTxHxE, k_BxSxKxE, v_BxSxKxE, qpos_BxT, kpos_BxS, *, axis: str, size
 
   Backward (``custom_vjp``, flash-style): residuals are q, k, v, the output and the log-sum-exp; the blocks go
   around the ring again, carrying the key/value gradients every device adds to, and one last hop brings those home.
+
+  In a GPU program with 16-bit compute the same ring runs each block as one cuDNN fused flash-attention call
+  (framework/ring_cudnn.py), as TransformerEngine's context parallelism does.
   """
+  if RING_BLOCKS is not None or (platform() == "gpu" and q_BxTxHxE.dtype in (jnp.bfloat16, jnp.float16)):
+    return ring_cudnn.ring(q_BxTxHxE, k_BxSxKxE, v_BxSxKxE, axis=axis, size=size, blocks=RING_BLOCKS)
   B, T, H, E = q_BxTxHxE.shape
   K = k_BxSxKxE.shape[2]
   blk = math.gcd(block, T // 2)

@@ -53,10 +53,11 @@ def apply_grads(state: TrainState, grads, tx: optax.GradientTransformation) -> T
   return TrainState(step=state.step + 1, params=params, opt_state=opt_state)
 
 
-def accumulate(loss_and_grads, params, batch, n: int):
+def accumulate(loss_and_grads, params, batch, n: int, mean: bool = True):
   """Mean loss and gradients over ``n`` equal micro-batches taken one at a time (gradient accumulation: the
   activations of one micro-batch are live at once). Micro-batch i holds rows i, n+i, 2n+i, ... so each keeps
-  every device's share of a batch sharded over its first axis."""
+  every device's share of a batch sharded over its first axis. ``mean=False``: their sum (a ``loss_and_grads``
+  that already normalises by the whole batch; no second gradient-sized buffer for the division)."""
   if n == 1:
     return loss_and_grads(params, batch)
 
@@ -71,7 +72,7 @@ def accumulate(loss_and_grads, params, batch, n: int):
   # the gradients into a host literal while compiling (tens of GB for a replicated 8B model).
   first = loss_and_grads(params, jax.tree.map(lambda x: x[0], micro))
   (loss, grads), _ = jax.lax.scan(body, first, jax.tree.map(lambda x: x[1:], micro))
-  return loss / n, jax.tree.map(lambda g: g / n, grads)
+  return (loss / n, jax.tree.map(lambda g: g / n, grads)) if mean else (loss, grads)
 
 
 def train_step(state: TrainState, batch, *, model: nn.Module, tx: optax.GradientTransformation,

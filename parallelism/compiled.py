@@ -79,8 +79,9 @@ class CompiledStep:
   init_fn: Callable  # jitted rng -> state (sharded)
   # The step's (params, inputs, targets) -> (loss, grads), not jitted: for tests and the performance model,
   # called under jit in the mesh context (``with st.context(): jax.jit(st.loss_and_grads)(...)``). ``params``
-  # are the ones the step differentiates (``framework.optim.grad_params``); the shard_map form with ZeRO-1
-  # returns the gradients reduce-scattered (sharded like the optimizer state).
+  # are the ones the step differentiates (``framework.optim.grad_params``); the whole batch's loss and gradients,
+  # its ``mesh.microbatches`` accumulated as the step does; the shard_map form with ZeRO-1 returns the gradients
+  # reduce-scattered (sharded like the optimizer state).
   loss_and_grads: Callable
 
   @functools.cached_property

@@ -35,10 +35,14 @@ def build(cfg: Config, mesh: Mesh, donate: bool = True) -> compiled.CompiledStep
                            grad_shardings=grad_sh)
   gdt = jnp.float32 if cfg.optim.master_weights else None
   return compiled.assemble(cfg, mesh, model, tx, rules, state_sh, step,
-                           functools.partial(_loss_and_grads, model=model, grad_dtype=gdt), donate)
+                           functools.partial(_loss_and_grads, model=model, grad_dtype=gdt,
+                                             microbatches=cfg.mesh.microbatches), donate)
 
 
-def _loss_and_grads(params, inputs_BxT, targets_BxT, *, model, grad_dtype=None):
-  """The pure step's loss and gradients; GSPMD partitions them from the inputs' shardings."""
-  loss, grads = jax.value_and_grad(ts.loss_fn)(params, {"inputs": inputs_BxT, "targets": targets_BxT}, model)
-  return loss, grads if grad_dtype is None else jax.tree.map(lambda g: g.astype(grad_dtype), grads)
+def _loss_and_grads(params, inputs_BxT, targets_BxT, *, model, grad_dtype=None, microbatches: int = 1):
+  """The pure step's loss and gradients over the whole batch (its micro-batches accumulated as the step does);
+  GSPMD partitions them from the inputs' shardings."""
+  def one(p, batch):
+    loss, grads = jax.value_and_grad(ts.loss_fn)(p, batch, model)
+    return loss, grads if grad_dtype is None else jax.tree.map(lambda g: g.astype(grad_dtype), grads)
+  return ts.accumulate(one, params, {"inputs": inputs_BxT, "targets": targets_BxT}, microbatches)

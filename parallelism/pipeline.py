@@ -160,10 +160,13 @@ def _body(params, inputs_BxT, targets_BxT, *, model, specs, sched: Schedule, n_t
   head_slot = (lambda k: k) if sched.n_head_slots > 1 else (lambda k: 0)  # noqa: E731
 
   def add_chunk(g_layers, d_chunk, j):
+    """``g_layers[j] += d_chunk`` (the whole stack when there is one chunk): outside the backward slot's
+    conditional, so only one chunk's gradients are read and written per tick (an idle tick adds zeros)."""
     if v == 1:
       return jax.tree.map(jnp.add, g_layers, d_chunk)
+    k = jnp.maximum(j, 0)
     return jax.tree.map(lambda g, d: jax.lax.dynamic_update_index_in_dim(
-        g, jax.lax.dynamic_index_in_dim(g, j, 0, keepdims=False) + d, j, 0), g_layers, d_chunk)
+        g, jax.lax.dynamic_index_in_dim(g, k, 0, keepdims=False) + d, k, 0), g_layers, d_chunk)
 
   ring = v > 1
   fwd_perm = [(i, (i + 1) % p) for i in range(p if ring else p - 1)]
@@ -180,9 +183,10 @@ def _body(params, inputs_BxT, targets_BxT, *, model, specs, sched: Schedule, n_t
 
   res_protos = [b[0] for b in split.zeros(1)]
 
-  # The stash buffers never enter a branch: a branch returns one unit's values and the slot is written (or read)
-  # outside it. A buffer passed through a conditional is copied whole by XLA on every tick (the idle branch's
-  # pass-through aliases it), which is n_slots times the stash's traffic and twice its memory.
+  # The stash buffers and the layers' gradient accumulator never enter a branch: a branch returns one unit's
+  # values and the slot is written (or read, or added to) outside it. A buffer passed through a conditional is
+  # copied whole by XLA on every tick (the idle branch's pass-through aliases it), which is n_slots times the
+  # stash's traffic and twice its memory, and for the accumulator v times the stage's gradients per tick.
   def tick(carry, row):
     recv_x, recv_dx, res_bufs, y_buf, g_layers, g_rest, loss_acc = carry
     fm, fj, fk, bm, bj, bk = (r[stage] for r in row)
@@ -202,7 +206,7 @@ def _body(params, inputs_BxT, targets_BxT, *, model, specs, sched: Schedule, n_t
     res = [read(buf, bk) for buf in res_bufs]
     y_in = read(y_buf, head_slot(bk))
 
-    def bwd(g_layers, g_rest, loss_acc):
+    def bwd(g_rest, loss_acc):
       def head(g_rest, loss_acc):
         loss, pullback = jax.vjp(lambda prm, yy: head_loss(prm, yy, tgt_MxBxT[bm]), rest, y_in)
         d_rest, dy = pullback(jnp.ones_like(loss))
@@ -210,23 +214,23 @@ def _body(params, inputs_BxT, targets_BxT, *, model, specs, sched: Schedule, n_t
       with jax.named_scope(SCOPE_LAST):
         dy, g_rest, loss_acc = branch(is_last & (bj == v - 1), head, lambda g, l: (recv_dx, g, l), g_rest, loss_acc)
       d_chunk, dx = split.backward(chunk_of(bj), res, dy)
-      g_layers = add_chunk(g_layers, d_chunk, bj)
 
       def embed_bwd(g_rest):
         _, pullback = jax.vjp(lambda prm: embed(prm, tok_MxBxT[bm]), rest)
         return jax.tree.map(jnp.add, g_rest, pullback(dx)[0])
       with jax.named_scope(SCOPE_FIRST):
         g_rest = branch(is_first & (bj == 0), embed_bwd, lambda g: g, g_rest)
-      return manual.vary(dx, x_axes), g_layers, g_rest, loss_acc
+      return manual.vary(dx, x_axes), d_chunk, g_rest, loss_acc
     with jax.named_scope(SCOPE_BWD):
-      dx, g_layers, g_rest, loss_acc = branch(bm >= 0, bwd, lambda gl, gr, l: (x_proto, gl, gr, l),
-                                              g_layers, g_rest, loss_acc)
+      dx, d_chunk, g_rest, loss_acc = branch(bm >= 0, bwd, lambda gr, l: (x_proto, d_zero, gr, l), g_rest, loss_acc)
+    g_layers = add_chunk(g_layers, d_chunk, bj)
     recv_dx = jax.lax.ppermute(dx, manual.PIPELINE_AXIS, bwd_perm)
     return (recv_x, recv_dx, res_bufs, y_buf, g_layers, g_rest, loss_acc), None
 
   res_bufs = split.zeros(sched.n_slots)
   y_buf = manual.vary(jnp.zeros((sched.n_head_slots,) + x_proto.shape, x_proto.dtype), x_axes)
   g_layers = jax.tree.map(manual.zeros_like_typed, layers)
+  d_zero = jax.tree.map(manual.zeros_like_typed, chunk_of(0))
   g_rest = jax.tree.map(manual.zeros_like_typed, rest)
   carry = (x_proto, x_proto, res_bufs, y_buf, g_layers, g_rest, loss_proto)
   rows = tuple(jnp.asarray(t) for t in (sched.fwd_TxP, sched.fwd_chunk_TxP, sched.fwd_slot_TxP,

@@ -25,7 +25,8 @@ communication: here every collective is in our code, visible in the jaxpr:
   with ``pipeline > 1`` is built here too: a shard_map manual over 'pipeline' only.
 
 ``mesh.microbatches`` are the pipeline's micro-batches with ``pipeline > 1``; without a pipeline they are
-gradient accumulation steps (``framework.train_step.accumulate`` around the shard_map, as in the jit form). Mesh axes of size 1 are dropped from the shard_map specs (``manual.strip_trivial``),
+gradient accumulation steps (``framework.train_step.accumulate`` inside the shard_map, over each device's rows:
+gradients are summed locally and reduced over the data-parallel axes once per step, as Megatron / DDP do). Mesh axes of size 1 are dropped from the shard_map specs (``manual.strip_trivial``),
 so the jaxpr holds only collectives that move data.
 
 Structure: the ``shard_map`` computes (loss, grads) with grads sharded like the params; the optax
@@ -65,16 +66,27 @@ from parallelism.manual import (BATCH_AXES, PIPELINE_AXIS, active, localize_para
 
 
 def _loss_and_grads_body(params, inputs_BxT, targets_BxT, *, model, specs, n_tokens: int, batch_axes: tuple,
-                         reduce=reduce_grads):
-  """Per-device (loss, grads) for the non-pipelined layouts. Runs inside shard_map."""
+                         reduce=reduce_grads, accum: int = 1, accum_dtype=None):
+  """Per-device (loss, grads) for the non-pipelined layouts. Runs inside shard_map.
+
+  ``accum`` > 1: gradient accumulation over this device's rows in ``accum`` micro-batches, summed locally (in
+  ``accum_dtype``, float32 under master weights, as Megatron's main_grad buffer) and reduced over the
+  data-parallel axes once, after the last one: one all-reduce / reduce-scatter per step, not per micro-batch."""
   local = localize_params(params, specs, batch_axes)
+  # the whole local batch's layout at once: the micro-batch loop holds no collective of its own
   inputs_BxT, targets_BxT, pos_BxT = sequence_layout(model, inputs_BxT, targets_BxT)
 
-  def local_loss(p):
-    logits = model.apply({"params": p}, inputs_BxT, pos_BxT)
-    return token_loss_sum(model, logits, targets_BxT) / n_tokens
+  def loss_and_grads(p, batch):
+    def local_loss(q):
+      logits = model.apply({"params": q}, batch["inputs"], batch["pos"])
+      return token_loss_sum(model, logits, batch["targets"]) / n_tokens
 
-  loss, grads = jax.value_and_grad(local_loss)(local)
+    loss, grads = jax.value_and_grad(local_loss)(p)
+    return loss, grads if accum_dtype is None else jax.tree.map(lambda g: g.astype(accum_dtype), grads)
+
+  # each micro-batch's loss is normalised by the whole batch's tokens, so the sum is the mean
+  batch = {"inputs": inputs_BxT, "targets": targets_BxT, "pos": pos_BxT}
+  loss, grads = ts.accumulate(loss_and_grads, local, batch, accum, mean=False)
   loss = jax.lax.psum(loss, batch_axes) if batch_axes else loss
   return loss, reduce(grads, specs, batch_axes)
 
@@ -147,8 +159,9 @@ def build(cfg: Config, mesh: Mesh, donate: bool = True) -> compiled.CompiledStep
     body = pipeline.loss_and_grads_body(cfg, inner, param_specs, n_tokens, batch_axes, masked=not all_manual,
                                         reduce=reduce)
   else:
-    body = functools.partial(_loss_and_grads_body, model=inner, specs=param_specs, n_tokens=n_tokens // accum,
-                             batch_axes=batch_axes, reduce=reduce)
+    body = functools.partial(_loss_and_grads_body, model=inner, specs=param_specs, n_tokens=n_tokens,
+                             batch_axes=batch_axes, reduce=reduce, accum=accum,
+                             accum_dtype=jnp.float32 if cfg.optim.master_weights and accum > 1 else None)
   loss_and_grads = shard_map(body, mesh=mesh, in_specs=(param_specs, batch_spec, batch_spec),
                              out_specs=(P(), grad_specs), axis_names=manual_axes, check_vma=True)
   update = None
@@ -157,7 +170,7 @@ def build(cfg: Config, mesh: Mesh, donate: bool = True) -> compiled.CompiledStep
 
   def step(state: ts.TrainState, batch):
     params = optim.grad_params(state.params, state.opt_state, cfg.model.dtype)
-    loss, grads = ts.accumulate(lambda p, b: loss_and_grads(p, b["inputs"], b["targets"]), params, batch, accum)
+    loss, grads = loss_and_grads(params, batch["inputs"], batch["targets"])  # micro-batches inside (see the body)
     if update is not None:
       new_params, opt_state, norm = update(state.params, state.opt_state, grads)
       new_state = ts.TrainState(step=state.step + 1, params=new_params, opt_state=opt_state)

@@ -263,3 +263,30 @@ def test_splash_and_cudnn_refuse_other_platforms_with_the_alternative():
   qpos, kpos = _positions(1, 8, 8, 0)
   with pytest.raises(ValueError, match=r"'cudnn' needs a GPU, this program is for 'cpu': use .*'dot_product'"):
     attention.attend("cudnn", q, k, v, qpos, kpos, block=8, aligned=True)
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(jax.default_backend() != "gpu", reason="cuDNN's fused attention needs a GPU")
+@pytest.mark.parametrize("causal", [True, False])
+def test_cudnn_ring_blocks_match_the_xla_blocks(causal):
+  """The GPU ring's block kernels (framework/ring_cudnn.py): cuDNN's output and log-sum-exp, and its backward
+  from a given output and log-sum-exp (here another block's merged with this one, as in the ring), equal the XLA
+  reference blocks the CPU tests run the ring with."""
+  from framework import ring_cudnn  # noqa: PLC0415
+  rng = np.random.default_rng(0)
+  B, T, S, H, K, E = 2, 256, 256, 8, 2, 128
+  q, k, v, k2, v2, do = (jnp.asarray(rng.standard_normal(s), jnp.bfloat16)
+                         for s in [(B, T, H, E), (B, S, K, E), (B, S, K, E), (B, S, K, E), (B, S, K, E), (B, T, H, E)])
+  cf, cb = ring_cudnn.cudnn_blocks()
+  xf, xb = ring_cudnn.xla_blocks()
+  (co, cl), (xo, xl) = jax.jit(cf, static_argnums=3)(q, k, v, causal), jax.jit(xf, static_argnums=3)(q, k, v, causal)
+  np.testing.assert_allclose(np.asarray(co, np.float32), np.asarray(xo, np.float32), atol=2e-2, rtol=2e-2)
+  np.testing.assert_allclose(np.asarray(cl), np.asarray(xl), atol=2e-2, rtol=1e-3)
+  o2, l2 = xf(q, k2, v2, False)
+  o, lse = ring_cudnn.merge(xo, xl, o2, l2)
+  o = o.astype(jnp.bfloat16)
+  got = jax.jit(cb, static_argnums=6)(q, k, v, o, lse, do, causal)
+  want = jax.jit(xb, static_argnums=6)(q, k, v, o, lse, do, causal)
+  for g, w in zip(got, want):
+    w = np.asarray(w, np.float32)
+    np.testing.assert_allclose(np.asarray(g, np.float32), w, atol=3e-2 * np.abs(w).max(), rtol=3e-2)

@@ -112,6 +112,14 @@ def test_ring_matches_single_device_dense(mesh, form):
   _check(mesh, form, {"attention": "ring", "attention_block": 2})
 
 
+def test_gpu_ring_schedule_and_merge_match_single_device_dense(monkeypatch):
+  """The GPU ring (framework/ring_cudnn.py: per-block (output, log-sum-exp) merged, block backward from the final
+  output and log-sum-exp) with XLA block kernels in place of cuDNN's, which have no CPU implementation."""
+  from framework import ring_cudnn  # noqa: PLC0415
+  monkeypatch.setattr(attention, "RING_BLOCKS", ring_cudnn.xla_blocks())
+  _check({"data": 2, "sequence": 4}, "shard_map", {"attention": "ring", "attention_block": 2})
+
+
 def test_ring_passes_kv_around_instead_of_gathering_it():
   # data x sequence, no FSDP: the only all-gathers left are the token ids' (zig-zag layout, int32); K/V travel by
   # collective permutes (forward ring, backward ring and the gradients' last hop).

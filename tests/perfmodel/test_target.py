@@ -200,3 +200,15 @@ def test_predict_applies_a_frameworks_overlap_options_to_the_target_program(targ
   assert meg.overlap["bwd_window_s"] > 0 and meg.overlap["fwd_window_s"] > 0
   local = cfg.model.n_params(embeddings=True) / (cfg.mesh.tensor * cfg.mesh.pipeline)
   assert meg.overlap["bucket_fraction"] == pytest.approx(min(1.0, max(40e6, 1e6 * 8) / local))
+
+
+@NEEDS["h100"]
+def test_gpu_ring_attention_runs_cudnn_flash_blocks():
+  """Context parallelism on a GPU target: every ring block is a cuDNN fused attention call, forward and backward
+  (framework/ring_cudnn.py), not XLA fusions that build each block's scores."""
+  cfg = _cfg("h100", ["--config.mesh.data=4", "--config.mesh.sequence=2", "--config.mesh.form=shard_map",
+                      "--config.model.attention=ring"])
+  cap = program.target_train_step(cfg, "h100")
+  calls = [ln.split('custom_call_target="')[1].split('"')[0] for ln in cap.hlo_text.splitlines()
+           if 'custom_call_target="' in ln]
+  assert "__cudnn$fmhaSoftmax" in calls and "__cudnn$fmhaSoftmaxBackward" in calls, calls
