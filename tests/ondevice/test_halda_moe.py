@@ -140,3 +140,24 @@ def test_counts_file_roundtrip_and_bad_files(info, tmp_path):
     with pytest.raises(ValueError, match="--save-expert-counts") as e:
       halda_moe.load_counts(p, info)
     assert "\n" not in str(e.value)
+
+
+def test_cli_counts_plan_only_and_ring_refusal(info, tmp_path, capsys):
+  """A one-device run saves its routing counts; --plan-only plans the ring with them; running MoE on the ring is
+  refused in one line naming the fix."""
+  from ondevice import run
+  counts, devs = str(tmp_path / "c.json"), str(tmp_path / "d.yaml")
+  with open(devs, "w") as f:
+    f.write("devices:\n  - {name: a, ram_mb: 1.5, disk_mbps: 50}\n  - {name: b, ram_mb: 1.5, disk_mbps: 50}\n")
+  m = ["--model", info.path]
+  assert run.main(m + ["--prompt", "def f(x):", "--max-tokens", "8", "--save-expert-counts", counts]) == 0
+  c = halda_moe.load_counts(counts, info)
+  per = c.sum(axis=1)  # K per token and layer (the last layer of a prefill routes only the row whose logits count)
+  assert per[0] > 8 * K and (per % K == 0).all() and (per[:-1] == per[0]).all()
+  capsys.readouterr()
+  assert run.main(m + ["--devices", devs, "--plan-only", "--expert-counts", counts]) == 0
+  plan = json.loads(capsys.readouterr().out)
+  assert plan["experts"]["frequencies"].startswith("measured") and sum(plan["w"]) * plan["k"] == L
+  assert run.main(m + ["--devices", devs, "--prompt", "x"]) == 2
+  err = capsys.readouterr().err.strip()
+  assert err.startswith("error: the ring does not run mixture-of-experts") and "\n" not in err
