@@ -16,10 +16,11 @@ ggml's mul_mat_id uses for every row; the SwiGLU and the router softmax are ggml
 Only the routed experts are read. A stacked expert tensor (n_expert, rows, n_in) is indexed per expert into the
 file's mapping: F16 / BF16 / F32 experts are computed in place on the mapped pages (no copy; ``matmul_desc``
 reads the file bytes at the expert's offset), and so are Q8_0 / Q4_0 experts (``moe_kernels.file_matmul``: the
-file's block layout, the planes kernels' arithmetic) until an expert has been used ``repack_after`` times: then it
-is repacked into the planes layout (~1.4x faster per use, a repack costs ~60 uses) and kept in an LRU cache of
-``cache_bytes`` (None: unbounded; 0: nothing is repacked) when it fits there. The K-quants (Q4_K, Q5_K, Q6_K)
-are repacked when first routed and cached the same way (0: repacked from the file at every use). Every in-place
+file's block layout, the planes kernels' arithmetic) until an expert has been used ``repack_after`` times: then
+it is repacked into the planes layout (~1.4x faster per use; a repack, ~200 us, pays back after ~80 uses) and
+kept in an LRU cache of ``cache_bytes`` (None: unbounded; 0: nothing is repacked) when it fits there. The
+K-quants (Q4_K, Q5_K, Q6_K) are repacked when first routed and cached the same way (0: repacked from the file at
+every use). Every in-place
 use and every repack first asks for exactly the expert's pages (``MADV_WILLNEED``: one read, not a fault per
 page). Both mappings of the file are ``MADV_RANDOM``: a page fault then reads that page, not the kernel's
 read-around window about it (read_ahead_kb, 128 KB to megabytes), which would be other experts' pages (a fault

@@ -160,8 +160,8 @@ def _file_rows(context, builder, sig, args, q4: bool):
     bo = builder.mul(b, _c(I64, bb))
     base = [builder.add(builder.add(off, builder.mul(rb, _c(I64, r))), bo) for r in range(nr)]
     dx = builder.load(_ptr(context, builder, t[5], xd, b, F32))
-    sc = [builder.fmul(builder.fpext(builder.bitcast(builder.load(_ptr(context, builder, t[0], w, base[r], I16), align=1),
-                                                     ir.HalfType()), F32), dx) for r in range(nr)]
+    hs = [builder.load(_ptr(context, builder, t[0], w, base[r], I16), align=1) for r in range(nr)]
+    sc = [builder.fmul(builder.fpext(builder.bitcast(h, ir.HalfType()), F32), dx) for h in hs]
     xv = builder.load(_ptr(context, builder, t[4], xq, builder.mul(b, _c(I64, 32)), _vec(I8, 32)), align=1)
 
     def wload(r, n):

@@ -128,8 +128,8 @@ def _main(args) -> int:
     if not args.devices:
       raise InputError("--plan-only prints the ring's plan: pass --devices devices.yaml")
     d = load_devices_checked(args.devices)
-    p, kept, layer_s = plan_ring(args.model, d["devices"], args.plan, d["k"] if args.k == "auto" else int(args.k), args.ctx,
-                                 d["windows"], args.expert_counts)
+    kk = d["k"] if args.k == "auto" else int(args.k)
+    p, kept, layer_s = plan_ring(args.model, d["devices"], args.plan, kk, args.ctx, d["windows"], args.expert_counts)
     print(json.dumps(dict(p.as_dict(), devices=[s.name for s in kept], measured_layer_ms=1e3 * layer_s)))
     return 0
   try:
