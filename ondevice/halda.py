@@ -63,6 +63,10 @@ class ModelCost:
   layer_bytes: int  # weights of one layer (file bytes, what is paged in)
   kv_bytes_per_layer: int = 0  # KV cache of one layer at the planned context (anonymous memory)
   head_s: float = 0.0  # embedding + output layer time on the head (kappa)
+  # MoE layers (halda_moe.py): the experts' part of layer_bytes, and the expected per-token expert bytes one layer
+  # reads with q of its expert bytes resident, as max_i (a_i - s_i q) ((a_i bytes, s_i) pairs). 0 / (): dense.
+  expert_bytes: int = 0
+  expert_curve: tuple = ()
 
 
 @dataclasses.dataclass(frozen=True)
@@ -76,6 +80,8 @@ class Plan:
   pin: tuple = ()  # bytes per window pinned, per device
   prefetch: tuple = ()  # bytes per window prefetched into the buffer, per device
   sync: tuple = ()  # bytes per window faulted in synchronously, per device
+  expert_pin: tuple = ()  # MoE: expert bytes per window kept resident (hottest first), per device
+  expert_read: tuple = ()  # MoE: expected expert bytes per window and token read when routed, per device
 
   def windows(self) -> list:
     """[device][cycle] -> list of layer ids; ring order is device 0..M-1 within each cycle."""
@@ -88,7 +94,7 @@ class Plan:
     return out
 
   def disk_bytes_per_token(self) -> float:
-    return float(sum(self.k * (x + y) for x, y in zip(self.prefetch, self.sync)))
+    return float(sum(self.k * (x + y) for x, y in zip(self.prefetch, self.sync)) + self.k * sum(self.expert_read))
 
 
 def _ram_left(d: DeviceCost, model: ModelCost, k: int, cpu_layers: int) -> float:
@@ -117,7 +123,10 @@ def residency(d: DeviceCost, model: ModelCost, k: int, w: int, n: int, budget_s:
 
 
 def evaluate(devs: Sequence[DeviceCost], model: ModelCost, k: int, w: Sequence[int], n: Sequence[int]) -> float:
-  """Halda's objective for a fixed assignment (seconds per token; inf if infeasible), by bisection on T."""
+  """Halda's objective for a fixed assignment (seconds per token; inf if infeasible), by bisection on T.
+  Dense layers only (MoE plans: ``halda_moe.one_device_latency`` checks the MILP)."""
+  if model.expert_bytes:
+    raise ValueError("halda.evaluate models dense layers; for MoE costs use halda.solve_k")
   used = [m for m, wm in enumerate(w) if wm > 0 or m == 0]
   comp = {m: devs[m].t_cpu_layer_s * (w[m] - n[m]) + devs[m].t_gpu_layer_s * n[m] for m in used}
   # every used device sends once per cycle; a head that works alone sends nothing
@@ -170,11 +179,15 @@ def solve_k(devs: Sequence[DeviceCost], model: ModelCost, k: int) -> Optional[Pl
   if L % k:
     raise ValueError(f"k={k} must divide n_layers={L}")
   W = L // k
-  b, kv = model.layer_bytes / MiB, model.kv_bytes_per_layer / MiB
+  bE = model.expert_bytes / MiB
+  b, kv = model.layer_bytes / MiB - bE, model.kv_bytes_per_layer / MiB  # b: the bytes every token reads
   big = 1e9  # "infinite" RAM / disk in MiB, MiB/ms
-  # variable order: w, n, u, p, x, y (M each), then T (ms), then z (binary: any device besides the head used)
+  # variable order: w, n, u, p, x, y (M each), then T (ms), then z (binary: any device besides the head used),
+  # then for MoE layers q (resident expert MiB per window) and e (expected expert MiB read per window and token)
   iw, i_n, iu, ip, ix, iy, iT, iz = 0, M, 2 * M, 3 * M, 4 * M, 5 * M, 6 * M, 6 * M + 1
-  nv = 6 * M + 2
+  moe = bE > 0
+  iq, ie = 6 * M + 2, 7 * M + 2
+  nv = 6 * M + 2 + (2 * M if moe else 0)
   cpu = [1e3 * d.t_cpu_layer_s for d in devs]
   gpu = [1e3 * d.t_gpu_layer_s for d in devs]
   inv_disk = [1e3 * MiB / d.disk_Bps if math.isfinite(d.disk_Bps) else 0.0 for d in devs]  # ms per MiB
@@ -182,6 +195,8 @@ def solve_k(devs: Sequence[DeviceCost], model: ModelCost, k: int) -> Optional[Pl
   c[iT] = k
   for m in range(M):  # tie-break: among equal latencies, read less from disk
     c[ix + m] = c[iy + m] = 1e-7 * k
+    if moe:
+      c[ie + m] = 1e-7 * k
   rows, lo, hi = [], [], []
 
   def add(coefs: dict, lb: float, ub: float):
@@ -201,14 +216,22 @@ def solve_k(devs: Sequence[DeviceCost], model: ModelCost, k: int) -> Optional[Pl
       add({iw + m: 1.0, iu + m: -1.0}, 0.0, np.inf)
     add({iw + m: b, i_n + m: -b, ip + m: -1.0, ix + m: -1.0, iy + m: -1.0}, 0.0, 0.0)  # s = p + x + y
     ram = d.ram_bytes / MiB if math.isfinite(d.ram_bytes) else big
-    add({ip + m: float(k), ix + m: 1.0, iw + m: k * kv, i_n + m: -k * kv}, -np.inf, ram)
+    add({ip + m: float(k), ix + m: 1.0, iw + m: k * kv, i_n + m: -k * kv, **({iq + m: float(k)} if moe else {})},
+        -np.inf, ram)
     own = {iw + m: cpu[m], i_n + m: gpu[m] - cpu[m]}
     for j, v in own.items():
       chain[j] = chain.get(j, 0.0) + v
     link_var = iz if m == 0 else iu + m  # the head's hop exists only in a ring of two or more
     chain[link_var] = chain.get(link_var, 0.0) + 1e3 * d.link_s
     chain[iy + m] = chain.get(iy + m, 0.0) + inv_disk[m]
-    add({**own, ix + m: inv_disk[m], iy + m: inv_disk[m], iT: -1.0}, -np.inf, 0.0)
+    disk = {ix + m: inv_disk[m], iy + m: inv_disk[m]}
+    if moe:  # routed experts are read when the router has chosen them: synchronously, in the chain
+      chain[ie + m] = inv_disk[m]
+      disk[ie + m] = inv_disk[m]
+      add({iq + m: 1.0, iw + m: -bE, i_n + m: bE}, -np.inf, 0.0)  # q <= bE (w - n)
+      for a, sl in model.expert_curve:  # e >= a (w - n) - s q  (the perspective of the convex per-layer curve)
+        add({ie + m: 1.0, iw + m: -a / MiB, i_n + m: a / MiB, iq + m: float(sl)}, 0.0, np.inf)
+    add({**own, **disk, iT: -1.0}, -np.inf, 0.0)
   add(chain, -np.inf, 0.0)
   lb = np.zeros(nv)
   ub = np.full(nv, np.inf)
@@ -232,7 +255,8 @@ def solve_k(devs: Sequence[DeviceCost], model: ModelCost, k: int) -> Optional[Pl
   n = tuple(int(round(v)) for v in x[i_n:i_n + M])
   get = lambda i: tuple(float(max(0.0, v)) * MiB for v in x[i:i + M])  # noqa: E731
   lat = k * float(x[iT]) / 1e3 + model.head_s
-  return Plan(k, w, n, lat, tuple(m for m in range(M) if w[m] > 0), pin=get(ip), prefetch=get(ix), sync=get(iy))
+  return Plan(k, w, n, lat, tuple(m for m in range(M) if w[m] > 0), pin=get(ip), prefetch=get(ix), sync=get(iy),
+              expert_pin=get(iq) if moe else (), expert_read=get(ie) if moe else ())
 
 
 def solve(devs: Sequence[DeviceCost], model: ModelCost, ks: Optional[Sequence[int]] = None) -> Plan:

@@ -15,13 +15,19 @@ ggml's mul_mat_id uses for every row; the SwiGLU and the router softmax are ggml
 
 Only the routed experts are read. A stacked expert tensor (n_expert, rows, n_in) is indexed per expert into the
 file's mapping: F16 / BF16 / F32 experts are computed in place on the mapped pages (no copy; ``matmul_desc``
-reads the file bytes at the expert's offset); quantised experts (Q8_0, Q4_0, Q4_K, Q5_K, Q6_K) are repacked from
-the expert's bytes when first routed and kept in an LRU cache of ``cache_bytes`` (None: unbounded; 0: repacked
-from the file at every use). Both mappings of the file are ``MADV_RANDOM``: a page fault then reads that page,
-not the kernel's read-around window about it (read_ahead_kb, 128 KB to megabytes), which would be other experts'
-pages (a fault on one embedding row read this whole 2 MB test file on an 8 MB read-ahead disk). Files we export carry a CRC32 per expert (``name#e``), checked on first use.
+reads the file bytes at the expert's offset), and so are Q8_0 / Q4_0 experts (``moe_kernels.file_matmul``: the
+file's block layout, the planes kernels' arithmetic) until an expert has been used ``repack_after`` times: then
+it is repacked into the planes layout (~1.4x faster per use; a repack, ~200 us, pays back after ~80 uses) and
+kept in an LRU cache of ``cache_bytes`` (None: unbounded; 0: nothing is repacked) when it fits there. The
+K-quants (Q4_K, Q5_K, Q6_K) are repacked when first routed and cached the same way (0: repacked from the file at
+every use). Every in-place
+use and every repack first asks for exactly the expert's pages (``MADV_WILLNEED``: one read, not a fault per
+page). Both mappings of the file are ``MADV_RANDOM``: a page fault then reads that page, not the kernel's
+read-around window about it (read_ahead_kb, 128 KB to megabytes), which would be other experts' pages (a fault
+on one embedding row read this whole 2 MB test file on an 8 MB read-ahead disk). Files we export carry a CRC32
+per expert (``name#e``), checked on first use.
 ``counts[layer, expert]`` counts routed tokens (activation frequency), ``mapped_bytes`` the expert bytes read
-through the mapping (every use for float experts, every cache miss for quantised ones).
+through the mapping (every in-place use, every repack).
 """
 from __future__ import annotations
 
@@ -38,6 +44,9 @@ from ondevice.gguf_check import EXPERT_MATS, GGUFError
 
 GATE, UP, DOWN = EXPERT_MATS
 _IN_PLACE = ("F16", "BF16", "F32")
+# In place costs ~1.4x the planes kernel per use (512 x 512 Q8_0: ~9 vs ~6.5 us, one thread) and a repack ~200 us,
+# so an expert is repacked (when the cache has room) only after this many uses.
+REPACK_AFTER = 64
 DUMMY_FF = 4 * planes.R  # the zero feed-forward block of the attention-only pack (at most 4 kernel threads)
 
 
@@ -69,6 +78,22 @@ class _Repacked:
     return pk.matmul_desc(self.desc, self.W, self.S, x, batched and x.shape[0] >= 2)[:, :self.n_out]
 
 
+class _FileQ0:
+  """A Q8_0 / Q4_0 expert computed on the mapped file bytes at ``off`` (``moe_kernels.file_matmul``)."""
+
+  def __init__(self, qtype: str, W: np.ndarray, off: int, n_out: int, n_in: int):
+    self.qtype, self.W, self.off, self.n_out, self.n_in = qtype, W, off, n_out, n_in
+
+  def __call__(self, x_TxI: np.ndarray, batched: bool = False) -> np.ndarray:
+    # Q8_0 / Q4_0 mat-vecs have one order for any pass length (matvec.mat_groups): ``batched`` changes nothing.
+    x = np.ascontiguousarray(x_TxI, np.float32)
+    T, n = x.shape
+    act = (np.empty((T, n), np.int8), np.empty((T, n // 32), np.float32), np.empty((T, n // 32), np.int32),
+           np.empty((T, n // 4), np.int32))
+    pk.act_q8(x, *act)
+    return moe_kernels.file_matmul(self.qtype, self.W, self.off, self.n_out, self.n_in, act)
+
+
 def _padded(a: np.ndarray) -> np.ndarray:
   """``planes._Buf`` of one piece: the bytes, zeros to a multiple of 64, then 64 more."""
   n = a.size
@@ -80,7 +105,7 @@ def _padded(a: np.ndarray) -> np.ndarray:
 class Experts:
   """The MoE blocks of the bound layers of a mapped MoE file (module docstring)."""
 
-  def __init__(self, mapped, layer_ids, cache_bytes: Optional[int] = None):
+  def __init__(self, mapped, layer_ids, cache_bytes: Optional[int] = None, repack_after: int = REPACK_AFTER):
     info = mapped.info
     self.info, self.spec, self.cfg = info, info.moe, info.cfg
     self.layer_ids = list(layer_ids)
@@ -94,7 +119,9 @@ class Experts:
     for i in self.layer_ids:
       t = info.tensors[f"blk.{i}.ffn_gate_inp.weight"]
       self.router[i] = planes.Matrix(t.qtype, mapped.view(t.name), t.shape[0], t.shape[1])
-    self.cache_bytes = cache_bytes
+    self.cache_bytes, self.repack_after = cache_bytes, repack_after
+    self._uses: dict = {}
+    self.in_place_uses = 0
     self._lru: collections.OrderedDict = collections.OrderedDict()
     self._held = 0
     self._checked: set = set()
@@ -127,18 +154,19 @@ class Experts:
     t = self.info.tensors[f"blk.{i}.{kind}.weight"]
     n_out, n_in = t.shape[1], t.shape[2]
     if t.qtype in _IN_PLACE and n_out % planes.R == 0:
-      a, b = self.expert_range(i, kind, e)
-      self._raw(i, kind, e)
-      self.mapped_bytes += b - a
-      return _InPlace(t.qtype, self.W, a, n_out, n_in)
+      return self._in_place(i, kind, e, lambda a: _InPlace(t.qtype, self.W, a, n_out, n_in))
     key = (i, kind, e)
     m = self._lru.get(key)
     if m is not None:
       self._lru.move_to_end(key)
       return m
     a, b = self.expert_range(i, kind, e)
-    a0 = a - a % mmap.PAGESIZE
-    self._mm.madvise(mmap.MADV_WILLNEED, a0, b - a0)  # one read of the expert's pages, not a fault per page
+    if t.qtype in moe_kernels.FILE_ROWS and planes.HAVE_NUMBA and n_out % moe_kernels.FILE_ROWS[t.qtype] == 0:
+      self._uses[key] = uses = self._uses.get(key, 0) + 1
+      fits = self.cache_bytes is None or b - a <= self.cache_bytes
+      if uses <= self.repack_after or not fits or self.cache_bytes == 0:
+        return self._in_place(i, kind, e, lambda a: _FileQ0(t.qtype, self.W, a, n_out, n_in))
+    self._willneed(a, b)
     raw = self._raw(i, kind, e)
     if t.qtype in ("Q8_0", "Q4_0") and planes.HAVE_NUMBA:
       m = _Repacked(t.qtype, raw, n_out, n_in)
@@ -155,6 +183,18 @@ class Experts:
         _, old = self._lru.popitem(last=False)
         self._held -= old.W.nbytes + old.S.nbytes
     return m
+
+  def _willneed(self, a: int, b: int) -> None:
+    a0 = a - a % mmap.PAGESIZE
+    self._mm.madvise(mmap.MADV_WILLNEED, a0, b - a0)
+
+  def _in_place(self, i: int, kind: str, e: int, make):
+    a, b = self.expert_range(i, kind, e)
+    self._willneed(a, b)
+    self._raw(i, kind, e)
+    self.mapped_bytes += b - a
+    self.in_place_uses += 1
+    return make(a)
 
   # ------------------------------------------------------------------ the block
   def route(self, i: int, h_TxD: np.ndarray, batched: bool) -> tuple:
@@ -203,6 +243,7 @@ class Experts:
   def stats(self) -> dict:
     return {"expert_cache_mb": None if self.cache_bytes is None else self.cache_bytes / 2**20,
             "expert_cache_held_mb": self._held / 2**20, "repacks": self.repacks,
+            "in_place_uses": self.in_place_uses,
             "expert_mapped_mb": self.mapped_bytes / 2**20}
 
   def expert_bytes(self, i: int) -> int:

@@ -7,6 +7,15 @@ build computes them.
 * SwiGLU (ggml_vec_swiglu_f32): g / (1 + ggml_v_expf(-g)) * u on 16 lanes (``simd.vswiglu``), the remaining
   entries as ``ggml_silu_f32``: g / (1 + expf(-g)) * u with libm's expf.
 Without numba both run in numpy (not exact: numpy's exp is not ggml's).
+
+Quantised experts in the file's own layout (``file_matmul``): Q8_0 / Q4_0 rows as the GGUF stores them (per block
+of 32: an f16 scale, then 32 int8 quants or 16 bytes of nibbles, low nibble = quant j, high = quant j + 16),
+computed on the mapped bytes without a copy, with the arithmetic of the planes kernels (simd._rows64), so the
+same bits as llama.cpp: per block the integer dot with the Q8_0 activation (AVX-512 VNNI ``vpdpbusd``, Q8_0
+weights flipped to unsigned and 128 * the activation's quad sums subtracted, Q4_0 minus 8 * its block sum), then
+per row fma(float(isum), f16(d_w) * d_x, acc): Q8_0 keeps ggml vec_dot's eight lane accumulators (lane c = quad
+c of every block) and their hsum_float_8; Q4_0 one accumulator per row. Q8_0 runs 8 rows per step (4 independent
+pairs of rows in 16-lane registers), Q4_0 4 rows (their 4 x 16 nibble bytes in one register).
 """
 from __future__ import annotations
 
@@ -20,7 +29,11 @@ from ondevice.simd import HAVE_NUMBA
 
 if HAVE_NUMBA:
   import numba
-  from ondevice.simd import vexp_sum, vswiglu
+  from llvmlite import ir
+  from numba import types as nbt
+  from numba.core import cgutils
+  from numba.extending import intrinsic
+  from ondevice.simd import F32, I8, I16, I32, I64, _call, _dpbusd, _ptr, _vec, vexp_sum, vswiglu
 
 
 def _anchor():  # numba's cache locators start from a function of this file
@@ -114,3 +127,120 @@ def repack_q0(qtype: str, raw: np.ndarray, n_rows: int, n_in: int) -> tuple:
   s = np.zeros((G, nb * 64), np.uint16)
   _repack_q0(np.ascontiguousarray(raw, np.uint8).reshape(-1), n_rows, nb, bb, nq, np.uint8(xor), q, s)
   return q, s
+
+
+# ------------------------------------------------------------------------------------------ experts in place
+
+def _c(t, v):
+  return ir.Constant(t, v)
+
+
+def _splat_n(builder, vals, reps):
+  """<len(vals) * reps x float>: each value repeated ``reps`` times, in order."""
+  n = len(vals)
+  v = ir.Constant(_vec(F32, n), ir.Undefined)
+  for i, x in enumerate(vals):
+    v = builder.insert_element(v, x, _c(I32, i))
+  return builder.shuffle_vector(v, v, _c(_vec(I32, n * reps), [i for i in range(n) for _ in range(reps)]))
+
+
+def _file_rows(context, builder, sig, args, q4: bool):
+  """Q4_0: 4 rows, Q8_0: 8 rows of a file-layout matrix (rows at w[off + r * rb]) times one token (module doc)."""
+  (w, off, rb, nb, xq, xd, xs, out, o) = args
+  t = sig.args
+  vnni = simd.has_vnni()
+  v16i, v16f, v64b, v4f = _vec(I32, 16), _vec(F32, 16), _vec(I8, 64), _vec(F32, 4)
+  nr, bb = (4, 18) if q4 else (8, 34)
+  zero_i = _c(v16i, [0] * 16)
+  acc = [cgutils.alloca_once_value(builder, _c(v4f, [0.0] * 4))] if q4 else \
+      [cgutils.alloca_once_value(builder, _c(v16f, [0.0] * 16)) for _ in range(4)]
+  cat = _c(_vec(I32, 64), list(range(64)))
+  with cgutils.for_range(builder, nb) as loop:
+    b = loop.index
+    bo = builder.mul(b, _c(I64, bb))
+    base = [builder.add(builder.add(off, builder.mul(rb, _c(I64, r))), bo) for r in range(nr)]
+    dx = builder.load(_ptr(context, builder, t[5], xd, b, F32))
+    hs = [builder.load(_ptr(context, builder, t[0], w, base[r], I16), align=1) for r in range(nr)]
+    sc = [builder.fmul(builder.fpext(builder.bitcast(h, ir.HalfType()), F32), dx) for h in hs]
+    xv = builder.load(_ptr(context, builder, t[4], xq, builder.mul(b, _c(I64, 32)), _vec(I8, 32)), align=1)
+
+    def wload(r, n):
+      return builder.load(_ptr(context, builder, t[0], w, builder.add(base[r], _c(I64, 2)), _vec(I8, n)), align=1)
+    if q4:
+      ws = [wload(r, 16) for r in range(4)]
+      c32 = _c(_vec(I32, 32), list(range(32)))
+      v = builder.shuffle_vector(builder.shuffle_vector(ws[0], ws[1], c32), builder.shuffle_vector(ws[2], ws[3], c32),
+                                 cat)
+      lo, hi = builder.and_(v, _c(v64b, [15] * 64)), builder.lshr(v, _c(v64b, [4] * 64))
+      xlo = builder.shuffle_vector(xv, xv, _c(_vec(I32, 64), [j for _ in range(4) for j in range(16)]))
+      xhi = builder.shuffle_vector(xv, xv, _c(_vec(I32, 64), [16 + j for _ in range(4) for j in range(16)]))
+      isum = _dpbusd(builder, _dpbusd(builder, zero_i, lo, xlo, vnni), hi, xhi, vnni)
+      und = ir.Constant(v16i, ir.Undefined)
+      p = [builder.shuffle_vector(isum, und, _c(_vec(I32, 4), [4 * r + j for r in range(4)])) for j in range(4)]
+      s4 = builder.add(builder.add(p[0], p[1]), builder.add(p[2], p[3]))  # integers: any order is exact
+      corr = builder.load(_ptr(context, builder, t[6], xs, b, I32))
+      cv = builder.insert_element(ir.Constant(_vec(I32, 4), ir.Undefined), corr, _c(I32, 0))
+      f = builder.sitofp(builder.sub(s4, builder.shuffle_vector(cv, cv, _c(_vec(I32, 4), [0] * 4))), v4f)
+      builder.store(_call(builder, "llvm.fma.v4f32", v4f, [f, _splat_n(builder, sc, 1), builder.load(acc[0])]), acc[0])
+    else:
+      x2 = builder.shuffle_vector(xv, xv, _c(_vec(I32, 64), list(range(32)) * 2))
+      cr = builder.load(_ptr(context, builder, t[6], xs, builder.mul(b, _c(I64, 8)), _vec(I32, 8)), align=4)
+      cr2 = builder.shuffle_vector(cr, cr, _c(v16i, list(range(8)) * 2))
+      for pr in range(4):
+        v = builder.xor(builder.shuffle_vector(wload(2 * pr, 32), wload(2 * pr + 1, 32), cat), _c(v64b, [-128] * 64))
+        f = builder.sitofp(builder.sub(_dpbusd(builder, zero_i, v, x2, vnni), cr2), v16f)
+        builder.store(_call(builder, "llvm.fma.v16f32", v16f, [f, _splat_n(builder, sc[2 * pr:2 * pr + 2], 8),
+                                                                 builder.load(acc[pr])]), acc[pr])
+  if q4:
+    res = builder.load(acc[0])
+  else:  # hsum_float_8 per row: ((l4+l0) + (l6+l2)) + ((l5+l1) + (l7+l3))
+    res = ir.Constant(_vec(F32, 8), ir.Undefined)
+    for pr in range(4):
+      a = builder.load(acc[pr])
+      for h in range(2):
+        ln = [builder.extract_element(a, _c(I32, 8 * h + i)) for i in range(8)]
+        tt = [builder.fadd(ln[4 + i], ln[i]) for i in range(4)]
+        res = builder.insert_element(res, builder.fadd(builder.fadd(tt[0], tt[2]), builder.fadd(tt[1], tt[3])),
+                                     _c(I32, 2 * pr + h))
+  builder.store(res, _ptr(context, builder, t[7], out, o, _vec(F32, nr)), align=4)
+  return context.get_dummy_value()
+
+
+if HAVE_NUMBA:
+  @intrinsic
+  def _q8_file_rows8(typingctx, w, off, rb, nb, xq, xd, xs8, out, o):
+    """out[o:o+8] = rows at w[off + r*rb], r < 8, of a Q8_0 file-layout matrix (nb blocks) times one Q8_0
+    activation (int8 xq, scales xd, 128 * quad sums xs8)."""
+    return nbt.void(w, nbt.int64, nbt.int64, nbt.int64, xq, xd, xs8, out, nbt.int64), \
+        lambda c, b, s, a: _file_rows(c, b, s, a, False)
+
+  @intrinsic
+  def _q4_file_rows4(typingctx, w, off, rb, nb, xq, xd, xs4, out, o):
+    """As _q8_file_rows8 for 4 Q4_0 rows (xs4: 8 * the activation's block sums)."""
+    return nbt.void(w, nbt.int64, nbt.int64, nbt.int64, xq, xd, xs4, out, nbt.int64), \
+        lambda c, b, s, a: _file_rows(c, b, s, a, True)
+
+
+@_jit
+def _file_matmul(q4, W, off, n_out, n_in, xq, xd, xs4, xs8, out):  # pragma: no cover - compiled
+  nb = n_in // 32
+  rb = nb * (18 if q4 else 34)
+  for t in range(xq.shape[0]):
+    if q4:
+      for r in range(0, n_out, 4):
+        _q4_file_rows4(W, off + r * rb, rb, nb, xq[t], xd[t], xs4[t], out[t], r)
+    else:
+      for r in range(0, n_out, 8):
+        _q8_file_rows8(W, off + r * rb, rb, nb, xq[t], xd[t], xs8[t], out[t], r)
+
+
+FILE_ROWS = {"Q8_0": 8, "Q4_0": 4}  # n_out must be a multiple of this for file_matmul
+
+
+def file_matmul(qtype: str, W: np.ndarray, off: int, n_out: int, n_in: int, act: tuple) -> np.ndarray:
+  """T x n_out: the Q8_0 / Q4_0 matrix whose rows start at W[off] (the file's layout) times the activations
+  ``act`` = (xq, xd, xs4, xs8) from ``planes_kernels.act_q8`` (module docstring; numba only)."""
+  xq, xd, xs4, xs8 = act
+  out = np.empty((xq.shape[0], n_out), np.float32)
+  _file_matmul(qtype == "Q4_0", W, off, n_out, n_in, xq, xd, xs4, xs8, out)
+  return out

@@ -10,6 +10,8 @@ Without --devices: one local device, wall-clock timing. With --devices: a ring o
 Everything knowable before the first token (context, plan, files, draft) is checked first; bad input
 ends in one `error: ...` line naming the fix and exit code 2. A ring device that dies mid-generation is
 dropped and the rest re-planned (--on-peer-failure replan, the default); greedy output is unchanged.
+Mixture-of-experts files run on one device (--save-expert-counts FILE keeps the run's routing counts); with
+--devices they are planned only (--plan-only [--expert-counts FILE]: Halda with experts weighted by frequency).
 """
 from __future__ import annotations
 
@@ -34,11 +36,22 @@ def load_devices_checked(path: str) -> dict:
   return d
 
 
-def plan_ring(model: str, specs: list, plan_method: str, k, ctx: int, windows=None):
-  """(RingPlan, kept specs) or InputError naming the fix (Halda infeasible, bad k or windows)."""
-  from ondevice import planner, profiler
+MOE_RING = ("the ring does not run mixture-of-experts files yet (its devices keep whole layers resident, not "
+            "experts): run without --devices, or add --plan-only to print Halda's expert placement")
+
+
+def plan_ring(model: str, specs: list, plan_method: str, k, ctx: int, windows=None, expert_counts=None):
+  """(RingPlan, kept specs) or InputError naming the fix (Halda infeasible, bad k or windows). MoE files:
+  ``expert_counts`` (a --save-expert-counts file) weights the experts by activation frequency."""
+  from ondevice import halda_moe, planner, profiler
   from ondevice.gguf_io import read_info
   info = read_info(model)
+  counts = None
+  if expert_counts is not None:
+    try:
+      counts = halda_moe.load_counts(expert_counts, info)
+    except ValueError as e:
+      raise InputError(str(e)) from None
   L = info.cfg.n_layers
   if k != "auto" and (int(k) < 1 or L % int(k)):
     raise InputError(f"--k {k} must divide the model's {L} layers; pass one of "
@@ -51,7 +64,7 @@ def plan_ring(model: str, specs: list, plan_method: str, k, ctx: int, windows=No
   layer_s = profiler.layer_time(model) if method == "halda" else 0.0
   head_s = profiler.head_time(model) if method == "halda" else 0.0
   try:
-    p, kept = planner.plan(info, specs, method, k, layer_s, head_s, ctx, windows=windows)
+    p, kept = planner.plan(info, specs, method, k, layer_s, head_s, ctx, windows=windows, expert_counts=counts)
   except ValueError as e:
     kv_mb = 2 * ctx * info.cfg.n_kv_heads * info.cfg.hd * 4 / 2**20
     raise InputError(f"{e} (--ctx {ctx} costs {kv_mb:.2f} MB of KV cache per layer; lower --ctx, give the devices "
@@ -70,6 +83,8 @@ def build_engine(model: str, devices=None, plan_method: str = "halda", k="auto",
   if devices is None and specs is None:
     opts = DeviceOptions(prefetch=bool(prefetch), policy=policy, real_io=real_io, max_len=ctx)
     return RingEngine(model, [[list(range(info.cfg.n_layers))]], [None], opts), {"method": "single", "k": 1}
+  if info.moe is not None:
+    raise InputError(MOE_RING)
   d = load_devices_checked(devices) if specs is None else {"devices": specs, "k": k, "prefetch": prefetch,
                                                            "windows": None}
   k = d["k"] if k == "auto" else k
@@ -105,6 +120,18 @@ def _main(args) -> int:
   from ondevice.weights import MappedGGUF
   info = read_info(args.model)
   gguf_check.check_runnable(info)
+  if args.expert_counts and not args.plan_only:
+    raise InputError("--expert-counts is a planning input: add --plan-only (with --devices) to see its placement")
+  if args.save_expert_counts and (info.moe is None or args.devices):
+    raise InputError("--save-expert-counts needs a mixture-of-experts model run on one device (no --devices)")
+  if args.plan_only:
+    if not args.devices:
+      raise InputError("--plan-only prints the ring's plan: pass --devices devices.yaml")
+    d = load_devices_checked(args.devices)
+    kk = d["k"] if args.k == "auto" else int(args.k)
+    p, kept, layer_s = plan_ring(args.model, d["devices"], args.plan, kk, args.ctx, d["windows"], args.expert_counts)
+    print(json.dumps(dict(p.as_dict(), devices=[s.name for s in kept], measured_layer_ms=1e3 * layer_s)))
+    return 0
   try:
     voc = vocab_lib.load(args.model)
     if args.prompt_ids:
@@ -190,6 +217,9 @@ def _main(args) -> int:
                "clock": "emulated" if eng.head.emulated else "wall",
                "recoveries": recoveries, "devices": eng.stats()}
     print(json.dumps(summary), file=sys.stderr)
+    if args.save_expert_counts:
+      from ondevice import halda_moe
+      halda_moe.save_counts(args.save_expert_counts, info, eng.head.model.experts.counts)
   finally:
     eng.close()
   return 0
@@ -238,6 +268,12 @@ def main(argv=None) -> int:
   ap.add_argument("--peer-timeout", type=float, default=60.0, help="seconds a ring pass may take (hang detection)")
   ap.add_argument("--on-peer-failure", default="replan", choices=["replan", "fail"],
                   help="a ring device that dies: re-plan without it and continue, or stop with an error")
+  ap.add_argument("--plan-only", action="store_true", help="with --devices: print the ring's plan (JSON) and exit")
+  ap.add_argument("--expert-counts", default=None,
+                  help="MoE, with --plan-only: routing counts (a --save-expert-counts file) that weight Halda's expert "
+                       "placement by activation frequency (default: the uniform prior top_k / n_expert)")
+  ap.add_argument("--save-expert-counts", default=None,
+                  help="MoE, one device: write the run's per-layer per-expert routing counts (JSON) to this file")
   args = ap.parse_args(argv)
   if args.k != "auto" and not args.k.isdigit():
     ap.error(f"--k {args.k}: pass a positive integer or auto")

@@ -13,16 +13,16 @@ from .conftest import llama_cpp_peer
 
 PROMPT = list(b"import os\nimport sys\n\ndef main(argv):\n  ")
 N = 24
+PARITY = [(k, q) for k in ("qwen3moe", "mixtral") for q in ("f16", "q8_0", "q4_0")]
 
 
 @pytest.fixture(scope="module")
 def moe_files(tmp_path_factory):
   d = tmp_path_factory.mktemp("moe")
   out = {}
-  for kind in ("qwen3moe", "mixtral"):
-    for q in ("f16", "q8_0"):
-      out[kind, q] = str(d / f"{kind}-{q}.gguf")
-      testmodels.moe_gguf(out[kind, q], kind, q, n_layers=2, d_model=128, n_expert=8, n_used=2, ff=128, seed=3)
+  for kind, q in PARITY:
+    out[kind, q] = str(d / f"{kind}-{q}.gguf")
+    testmodels.moe_gguf(out[kind, q], kind, q, n_layers=2, d_model=128, n_expert=8, n_used=2, ff=128, seed=3)
   return out
 
 
@@ -49,8 +49,7 @@ def test_llama_cpp_moe_layout(moe_files):
     assert info.moe == gguf_check.MoE(8, 2, 128) and info.rope_neox == (arch == "qwen3moe")
 
 
-@pytest.mark.parametrize("q", ["f16", "q8_0"])
-@pytest.mark.parametrize("kind", ["qwen3moe", "mixtral"])
+@pytest.mark.parametrize("kind,q", PARITY)
 def test_same_logits_and_greedy_stream_as_llama_cpp(moe_files, kind, q):
   from ondevice.forward import GGUFLlama
   llm = llama_cpp_peer().Llama(moe_files[kind, q], n_ctx=128, n_threads=1, n_threads_batch=1, type_k=0, type_v=0,
@@ -72,6 +71,50 @@ def test_same_logits_and_greedy_stream_as_llama_cpp(moe_files, kind, q):
   assert len(set(toks)) > 3  # a stream, not one repeated token
   used = m.experts.counts
   assert (used > 0).sum(axis=1).min() > 2  # tokens were routed to different experts
+  if q != "f16":  # the quantised experts ran in the file's layout (moe_kernels.file_matmul), none repacked
+    assert m.experts.repacks == 0 and m.experts.in_place_uses > 0
+
+
+@pytest.mark.parametrize("qt", ["Q8_0", "Q4_0"])
+def test_file_layout_kernel_equals_planes_kernel(qt):
+  """The in-place Q8_0 / Q4_0 kernel on the file's blocks gives the repacked planes kernel's bits (which are
+  llama.cpp's), for one and several tokens, and is near the float product (it sees the weights)."""
+  import gguf
+  from ondevice import moe, moe_kernels
+  if not moe_kernels.HAVE_NUMBA:
+    pytest.skip("numba is not installed")
+  rng = np.random.default_rng(7)
+  for n_out, n_in in ((64, 256), (200, 96), (8 * moe_kernels.FILE_ROWS[qt], 32)):
+    w = rng.standard_normal((n_out, n_in)).astype(np.float32)
+    raw = gguf.quants.quantize(w, gguf.GGMLQuantizationType[qt]).view(np.uint8).reshape(-1)
+    deq = gguf.quants.dequantize(raw, gguf.GGMLQuantizationType[qt]).reshape(n_out, n_in)
+    buf = np.zeros(4096 + raw.nbytes, np.uint8)
+    buf[4096:] = raw
+    for T in (1, 3):
+      x = (rng.standard_normal((T, n_in)) * 2).astype(np.float32)
+      ours = moe._FileQ0(qt, buf, 4096, n_out, n_in)(x)
+      np.testing.assert_array_equal(ours, moe._Repacked(qt, raw, n_out, n_in)(x), err_msg=f"{qt} {n_out}x{n_in} T={T}")
+      ref = x @ deq.T
+      assert np.abs(ours - ref).max() < 0.05 * np.abs(ref).max()
+
+
+def test_hot_experts_repacked_same_logits(moe_files):
+  """An expert used more than ``repack_after`` times is repacked into the cache; the logits do not change."""
+  from ondevice.forward import GGUFLlama
+  path = moe_files["qwen3moe", "q8_0"]
+  logits = {}
+  for name, cache_mb, after in (("in_place", 0, 64), ("repacked", None, 1)):
+    m = GGUFLlama(MappedGGUF(path), max_len=64, expert_cache_mb=cache_mb)
+    m.experts.repack_after = after
+    c = m.new_cache()
+    out = [m.forward(PROMPT[:8], 0, c)[-1]]
+    for i in range(6):
+      out.append(m.forward([int(np.argmax(out[-1]))], 8 + i, c)[-1])
+    logits[name] = np.array(out)
+    st = m.experts.stats()
+    assert (st["repacks"] == 0) if name == "in_place" else (st["repacks"] > 0 and st["expert_cache_held_mb"] > 0)
+    assert st["in_place_uses"] > 0
+  np.testing.assert_array_equal(logits["in_place"], logits["repacked"])
 
 
 def test_control_routing_matters(moe_files):
