@@ -249,6 +249,11 @@ def validate(cfg: Config, n_devices: int, n_processes: int = 1) -> Config:
                       "use --config.mesh.form=jit, or mesh.tensor_sequence_parallel=True in the shard_map form")
   if m.n_heads % m.n_kv_heads:
     raise ConfigError(f"model.n_heads={m.n_heads} is not a multiple of model.n_kv_heads={m.n_kv_heads}")
+  if mesh.form == "shard_map" and m.vocab_size % mesh.tensor:
+    pad = -(-m.vocab_size // mesh.tensor) * mesh.tensor
+    raise ConfigError(f"model.vocab_size={m.vocab_size} is not divisible by mesh.tensor={mesh.tensor} (the embedding "
+                      f"and LM head are vocab-parallel over the tensor axis): pad the vocabulary, e.g. "
+                      f"--config.model.vocab_size={pad}, as Megatron's --make-vocab-size-divisible-by does")
   if m.n_kv_heads % mesh.tensor or m.n_heads % mesh.tensor:
     raise ConfigError(
         f"model.n_heads={m.n_heads} / n_kv_heads={m.n_kv_heads} are not divisible by mesh.tensor={mesh.tensor}: "

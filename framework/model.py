@@ -101,11 +101,6 @@ class ParallelCtx:
     return (self.manual and self.tensor_sequence_parallel and bool(self.tensor_axis)
             and self.size((self.tensor_axis,)) > 1)
 
-  def tensor_chunk(self, x, axis: int = 1):
-    """This tensor rank's contiguous ``1/tensor`` slice of ``x`` along ``axis``."""
-    n = x.shape[axis] // self.size((self.tensor_axis,))
-    return jax.lax.dynamic_slice_in_dim(x, jax.lax.axis_index(self.tensor_axis) * n, n, axis)
-
   def mesh_axes(self, logical: str) -> tuple:
     for name, axes in self.rules:
       if name == logical:
@@ -320,9 +315,9 @@ class Transformer(_Base):
   @property
   def vocab_sharded_logits(self) -> bool:
     """True when head() returns only this device's vocab shard (manual TP). A tied head uses this rank's rows of the
-    shared table (Megatron's vocab-parallel output layer), when the vocabulary divides evenly."""
+    shared table (Megatron's vocab-parallel output layer)."""
     n = self.ctx.size(self.ctx.mesh_axes("vocab")) if self.ctx.manual else 1
-    return n > 1 and (not self.cfg.tie_embeddings or self.cfg.vocab_size % n == 0)
+    return n > 1
 
   @property
   def n_local_layers(self):
@@ -331,13 +326,19 @@ class Transformer(_Base):
     return self.cfg.n_layers // (pipe * self.ctx.layer_repeats)
 
   def embed(self, tokens_BxT):
-    # Embedding is a gather, not a matmul: it is replicated over the tensor axis (its vocab dim
-    # has its own logical name, 'embed_vocab') so the lookup needs no collective. Under sequence parallelism
-    # each tensor rank looks up its chunk of the sequence only.
-    if self.ctx.tp_sequence_sharded:
-      tokens_BxT = self.ctx.tensor_chunk(tokens_BxT)
-    x_BxTxD = jnp.take(self.embedding(), tokens_BxT, axis=0)
-    return self.constrain(x_BxTxD, ("batch", "seq", "act_embed"))
+    """Token embeddings. The table's vocab dim ('embed_vocab') is sharded over the tensor axis (Megatron's
+    VocabParallelEmbedding): in the jit form GSPMD partitions the gather; in manual TP each rank looks up the
+    tokens whose rows it holds (zeros for the others) and the partial embeddings are summed over the tensor axis
+    (``tp_reduce``: a psum, or under sequence parallelism a reduce-scatter leaving this rank's sequence chunk)."""
+    w_VxD = self.embedding()
+    if not (self.ctx.manual and self.ctx.size(self.ctx.mesh_axes("embed_vocab")) > 1):
+      x_BxTxD = jnp.take(w_VxD, tokens_BxT, axis=0)
+      return self.constrain(x_BxTxD, ("batch", "seq", "act_embed"))
+    n_local = w_VxD.shape[0]
+    ids_BxT = tokens_BxT - jax.lax.axis_index(self.ctx.mesh_axes("embed_vocab")) * n_local
+    mine_BxT = (ids_BxT >= 0) & (ids_BxT < n_local)
+    x_BxTxD = jnp.take(w_VxD, jnp.clip(ids_BxT, 0, n_local - 1), axis=0)
+    return self.tp_reduce(jnp.where(mine_BxT[..., None], x_BxTxD, jnp.zeros((), x_BxTxD.dtype)))
 
   def blocks(self, x_BxTxD, pos_BxT, kv_cache=None, cache_index=None):
     if self.cfg.scan_layers:
@@ -365,11 +366,7 @@ class Transformer(_Base):
       x_BxTxD = jax.lax.all_gather(x_BxTxD, self.ctx.tensor_axis, axis=1, tiled=True,
                                    to="varying" if self.vocab_sharded_logits else "invarying")
     if c.tie_embeddings:
-      w_VxD = self.embedding()
-      if self.vocab_sharded_logits:
-        axes = self.ctx.mesh_axes("vocab")
-        n_local = c.vocab_size // self.ctx.size(axes)
-        w_VxD = jax.lax.dynamic_slice_in_dim(w_VxD, jax.lax.axis_index(axes) * n_local, n_local, 0)
+      w_VxD = self.embedding()  # under manual TP this rank's vocab rows: a vocab-parallel output layer
       logits_BxTxV = jnp.einsum("btd,vd->btv", x_BxTxD, w_VxD)
     else:
       logits_BxTxV = self.lm_head(x_BxTxD)

@@ -19,7 +19,7 @@ def _params(embed) -> tuple:
   """Parameter rules; presets differ only in where the 'embed' dim of matrices is sharded."""
   return (
       ("embed", embed),
-      ("embed_vocab", None),
+      ("embed_vocab", "tensor"),  # Megatron's VocabParallelEmbedding, MaxText's 'vocab' rule
       ("vocab", "tensor"),
       ("q_heads", "tensor"),
       ("kv_heads", "tensor"),
@@ -31,7 +31,7 @@ def _params(embed) -> tuple:
 
 
 PRESETS = {
-    # FSDP shards the 'embed' dim of every matrix; Megatron TP shards heads / mlp / vocab;
+    # FSDP shards the 'embed' dim of every matrix; Megatron TP shards heads / mlp / vocab (head and embedding);
     # the pipeline axis shards the layer stack (used by the shard_map pipeline).
     "default": _ACTIVATIONS + _params("fsdp"),
     # ZeRO-3 over every batch axis: parameters sharded over data x fsdp.
