@@ -214,6 +214,8 @@ def test_model_kind_errors_name_the_fix():
                                             r"model.dtype=bfloat16"),
       (dict(model=dict(matmul_precision="int8")),
        r"model.matmul_precision='int8'; choose one of \('default', 'fp8'\)"),
+      (dict(model=dict(vocab_size=257), mesh=dict(data=2, tensor=4, form="shard_map")),
+       r"vocab_size=257 is not divisible by mesh.tensor=4 .*--config.model.vocab_size=260"),
       (dict(optim=dict(master_weights=True)), r"model.param_dtype is float32 \(the parameters are their own "
                                               r"masters\): set model.param_dtype=bfloat16, or optim.master_weights"),
   ]:
