@@ -324,6 +324,8 @@ HEADLINES = [
              _host_sets_prov),
     Headline("Performance model, host validation: committed run (figures)", ("perfmodel_validate.json",), _host_one),
     Headline("Performance model vs published training runs", ("published_validation.json",), _published),
+    Headline("Performance model vs published mixture-of-experts training runs", ("published_moe_validation.json",),
+             _published),
     Headline("Inference-configuration search", ("infer_search.json",), _infer_search),
     Headline("Faithful emulation vs real runs", ("emulate_validate.json",), _emulate_validate),
     Headline("Emulation at scale: Llama-3-70B", ("emulate_l70b.json",), _emulate_scale),

@@ -12,10 +12,10 @@ import math
 from typing import Any, Mapping
 
 from framework.model_config import (  # noqa: F401  (re-exported: config.ModelConfig, config.ConfigError, ...)
-    ATTENTION_KINDS, BLOCK_KINDS, MATMUL_PRECISIONS, MLP_KINDS, REMAT_POLICIES, ROPE_SCALINGS, ConfigError,
-    ModelConfig, validate_model)
+    ATTENTION_KINDS, BLOCK_KINDS, MATMUL_PRECISIONS, MLP_KINDS, MOE_IMPLS, REMAT_POLICIES, ROPE_SCALINGS, ROUTERS,
+    ConfigError, ModelConfig, validate_model)
 
-MESH_AXES = ("pipeline", "data", "fsdp", "sequence", "tensor")
+MESH_AXES = ("pipeline", "data", "fsdp", "sequence", "expert", "tensor")
 DATA_FORMATS = ("auto", "text", "jsonl", "parquet")
 
 
@@ -80,12 +80,18 @@ class MeshConfig:
   reduce-scattered onto it (in place of the all-reduce). Same function and gradients, ``~tensor`` times less
   activation memory outside the matmuls. Needs ``form='shard_map'`` and ``data.seq_len / sequence`` divisible by
   ``tensor``; a no-op when ``tensor == 1``.
+
+  ``expert``: expert parallelism (``model.n_experts > 0``). The batch is split over it like a data axis (attention
+  and the dense parts are data-parallel over it), the experts are split over it, and each MoE layer sends every
+  token to the device holding its expert and back (two ``all_to_all`` per layer in the shard_map form; sharding
+  rules in the jit form; framework/moe.py).
   """
   data: int = 1
   fsdp: int = 1
   tensor: int = 1
   sequence: int = 1
   pipeline: int = 1
+  expert: int = 1  # expert parallelism (MoE): experts and the batch split over it
   rules: str = "default"  # named logical-axis rule preset (parallelism/rules.py)
   form: str = "jit"  # "jit" (GSPMD auto-sharding) or "shard_map" (explicit collectives)
   microbatches: int = 1  # pipeline micro-batches; without a pipeline (jit form): gradient accumulation steps
@@ -258,16 +264,17 @@ def validate(cfg: Config, n_devices: int, n_processes: int = 1) -> Config:
     raise ConfigError(
         f"model.n_heads={m.n_heads} / n_kv_heads={m.n_kv_heads} are not divisible by mesh.tensor={mesh.tensor}: "
         f"pick a tensor axis that divides {math.gcd(m.n_heads, m.n_kv_heads)}")
-  if m.ff % mesh.tensor:
+  if m.ff % mesh.tensor and not m.moe:
     raise ConfigError(f"model d_ff={m.ff} is not divisible by mesh.tensor={mesh.tensor}")
+  validate_experts(m, mesh)
   if m.n_layers % mesh.pipeline:
     raise ConfigError(f"model.n_layers={m.n_layers} is not divisible by mesh.pipeline={mesh.pipeline} stages: "
                       f"use a pipeline size that divides {m.n_layers}")
   validate_virtual_stages(m, mesh)
-  batch_shards = mesh.data * mesh.fsdp
+  batch_shards = mesh.data * mesh.fsdp * mesh.expert
   if cfg.data.global_batch % batch_shards:
     raise ConfigError(f"data.global_batch={cfg.data.global_batch} is not divisible by the batch axes "
-                      f"data x fsdp = {batch_shards}: use a multiple of {batch_shards}")
+                      f"data x fsdp x expert = {batch_shards}: use a multiple of {batch_shards}")
   if cfg.data.global_batch % n_processes:
     raise ConfigError(f"data.global_batch={cfg.data.global_batch} is not divisible by {n_processes} processes")
   if mesh.pipeline > 1 or mesh.microbatches > 1:
@@ -287,6 +294,18 @@ def validate(cfg: Config, n_devices: int, n_processes: int = 1) -> Config:
   validate_data(cfg.data, m.vocab_size)
   validate_profile_steps(cfg.train.profile_steps)
   return dataclasses.replace(cfg, mesh=mesh)
+
+
+def validate_experts(m: ModelConfig, mesh: MeshConfig) -> None:
+  """Expert parallelism needs experts to split; the experts' width splits over the tensor axis."""
+  if mesh.expert > 1 and not m.moe:
+    raise ConfigError(f"mesh.expert={mesh.expert} splits the experts of a mixture of experts, but model.n_experts=0: "
+                      f"set model.n_experts, or mesh.expert=1")
+  if m.moe and m.n_experts % mesh.expert:
+    raise ConfigError(f"model.n_experts={m.n_experts} is not divisible by mesh.expert={mesh.expert}: use an expert "
+                      f"axis that divides {m.n_experts}")
+  if m.moe and m.expert_ff % mesh.tensor:
+    raise ConfigError(f"the experts' width {m.expert_ff} (model.moe_d_ff) is not divisible by mesh.tensor={mesh.tensor}")
 
 
 def validate_data(d: DataConfig, vocab_size: int) -> None:

@@ -52,6 +52,9 @@ PEAK_FLOPS = {
 def layer_matmul_params(cfg: ModelConfig) -> dict:
   """Matmul parameters of one layer by group (the groups of remat_lib.GROUPS, minus 'attn')."""
   d, h, kv, e, f = cfg.d_model, cfg.n_heads, cfg.n_kv_heads, cfg.hd, cfg.ff
+  if cfg.moe:  # the experts a token goes through (k routed + the shared ones), and the router
+    f = cfg.expert_ff * (cfg.experts_per_token + cfg.n_shared_experts)
+    return {"qkv": d * (h + 2 * kv) * e, "out": h * e * d, "mlp_in": 2 * d * f + d * cfg.n_experts, "mlp_out": f * d}
   return {"qkv": d * (h + 2 * kv) * e, "out": h * e * d, "mlp_in": (cfg.mlp_matrices - 1) * d * f,
           "mlp_out": f * d}
 

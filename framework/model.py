@@ -55,6 +55,7 @@ from jax.ad_checkpoint import checkpoint_name
 
 from framework import attention
 from framework import fp8
+from framework import moe as moe_lib
 from framework import remat as remat_lib
 from framework import rope as rope_lib
 from framework.config import ModelConfig
@@ -76,6 +77,10 @@ PARAM_AXES = {
     "w_down": ("mlp", "embed"),
     "scale": ("norm",),
     "kernel": ("embed", "vocab"),
+    "router": ("embed", "router"),  # mixture of experts (framework/moe.py)
+    "we_gate": ("experts", "embed", "expert_mlp"),
+    "we_up": ("experts", "embed", "expert_mlp"),
+    "we_down": ("experts", "expert_mlp", "embed"),
 }
 
 
@@ -88,6 +93,7 @@ class ParallelCtx:
   axis_sizes: tuple = ()  # ((mesh_axis, size), ...)
   tensor_axis: Optional[str] = None  # axis of Megatron TP inside shard_map
   sequence_axis: Optional[str] = None  # axis of sequence/context parallelism inside shard_map
+  expert_axis: Optional[str] = None  # axis of expert parallelism inside shard_map (its dims stay local)
   # The scanned layer stack is stored as layer_repeats x (n_layers / layer_repeats) (logical axes 'layer_repeats',
   # 'layers'): sharding 'layers' over P pipeline stages then places chunks round-robin, layer order unchanged
   # (virtual pipeline stages, parallelism/schedules.py).
@@ -117,11 +123,12 @@ class ParallelCtx:
     return tuple(s // self.size(self.mesh_axes(l)) for s, l in zip(shape, logical))
 
   def gather(self, w, logical):
-    """All-gathers every dim sharded over non-tensor mesh axes (FSDP / ZeRO-3 style)."""
+    """All-gathers every dim sharded over mesh axes other than tensor and expert (FSDP / ZeRO-3 style)."""
     for dim, l in enumerate(logical):
       # size-1 axes are left out (as parallelism.shard_map_step.strip_trivial leaves them out of the specs): a
       # gather over one would type the weight, and everything computed from it, as varying over that axis
-      axes = tuple(a for a in self.mesh_axes(l) if a != self.tensor_axis and self.size((a,)) > 1)
+      axes = tuple(a for a in self.mesh_axes(l)
+                   if a not in (self.tensor_axis, self.expert_axis) and self.size((a,)) > 1)
       if axes:
         w = jax.lax.all_gather(w, axes, axis=dim, tiled=True)
     return w
@@ -248,7 +255,9 @@ class Attention(_Base):
 
 
 class MLP(_Base):
-  """swiglu: w_down(silu(x w_gate) * x w_up); gelu / relu: w_down(act(x w_up))."""
+  """swiglu: w_down(silu(x w_gate) * x w_up); gelu / relu: w_down(act(x w_up)). ``reduce=False`` leaves the
+  row-parallel output partial over the tensor axis (the MoE layer sums it with the experts' before one reduce)."""
+  reduce: bool = True
 
   @nn.compact
   def __call__(self, x_BxTxD):
@@ -263,7 +272,52 @@ class MLP(_Base):
       act = {"gelu": functools.partial(nn.gelu, approximate=True), "relu": nn.relu}[c.mlp]
       h_BxTxF = act(self.tag(self.project("btd,df->btf", x_BxTxD, w_up), remat_lib.MLP_IN))
     h_BxTxF = self.constrain(h_BxTxF, ("batch", "seq", "act_mlp"))
-    return self.tag(self.tp_reduce(self.project("btf,fd->btd", h_BxTxF, w_down)), remat_lib.MLP_OUT)
+    out_BxTxD = self.project("btf,fd->btd", h_BxTxF, w_down)
+    return self.tag(self.tp_reduce(out_BxTxD) if self.reduce else out_BxTxD, remat_lib.MLP_OUT)
+
+
+class MoE(_Base):
+  """Mixture of experts in place of the MLP (framework/moe.py): router, routed gated experts, shared experts.
+  Sows into the ``moe`` collection (read when the caller makes it mutable): ``aux``, the sum over this device's
+  sequences of the balance loss, and ``load``, assignments per expert (and ``dropped`` with ``moe_impl='capacity'``)."""
+
+  @nn.compact
+  def __call__(self, chunk_BxTxD):
+    """``chunk_BxTxD``: the normed input, under sequence parallelism this tensor rank's chunk of the sequence."""
+    c, ctx = self.cfg, self.ctx
+    x_BxTxD = self.tp_gather(chunk_BxTxD)
+    router_in = x_BxTxD
+    if ctx.tp_sequence_sharded:  # every tensor rank routes the whole sequence alike: gathered as replicated
+      router_in = jax.lax.all_gather(chunk_BxTxD, ctx.tensor_axis, axis=1, tiled=True, to="invarying")
+    b, t, d = x_BxTxD.shape
+    E, F, k = c.n_experts, c.expert_ff, c.experts_per_token
+    router = self.weight("router", (d, E)).astype(jnp.float32)
+    logits_BxTxE = jnp.einsum("btd,de->bte", router_in.astype(jnp.float32), router)
+    w_BxTxK, ids_BxTxK, probs_BxTxE = moe_lib.route(logits_BxTxE, k, c.router, c.moe_norm_topk)
+    seq_axis = ctx.sequence_axis if ctx.manual and ctx.sequence_axis and ctx.size((ctx.sequence_axis,)) > 1 else None
+    seq_len = t * (ctx.size((seq_axis,)) if seq_axis else 1)
+    self.sow("moe", "aux", moe_lib.balance(ids_BxTxK, probs_BxTxE, seq_len, seq_axis))
+    self.sow("moe", "load", jnp.sum(moe_lib.expert_counts(ids_BxTxK, E), axis=0))
+    wg, wu, wd = self.weight("we_gate", (E, d, F)), self.weight("we_up", (E, d, F)), self.weight("we_down", (E, F, d))
+    ep_axis = ctx.expert_axis if ctx.manual and ctx.expert_axis and ctx.size((ctx.expert_axis,)) > 1 else None
+    ep = ctx.size((ep_axis,)) if ep_axis else 1
+    x_NxD, ids_NxK, w_NxK = x_BxTxD.reshape(b * t, d), ids_BxTxK.reshape(b * t, k), w_BxTxK.reshape(b * t, k)
+    if c.moe_impl == "capacity":
+      def experts(x_ExCxD):
+        h = nn.silu(self.project("ecd,edf->ecf", x_ExCxD, wg)) * self.project("ecd,edf->ecf", x_ExCxD, wu)
+        return self.project("ecf,efd->ecd", h, wd)  # fp8 under matmul_precision='fp8', as the dense MLP
+      y_NxD, dropped = moe_lib.capacity(x_NxD, ids_NxK, w_NxK, experts, E, c.capacity_factor, ep_axis, ep)
+      self.sow("moe", "dropped", dropped)
+    else:
+      def experts(x_MxD, sizes):
+        h = nn.silu(jax.lax.ragged_dot(x_MxD, wg, sizes)) * jax.lax.ragged_dot(x_MxD, wu, sizes)
+        return jax.lax.ragged_dot(h, wd, sizes)
+      y_NxD = moe_lib.dropless(x_NxD, ids_NxK, w_NxK, experts, E, ep_axis, ep)
+    y_BxTxD = y_NxD.reshape(b, t, d) * jnp.asarray(c.router_scale, y_NxD.dtype)
+    if c.n_shared_experts:
+      shared = dataclasses.replace(c, d_ff=F * c.n_shared_experts, n_experts=0)
+      y_BxTxD = y_BxTxD + MLP(shared, ctx, reduce=False, name="shared")(x_BxTxD)
+    return self.tag(self.tp_reduce(y_BxTxD), remat_lib.MLP_OUT)
 
 
 class Block(_Base):
@@ -274,14 +328,17 @@ class Block(_Base):
 
   @nn.compact
   def __call__(self, x_BxTxD, pos_BxT, kv_cache, cache_index):
-    normed_BxTxD = self.tp_gather(RMSNorm(self.cfg, self.ctx, name="attn_norm")(x_BxTxD))
-    h, new_cache = Attention(self.cfg, self.ctx, name="attn")(normed_BxTxD, pos_BxT, kv_cache, cache_index)
+    chunk_BxTxD = RMSNorm(self.cfg, self.ctx, name="attn_norm")(x_BxTxD)
+    h, new_cache = Attention(self.cfg, self.ctx, name="attn")(self.tp_gather(chunk_BxTxD), pos_BxT, kv_cache,
+                                                              cache_index)
+    # the MoE layer gathers its own input (its router reads it as replicated over the tensor ranks)
+    ffn = MoE(self.cfg, self.ctx, name="moe") if self.cfg.moe else MLP(self.cfg, self.ctx, name="mlp")
+    gather = (lambda x: x) if self.cfg.moe else self.tp_gather  # noqa: E731
     if self.cfg.block == "parallel":  # both branches read the one normed input; their outputs add
-      x_BxTxD = x_BxTxD + h + MLP(self.cfg, self.ctx, name="mlp")(normed_BxTxD)
+      x_BxTxD = x_BxTxD + h + ffn(gather(chunk_BxTxD))
       return self.constrain(x_BxTxD, ("batch", "seq", "act_embed")), new_cache
     x_BxTxD = self.constrain(x_BxTxD + h, ("batch", "seq", "act_embed"))
-    normed_BxTxD = self.tp_gather(RMSNorm(self.cfg, self.ctx, name="mlp_norm")(x_BxTxD))
-    x_BxTxD = x_BxTxD + MLP(self.cfg, self.ctx, name="mlp")(normed_BxTxD)
+    x_BxTxD = x_BxTxD + ffn(gather(RMSNorm(self.cfg, self.ctx, name="mlp_norm")(x_BxTxD)))
     x_BxTxD = self.constrain(x_BxTxD, ("batch", "seq", "act_embed"))
     return x_BxTxD, new_cache
 
@@ -298,7 +355,7 @@ class Transformer(_Base):
       block = nn.remat(Block, policy=remat_lib.policy(c.remat), prevent_cse=not c.scan_layers)
     if c.scan_layers:
       def scan(cls, length, axis):
-        return nn.scan(cls, variable_axes={"params": 0}, split_rngs={"params": True},
+        return nn.scan(cls, variable_axes={"params": 0, "moe": 0}, split_rngs={"params": True},
                        in_axes=(nn.broadcast, 0, nn.broadcast), length=length,
                        metadata_params={nn.PARTITION_NAME: axis})
       stack = scan(block, self.n_local_layers, "layers")

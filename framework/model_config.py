@@ -15,6 +15,8 @@ MLP_KINDS = ("swiglu", "gelu", "relu")
 BLOCK_KINDS = ("sequential", "parallel")
 MATMUL_PRECISIONS = ("default", "fp8")  # what each does: framework/fp8.py
 ROPE_SCALINGS = ("none", "llama3")  # what each does: framework/rope.py
+ROUTERS = ("softmax", "sigmoid")  # what each does: framework/moe.py
+MOE_IMPLS = ("dropless", "capacity")
 
 
 class ConfigError(ValueError):
@@ -84,6 +86,17 @@ class ModelConfig:
   of transformers' ``rope_scaling``; framework/rope.py). The four keys are read only with ``llama3``.
 
   ``qkv_bias``: q/k/v projections with biases (Qwen2); each bias is sharded like its projection's heads.
+
+  Mixture of experts (framework/moe.py), on when ``n_experts > 0``: every layer's MLP is replaced by ``n_experts``
+  gated experts of width ``moe_d_ff`` (0: ``d_ff``), of which a router picks ``experts_per_token`` per token, plus
+  ``n_shared_experts`` experts every token goes through (DeepSeek). ``router``: ``softmax`` (Mixtral, Qwen3: the
+  top-k of the softmax, renormalised over the k with ``moe_norm_topk``) or ``sigmoid`` (DeepSeek-V3: per-expert
+  sigmoid scores, the top-k renormalised); the routed output is scaled by ``router_scale``. ``moe_impl``:
+  ``dropless`` (every assignment computed: tokens sorted by expert, grouped matmuls ``jax.lax.ragged_dot``) or
+  ``capacity`` (each expert takes at most ``capacity_factor x tokens x k / n_experts`` tokens from each device,
+  the rest are dropped and counted). ``aux_loss_coef``: weight of the load-balancing loss, computed per sequence
+  (DeepSeek-V3's sequence-wise form of the Switch loss: ``E/k x sum_e f_e P_e``), averaged over layers and
+  sequences and added to the cross-entropy. The expert dimension is sharded over ``mesh.expert``.
   """
   vocab_size: int = 256  # byte-level tokenizer
   d_model: int = 256
@@ -112,6 +125,16 @@ class ModelConfig:
   matmul_precision: str = "default"  # one of MATMUL_PRECISIONS
   scan_layers: bool = True
   init_std: float = 0.02
+  n_experts: int = 0  # 0: dense MLP; > 0: a mixture of experts in every layer (framework/moe.py)
+  experts_per_token: int = 2  # top-k
+  moe_d_ff: int = 0  # width of one expert; 0 -> d_ff
+  n_shared_experts: int = 0  # experts every token goes through (DeepSeek), of width moe_d_ff each
+  router: str = "softmax"  # one of ROUTERS
+  moe_norm_topk: bool = True  # renormalise the k gate weights to sum to 1
+  router_scale: float = 1.0  # routed output scale (DeepSeek-V3: 2.5)
+  moe_impl: str = "dropless"  # one of MOE_IMPLS
+  capacity_factor: float = 1.25  # moe_impl='capacity': slots per expert = factor x tokens x k / n_experts
+  aux_loss_coef: float = 0.01  # load-balancing loss weight (0: none)
 
   @property
   def hd(self) -> int:
@@ -134,10 +157,27 @@ class ModelConfig:
   def mlp_matrices(self) -> int:
     return 3 if self.gated else 2
 
+  @property
+  def moe(self) -> bool:
+    return self.n_experts > 0
+
+  @property
+  def expert_ff(self) -> int:
+    """Width of one routed (and one shared) expert."""
+    return self.moe_d_ff or self.ff
+
+  def ffn_params(self, active: bool = False) -> int:
+    """Parameters of one layer's feed-forward part: the MLP, or router + experts + shared experts (``active``: only
+    the ``experts_per_token`` experts a token goes through, the count that sets its FLOPs)."""
+    if not self.moe:
+      return self.mlp_matrices * self.d_model * self.ff
+    routed = self.experts_per_token if active else self.n_experts
+    return self.d_model * self.n_experts + (routed + self.n_shared_experts) * 3 * self.d_model * self.expert_ff
+
   def n_params(self, embeddings: bool = True) -> int:
     """Exact parameter count of the model built from this config."""
-    d, h, kv, hd, f = self.d_model, self.n_heads, self.n_kv_heads, self.hd, self.ff
-    per_layer = (1 if self.block == "parallel" else 2) * d + d * h * hd + 2 * d * kv * hd + h * hd * d + self.mlp_matrices * d * f
+    d, h, kv, hd = self.d_model, self.n_heads, self.n_kv_heads, self.hd
+    per_layer = (1 if self.block == "parallel" else 2) * d + d * h * hd + 2 * d * kv * hd + h * hd * d + self.ffn_params()
     if self.qkv_bias:
       per_layer += (h + 2 * kv) * hd
     n = self.n_layers * per_layer + d
@@ -153,7 +193,8 @@ def validate_model(m: ModelConfig) -> None:
   for key, value, choices in (("remat", m.remat, REMAT_POLICIES), ("attention", m.attention, ATTENTION_KINDS),
                               ("mlp", m.mlp, MLP_KINDS), ("block", m.block, BLOCK_KINDS),
                               ("matmul_precision", m.matmul_precision, MATMUL_PRECISIONS),
-                              ("rope_scaling", m.rope_scaling, ROPE_SCALINGS)):
+                              ("rope_scaling", m.rope_scaling, ROPE_SCALINGS), ("router", m.router, ROUTERS),
+                              ("moe_impl", m.moe_impl, MOE_IMPLS)):
     if value not in choices:
       raise ConfigError(f"model.{key}={value!r}; choose one of {choices}")
   if m.head_dim < 0:
@@ -164,6 +205,15 @@ def validate_model(m: ModelConfig) -> None:
     raise ConfigError(f"model.d_ff={m.d_ff} must be positive (or 0 for the MLP family's default width)")
   if m.attention_block <= 0:
     raise ConfigError(f"model.attention_block={m.attention_block} must be a positive number of keys")
+  if m.n_experts < 0 or m.moe_d_ff < 0 or m.n_shared_experts < 0:
+    raise ConfigError("model.n_experts, moe_d_ff and n_shared_experts must be >= 0")
+  if m.moe and not 1 <= m.experts_per_token <= m.n_experts:
+    raise ConfigError(f"model.experts_per_token={m.experts_per_token} must be between 1 and "
+                      f"model.n_experts={m.n_experts}")
+  if m.moe and not m.gated:
+    raise ConfigError(f"model.n_experts > 0 builds gated (swiglu) experts; model.mlp={m.mlp!r}: set model.mlp=swiglu")
+  if m.moe and m.capacity_factor <= 0:
+    raise ConfigError(f"model.capacity_factor={m.capacity_factor} must be > 0")
   if m.rope_scaling == "llama3":
     if not (m.rope_factor > 0 and m.rope_original_max_len > 0
             and 0 < m.rope_low_freq_factor < m.rope_high_freq_factor):

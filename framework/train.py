@@ -33,6 +33,7 @@ from framework import checkpoint as ckpt_lib
 from framework import config as config_lib
 from framework import data as data_lib
 from framework import flops as flops_lib
+from framework import moe as moe_lib
 from framework import observe
 from framework import optim
 from framework import sampling
@@ -277,6 +278,10 @@ class _Metrics:
       tps = self.tokens_per_step / dt
       rec = {"step": done, "loss": loss, "grad_norm": float(m.grad_norm), "lr": float(self.lr(done - 1)),
              "step_time_s": dt, "tokens_per_s": tps, "mfu": self.fpt * tps / self.peak}
+      if m.expert_load is not None:  # assignments per layer and expert of this step (predict --expert-load reads it)
+        load = np.asarray(m.expert_load)
+        rec["expert_load"] = load.round().astype(int).tolist()
+        rec["expert_imbalance"] = moe_lib.imbalance(load, self.cfg.mesh.expert)
       self.history.append(rec)
       self.write(rec)
       if self.bar is not None:

@@ -13,6 +13,7 @@ import jax
 import jax.numpy as jnp
 import optax
 
+from framework import moe as moe_lib
 from framework import optim
 
 
@@ -27,6 +28,7 @@ class StepMetrics(NamedTuple):
   loss: jax.Array  # mean next-byte cross-entropy, nats/token
   grad_norm: jax.Array
   n_tokens: jax.Array
+  expert_load: Any = None  # mixture of experts: assignments per layer and expert in the step's batch, L x E
 
 
 def cross_entropy(logits_BxTxV, targets_BxT):
@@ -38,8 +40,19 @@ def cross_entropy(logits_BxTxV, targets_BxT):
 
 
 def loss_fn(params, batch, model: nn.Module):
-  logits_BxTxV = model.apply({"params": params}, batch["inputs"])
-  return jnp.mean(cross_entropy(logits_BxTxV, batch["targets"]))
+  return loss_and_load(params, batch, model)[0]
+
+
+def loss_and_load(params, batch, model: nn.Module):
+  """(mean cross-entropy + the MoE balance term, assignments per layer and expert (None without experts))."""
+  if not model.cfg.moe:
+    logits_BxTxV = model.apply({"params": params}, batch["inputs"])
+    return jnp.mean(cross_entropy(logits_BxTxV, batch["targets"])), None
+  logits_BxTxV, moe_vars = model.apply({"params": params}, batch["inputs"], mutable=["moe"])
+  c = model.cfg
+  aux = moe_lib.aux_loss(moe_vars["moe"], c.aux_loss_coef, c.n_layers, batch["inputs"].shape[0])
+  load = moe_lib.layer_load(moe_vars["moe"], c.n_experts)
+  return jnp.mean(cross_entropy(logits_BxTxV, batch["targets"])) + aux, load
 
 
 def init_state(rng, model: nn.Module, tx: optax.GradientTransformation, seq: int = 8) -> TrainState:
@@ -57,7 +70,8 @@ def accumulate(loss_and_grads, params, batch, n: int, mean: bool = True):
   """Mean loss and gradients over ``n`` equal micro-batches taken one at a time (gradient accumulation: the
   activations of one micro-batch are live at once). Micro-batch i holds rows i, n+i, 2n+i, ... so each keeps
   every device's share of a batch sharded over its first axis. ``mean=False``: their sum (a ``loss_and_grads``
-  that already normalises by the whole batch; no second gradient-sized buffer for the division)."""
+  that already normalises by the whole batch; no second gradient-sized buffer for the division). Outputs after
+  the first two (e.g. the router's expert counts) are summed, never divided."""
   if n == 1:
     return loss_and_grads(params, batch)
 
@@ -71,8 +85,8 @@ def accumulate(loss_and_grads, params, batch, n: int, mean: bool = True):
   # The sum starts from the first micro-batch rather than from zeros: XLA would fold a zero tree the size of
   # the gradients into a host literal while compiling (tens of GB for a replicated 8B model).
   first = loss_and_grads(params, jax.tree.map(lambda x: x[0], micro))
-  (loss, grads), _ = jax.lax.scan(body, first, jax.tree.map(lambda x: x[1:], micro))
-  return (loss / n, jax.tree.map(lambda g: g / n, grads)) if mean else (loss, grads)
+  (loss, grads, *rest), _ = jax.lax.scan(body, first, jax.tree.map(lambda x: x[1:], micro))
+  return ((loss / n, jax.tree.map(lambda g: g / n, grads)) if mean else (loss, grads)) + tuple(rest)
 
 
 def train_step(state: TrainState, batch, *, model: nn.Module, tx: optax.GradientTransformation,
@@ -84,13 +98,13 @@ def train_step(state: TrainState, batch, *, model: nn.Module, tx: optax.Gradient
   gdt = optim.grad_dtype(state.opt_state)
 
   def loss_and_grads(p, b):
-    loss, grads = jax.value_and_grad(loss_fn)(p, b, model)
-    return loss, grads if gdt is None else jax.tree.map(lambda g: g.astype(gdt), grads)
-  loss, grads = accumulate(loss_and_grads, params, batch, microbatches)
+    (loss, load), grads = jax.value_and_grad(loss_and_load, has_aux=True)(p, b, model)
+    return loss, grads if gdt is None else jax.tree.map(lambda g: g.astype(gdt), grads), load
+  loss, grads, load = accumulate(loss_and_grads, params, batch, microbatches)
   if grad_shardings is not None:
     grads = jax.lax.with_sharding_constraint(grads, grad_shardings)
   metrics = StepMetrics(loss=loss, grad_norm=optax.tree.norm(grads),
-                        n_tokens=jnp.asarray(batch["targets"].size, jnp.int32))
+                        n_tokens=jnp.asarray(batch["targets"].size, jnp.int32), expert_load=load)
   return apply_grads(state, grads, tx), metrics
 
 

@@ -20,7 +20,7 @@ from framework import train_step as ts
 from framework.config import Config
 from parallelism import zero
 
-BATCH_SPEC = P(("data", "fsdp"), "sequence")
+BATCH_SPEC = P(("data", "fsdp", "expert"), "sequence")
 
 
 def abstract_key() -> jax.ShapeDtypeStruct:

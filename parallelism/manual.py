@@ -23,7 +23,8 @@ from framework import model as model_lib
 from framework import train_step as ts
 
 # Axes a batch is split over; a parameter replicated over one of them gets its gradient summed over it.
-BATCH_AXES = ("data", "fsdp", "sequence")
+BATCH_AXES = ("data", "fsdp", "expert", "sequence")
+EXPERT_AXIS = "expert"
 TENSOR_AXIS = "tensor"
 SEQUENCE_AXIS = "sequence"
 PIPELINE_AXIS = "pipeline"
@@ -35,7 +36,8 @@ def manual_ctx(mesh: Mesh, rules: tuple, layer_repeats: int = 1,
   ``layer_repeats``: the layer stack's virtual-stage chunks (parallelism.pipeline.layer_repeats);
   ``tensor_sequence_parallel``: Megatron sequence parallelism over 'tensor' (``mesh.tensor_sequence_parallel``)."""
   return model_lib.ParallelCtx(manual=True, rules=rules, axis_sizes=tuple(mesh.shape.items()),
-                               tensor_axis=TENSOR_AXIS, sequence_axis=SEQUENCE_AXIS, layer_repeats=layer_repeats,
+                               tensor_axis=TENSOR_AXIS, sequence_axis=SEQUENCE_AXIS, expert_axis=EXPERT_AXIS,
+                               layer_repeats=layer_repeats,
                                tensor_sequence_parallel=tensor_sequence_parallel)
 
 

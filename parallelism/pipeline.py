@@ -59,6 +59,7 @@ import jax
 import jax.numpy as jnp
 
 from framework.config import Config
+from framework import moe as moe_lib
 from parallelism import manual, stash
 from parallelism.schedules import SCHEDULES, Schedule, bubble_formula, check_schedule, make_schedule  # noqa: F401
 
@@ -143,10 +144,24 @@ def _body(params, inputs_BxT, targets_BxT, *, model, specs, sched: Schedule, n_t
   x_proto = manual.vary(jnp.zeros((mb, t_res, model.cfg.d_model), jnp.dtype(model.cfg.dtype)), x_vary)
   x_axes = tuple(manual.varying_axes(x_proto))
   loss_proto = manual.vary(jnp.zeros((), jnp.float32), batch_axes + (manual.PIPELINE_AXIS,))
+  loss_axes = tuple(manual.varying_axes(loss_proto))
+
+  moe = model.cfg.moe
+  seq_shards = model.ctx.size((manual.SEQUENCE_AXIS,)) if model.ctx.manual else 1
+  n_seqs = n_tokens // (t_local * seq_shards)  # the whole batch's sequences (the balance term's mean)
+  n_layers = model.n_local_layers * p * v  # the whole model's (the jit form's stage model holds L / P)
 
   def blocks(layer_prm, x_BxTxD):
-    y, _ = chunk_model.apply({"params": {"layers": layer_prm}}, x_BxTxD, pos_BxT, method="blocks")
-    return manual.vary(y, x_axes)
+    """The chunk's output; with experts (output, its balance term, its assignments per layer and expert)."""
+    if not moe:
+      y, _ = chunk_model.apply({"params": {"layers": layer_prm}}, x_BxTxD, pos_BxT, method="blocks")
+      return manual.vary(y, x_axes)
+    (y, _), moe_vars = chunk_model.apply({"params": {"layers": layer_prm}}, x_BxTxD, pos_BxT, method="blocks",
+                                         mutable=["moe"])
+    c = model.cfg
+    aux = moe_lib.aux_loss(moe_vars["moe"], c.aux_loss_coef, n_layers, n_seqs * seq_shards)
+    load = moe_lib.layer_load(moe_vars["moe"], c.n_experts)
+    return manual.vary(y, x_axes), manual.vary(aux, loss_axes), manual.vary(load, loss_axes)
 
   def embed(prm, tok_BxT):
     return manual.vary(model.apply({"params": prm}, tok_BxT, method="embed"), x_axes)
@@ -154,9 +169,16 @@ def _body(params, inputs_BxT, targets_BxT, *, model, specs, sched: Schedule, n_t
   def head_loss(prm, y_BxTxD, tgt_BxT):
     logits = model.apply({"params": prm}, y_BxTxD, method="head")
     loss = manual.token_loss_sum(model, logits, tgt_BxT) / n_tokens
-    return manual.vary(loss, tuple(manual.varying_axes(loss_proto)))
+    return manual.vary(loss, loss_axes)
 
   split = stash.SplitVjp(blocks, chunk_of(0), x_proto)
+  if moe:  # the chunk's extra outputs: a balance term (seeded with d loss = 1 in the backward) and expert counts
+    lc = chunk_model.n_local_layers
+    aux_proto = loss_proto
+    load_proto = manual.vary(jnp.zeros((lc, model.cfg.n_experts), jnp.float32), loss_axes)
+    y_proto, seed = (x_proto, aux_proto, load_proto), (jnp.ones_like(aux_proto), jnp.zeros_like(load_proto))
+  else:
+    y_proto, seed = x_proto, ()
   head_slot = (lambda k: k) if sched.n_head_slots > 1 else (lambda k: 0)  # noqa: E731
 
   def add_chunk(g_layers, d_chunk, j):
@@ -188,7 +210,7 @@ def _body(params, inputs_BxT, targets_BxT, *, model, specs, sched: Schedule, n_t
   # copied whole by XLA on every tick (the idle branch's pass-through aliases it), which is n_slots times the
   # stash's traffic and twice its memory, and for the accumulator v times the stage's gradients per tick.
   def tick(carry, row):
-    recv_x, recv_dx, res_bufs, y_buf, g_layers, g_rest, loss_acc = carry
+    recv_x, recv_dx, res_bufs, y_buf, g_layers, g_rest, loss_acc, load_acc = carry
     fm, fj, fk, bm, bj, bk = (r[stage] for r in row)
 
     # Forward slot: run the chunk; what its backward will read goes to the unit's stash slot.
@@ -197,7 +219,11 @@ def _body(params, inputs_BxT, targets_BxT, *, model, specs, sched: Schedule, n_t
         x = branch(is_first & (fj == 0), lambda: embed(rest, tok_MxBxT[fm]), lambda: recv_x)
       return split.forward(chunk_of(fj), x)
     with jax.named_scope(SCOPE_FWD):
-      y, res = branch(fm >= 0, fwd, lambda: (x_proto, res_protos))
+      y, res = branch(fm >= 0, fwd, lambda: (y_proto, res_protos))
+    if moe:  # an idle slot's outputs are the protos' zeros
+      y, aux, load = y
+      loss_acc = loss_acc + aux
+      load_acc = write(load_acc, read(load_acc, fj) + load, fj, fm >= 0)
     res_bufs = [write(buf, r, fk, fm >= 0) for buf, r in zip(res_bufs, res)]
     y_buf = write(y_buf, y, head_slot(fk), fm >= 0)
     recv_x = jax.lax.ppermute(y, manual.PIPELINE_AXIS, fwd_perm)
@@ -213,7 +239,7 @@ def _body(params, inputs_BxT, targets_BxT, *, model, specs, sched: Schedule, n_t
         return manual.vary(dy, x_axes), jax.tree.map(jnp.add, g_rest, d_rest), loss_acc + loss
       with jax.named_scope(SCOPE_LAST):
         dy, g_rest, loss_acc = branch(is_last & (bj == v - 1), head, lambda g, l: (recv_dx, g, l), g_rest, loss_acc)
-      d_chunk, dx = split.backward(chunk_of(bj), res, dy)
+      d_chunk, dx = split.backward(chunk_of(bj), res, (dy,) + seed if moe else dy)
 
       def embed_bwd(g_rest):
         _, pullback = jax.vjp(lambda prm: embed(prm, tok_MxBxT[bm]), rest)
@@ -225,18 +251,25 @@ def _body(params, inputs_BxT, targets_BxT, *, model, specs, sched: Schedule, n_t
       dx, d_chunk, g_rest, loss_acc = branch(bm >= 0, bwd, lambda gr, l: (x_proto, d_zero, gr, l), g_rest, loss_acc)
     g_layers = add_chunk(g_layers, d_chunk, bj)
     recv_dx = jax.lax.ppermute(dx, manual.PIPELINE_AXIS, bwd_perm)
-    return (recv_x, recv_dx, res_bufs, y_buf, g_layers, g_rest, loss_acc), None
+    return (recv_x, recv_dx, res_bufs, y_buf, g_layers, g_rest, loss_acc, load_acc), None
 
   res_bufs = split.zeros(sched.n_slots)
   y_buf = manual.vary(jnp.zeros((sched.n_head_slots,) + x_proto.shape, x_proto.dtype), x_axes)
   g_layers = jax.tree.map(manual.zeros_like_typed, layers)
   d_zero = jax.tree.map(manual.zeros_like_typed, chunk_of(0))
   g_rest = jax.tree.map(manual.zeros_like_typed, rest)
-  carry = (x_proto, x_proto, res_bufs, y_buf, g_layers, g_rest, loss_proto)
+  load_acc = manual.vary(jnp.zeros((v,) + load_proto.shape, jnp.float32), loss_axes) if moe else None
+  carry = (x_proto, x_proto, res_bufs, y_buf, g_layers, g_rest, loss_proto, load_acc)
   rows = tuple(jnp.asarray(t) for t in (sched.fwd_TxP, sched.fwd_chunk_TxP, sched.fwd_slot_TxP,
                                         sched.bwd_TxP, sched.bwd_chunk_TxP, sched.bwd_slot_TxP))
-  (_, _, _, _, g_layers, g_rest, loss_acc), _ = jax.lax.scan(tick, carry, rows)
+  (_, _, _, _, g_layers, g_rest, loss_acc, load_acc), _ = jax.lax.scan(tick, carry, rows)
   grads = {k: (g_layers if k == "layers" else g_rest[k]) for k in local}
   grads = reduce(grads, specs, reduce_over)
-  return jax.lax.psum(loss_acc, reduce_over), grads
+  loss = jax.lax.psum(loss_acc, reduce_over)
+  if not moe:
+    return loss, grads
+  # stage s, chunk j holds virtual stage jP + s: gathered over the stages, the layers come out in order
+  load_acc = jax.lax.psum(load_acc, batch_axes) if batch_axes else load_acc
+  load_PxVxLxE = jax.lax.all_gather(load_acc, manual.PIPELINE_AXIS, axis=0, tiled=False, to="invarying")
+  return loss, grads, load_PxVxLxE.transpose(1, 0, 2, 3).reshape(-1, model.cfg.n_experts)
 

@@ -8,7 +8,7 @@ from __future__ import annotations
 from framework.config import ConfigError
 
 _ACTIVATIONS = (
-    ("batch", ("data", "fsdp")),
+    ("batch", ("data", "fsdp", "expert")),
     ("seq", "sequence"),
     ("act_embed", None),
     ("act_mlp", "tensor"),
@@ -27,6 +27,9 @@ def _params(embed) -> tuple:
       ("mlp", "tensor"),
       ("norm", None),
       ("layers", "pipeline"),
+      ("experts", "expert"),  # mixture of experts: the expert dim over the expert axis
+      ("expert_mlp", "tensor"),  # each expert's width, column / row parallel like the MLP's
+      ("router", None),
   )
 
 

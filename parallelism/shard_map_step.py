@@ -55,6 +55,7 @@ from jax import shard_map
 from jax.sharding import Mesh, PartitionSpec as P
 
 from framework import model as model_lib
+from framework import moe as moe_lib
 from framework import optim, train_step as ts
 from framework.config import Config, ConfigError
 from parallelism import compiled
@@ -65,8 +66,8 @@ from parallelism.manual import (BATCH_AXES, PIPELINE_AXIS, active, localize_para
                                 sequence_layout, strip_trivial, token_loss_sum)
 
 
-def _loss_and_grads_body(params, inputs_BxT, targets_BxT, *, model, specs, n_tokens: int, batch_axes: tuple,
-                         reduce=reduce_grads, accum: int = 1, accum_dtype=None):
+def _loss_and_grads_body(params, inputs_BxT, targets_BxT, *, model, specs, n_tokens: int, n_seqs: int,
+                         batch_axes: tuple, reduce=reduce_grads, accum: int = 1, accum_dtype=None):
   """Per-device (loss, grads) for the non-pipelined layouts. Runs inside shard_map.
 
   ``accum`` > 1: gradient accumulation over this device's rows in ``accum`` micro-batches, summed locally (in
@@ -78,17 +79,34 @@ def _loss_and_grads_body(params, inputs_BxT, targets_BxT, *, model, specs, n_tok
 
   def loss_and_grads(p, batch):
     def local_loss(q):
-      logits = model.apply({"params": q}, batch["inputs"], batch["pos"])
-      return token_loss_sum(model, logits, batch["targets"]) / n_tokens
+      logits, load, aux = moe_apply(model, q, batch["inputs"], batch["pos"], n_seqs)
+      return token_loss_sum(model, logits, batch["targets"]) / n_tokens + aux, load
 
-    loss, grads = jax.value_and_grad(local_loss)(p)
-    return loss, grads if accum_dtype is None else jax.tree.map(lambda g: g.astype(accum_dtype), grads)
+    (loss, load), grads = jax.value_and_grad(local_loss, has_aux=True)(p)
+    return loss, grads if accum_dtype is None else jax.tree.map(lambda g: g.astype(accum_dtype), grads), load
 
   # each micro-batch's loss is normalised by the whole batch's tokens, so the sum is the mean
   batch = {"inputs": inputs_BxT, "targets": targets_BxT, "pos": pos_BxT}
-  loss, grads = ts.accumulate(loss_and_grads, local, batch, accum, mean=False)
+  loss, grads, load = ts.accumulate(loss_and_grads, local, batch, accum, mean=False)
   loss = jax.lax.psum(loss, batch_axes) if batch_axes else loss
-  return loss, reduce(grads, specs, batch_axes)
+  if load is not None and batch_axes:
+    load = jax.lax.psum(load, batch_axes)
+  return loss, reduce(grads, specs, batch_axes), load
+
+
+def moe_apply(model, params, inputs_BxT, pos_BxT, n_seqs: int):
+  """(logits, this device's assignments per layer and expert or None, its share of the balance term).
+
+  The balance term is normalised by the whole batch's ``n_seqs`` sequences, so the per-device shares sum (over
+  the batch axes) to the one-device value; under sequence parallelism every rank of a sequence computes the
+  sequence's whole term (its statistics are summed over the axis) and adds ``1/sequence`` of it."""
+  if not model.cfg.moe:
+    return model.apply({"params": params}, inputs_BxT, pos_BxT), None, 0.0
+  c = model.cfg
+  logits, moe_vars = model.apply({"params": params}, inputs_BxT, pos_BxT, mutable=["moe"])
+  seq_shards = model.ctx.size((model.ctx.sequence_axis,)) if model.ctx.sequence_axis else 1
+  aux = moe_lib.aux_loss(moe_vars["moe"], c.aux_loss_coef, c.n_layers, n_seqs * seq_shards)
+  return logits, moe_lib.layer_load(moe_vars["moe"], c.n_experts), aux
 
 
 def check(cfg: Config, mesh: Mesh):
@@ -160,17 +178,23 @@ def build(cfg: Config, mesh: Mesh, donate: bool = True) -> compiled.CompiledStep
                                         reduce=reduce)
   else:
     body = functools.partial(_loss_and_grads_body, model=inner, specs=param_specs, n_tokens=n_tokens,
-                             batch_axes=batch_axes, reduce=reduce, accum=accum,
+                             n_seqs=cfg.data.global_batch, batch_axes=batch_axes, reduce=reduce, accum=accum,
                              accum_dtype=jnp.float32 if cfg.optim.master_weights and accum > 1 else None)
-  loss_and_grads = shard_map(body, mesh=mesh, in_specs=(param_specs, batch_spec, batch_spec),
-                             out_specs=(P(), grad_specs), axis_names=manual_axes, check_vma=True)
+  # (loss, grads, assignments per layer and expert): the last only with experts (StepMetrics.expert_load)
+  moe = cfg.model.moe
+  full = shard_map(body if moe else (lambda *a: body(*a)[:2]), mesh=mesh,
+                   in_specs=(param_specs, batch_spec, batch_spec),
+                   out_specs=(P(), grad_specs) + ((P(),) if moe else ()), axis_names=manual_axes, check_vma=True)
+
+  def loss_and_grads(params, inputs_BxT, targets_BxT):
+    return full(params, inputs_BxT, targets_BxT)[:2]
   update = None
   if explicit_zero1:
     update = zero.sharded_update(tx, mesh, param_specs, grad_specs, strip(state_sh.opt_state))
 
   def step(state: ts.TrainState, batch):
     params = optim.grad_params(state.params, state.opt_state, cfg.model.dtype)
-    loss, grads = loss_and_grads(params, batch["inputs"], batch["targets"])  # micro-batches inside (see the body)
+    loss, grads, *load = full(params, batch["inputs"], batch["targets"])  # micro-batches inside (see the body)
     if update is not None:
       new_params, opt_state, norm = update(state.params, state.opt_state, grads)
       new_state = ts.TrainState(step=state.step + 1, params=new_params, opt_state=opt_state)
@@ -178,6 +202,7 @@ def build(cfg: Config, mesh: Mesh, donate: bool = True) -> compiled.CompiledStep
       if zero1:
         grads = jax.lax.with_sharding_constraint(grads, grad_sh)
       norm, new_state = optax.tree.norm(grads), ts.apply_grads(state, grads, tx)
-    return new_state, ts.StepMetrics(loss=loss, grad_norm=norm, n_tokens=jnp.asarray(n_tokens, jnp.int32))
+    return new_state, ts.StepMetrics(loss=loss, grad_norm=norm, n_tokens=jnp.asarray(n_tokens, jnp.int32),
+                                     expert_load=load[0] if load else None)
 
   return compiled.assemble(cfg, mesh, model, tx, rules, state_sh, step, loss_and_grads, donate)

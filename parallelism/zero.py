@@ -2,7 +2,7 @@
 sharded over the data-parallel axes, ``optim.shard_optimizer_state=True``.
 
 **Layout.** Every optimizer-state leaf keeps its parameter's sharding (``mesh.rules``) and is additionally
-split over the data-parallel axes (``data``, ``fsdp``, ``sequence``, those of size > 1) that the parameter is
+split over the data-parallel axes (``data``, ``fsdp``, ``expert``, ``sequence``, those of size > 1) that the parameter is
 replicated on, i.e. exactly the axes its gradient is summed over. All of those axes go onto one dim: the first
 whose per-device size they divide (:func:`zero_spec`). A leaf with no such dim (or a scalar, such as Adam's step
 count) stays as it was, replicated over those axes, without an error: its state is then held in full on every

@@ -6,6 +6,7 @@ backend, so each command sets them first and imports what runs on jax afterwards
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import datetime
 import json
 import os
@@ -44,10 +45,48 @@ def _log(msg):
   print(msg, file=sys.stderr, flush=True)
 
 
+def _expert_load(path: str) -> list:
+  """Layers x experts counts from a metrics.jsonl (its last record with expert_load) or a JSON list."""
+  if not os.path.isfile(path):
+    raise SystemExit(f"--expert-load {path}: no such file; pass a run's metrics.jsonl or a JSON layers x experts list")
+  with open(path) as f:
+    text = f.read()
+  try:
+    if path.endswith(".jsonl"):
+      recs = [json.loads(x) for x in text.splitlines() if x.strip()]
+      loads = [r["expert_load"] for r in recs if "expert_load" in r]
+      if not loads:
+        raise SystemExit(f"--expert-load {path}: no record with expert_load (a mixture-of-experts run writes it "
+                         f"at every log step)")
+      return loads[-1]
+    return json.loads(text)
+  except json.JSONDecodeError as e:
+    raise SystemExit(f"--expert-load {path}: not JSON ({e}); pass a metrics.jsonl or a JSON list") from None
+
+
+def _with_expert_load(cfg, path: str):
+  from framework import moe  # noqa: PLC0415
+  if not cfg.model.moe:
+    raise SystemExit(f"--expert-load: {cfg.name} has no experts (model.n_experts=0)")
+  load = _expert_load(path)
+  if len(load) and len(load[0]) != cfg.model.n_experts:
+    raise SystemExit(f"--expert-load {path}: counts for {len(load[0])} experts, the config has "
+                     f"{cfg.model.n_experts}")
+  try:
+    factor = moe.imbalance(load, cfg.mesh.expert)
+  except ValueError as e:
+    raise SystemExit(f"--expert-load {path}: {e}") from None
+  _log(f"expert load from {path}: busiest expert-parallel rank {factor:.3f} x the mean over {cfg.mesh.expert} "
+       f"ranks; pricing the capacity dispatch at that factor")
+  return dataclasses.replace(cfg, model=dataclasses.replace(cfg.model, moe_impl="capacity", capacity_factor=factor))
+
+
 def cmd_predict(a, overrides):
   if a.trace:
     _check_writable(a.trace)
   cfg = load(a.config, _mesh_overrides(overrides, a.mesh))
+  if a.expert_load:
+    cfg = _with_expert_load(cfg, a.expert_load)
   from perfmodel import predict  # noqa: PLC0415 (loads jax: after the command's flags, see the module docstring)
   p = predict.predict(cfg, a.hardware, mode=a.mode, method=a.method, backend=a.backend, batch=a.batch,
                       prompt_len=a.prompt_len, gen_len=a.gen_len, topology=a.topology,
@@ -197,6 +236,11 @@ def _parser():
                        "overlap options into the timeline; name the options after a colon to override its defaults: "
                        "megatron:grad_reduce,param_gather,tp_comm, torchtitan:tp_comm, nemo:none (default: "
                        "PrismLLM's step, the compiler's defaults)")
+  pr.add_argument("--expert-load", default=None, metavar="FILE",
+                  help="mixture of experts: price the expert work at the imbalance of measured router counts (a "
+                       "run's metrics.jsonl, its last expert_load; or a JSON layers x experts list): the capacity "
+                       "dispatch at factor = busiest expert-parallel rank / mean, per layer, averaged "
+                       "(framework/moe.py imbalance). Default: the config's own dispatch")
   pr.add_argument("--profile-nodes", action="store_true",
                   help="time every compute instruction of this program alone on this host first (into the user's "
                        "cache; automatic when the backend resolves to profiled or hybrid)")

@@ -218,10 +218,13 @@ def rank_program(cfg: Config) -> RankProgram:
     body = pp_lib.loss_and_grads_body(cfg, manual, param_specs, n_tokens, sms.active(sms.BATCH_AXES, amesh))
   else:
     body = functools.partial(sms._loss_and_grads_body, model=manual, specs=param_specs,  # noqa: SLF001
-                             n_tokens=n_tokens, batch_axes=sms.active(sms.BATCH_AXES, amesh))
+                             n_tokens=n_tokens, n_seqs=cfg.data.global_batch,
+                             batch_axes=sms.active(sms.BATCH_AXES, amesh))
   batch_spec = sms.strip_trivial(step_lib.BATCH_SPEC, amesh, manual_axes)
-  fn = jax.shard_map(body, mesh=amesh, in_specs=(param_specs, batch_spec, batch_spec),
-                     out_specs=(P(), param_specs), check_vma=True)
+  moe = cfg.model.moe  # the body's third output: assignments per layer and expert (None without experts)
+  fn = jax.shard_map(body if moe else (lambda *a: body(*a)[:2]), mesh=amesh,
+                     in_specs=(param_specs, batch_spec, batch_spec),
+                     out_specs=(P(), param_specs) + ((P(),) if moe else ()), check_vma=True)
   gparams = jax.tree.map(lambda x: jax.ShapeDtypeStruct(x.shape, x.dtype), nn.unbox(boxed.params))
   gtok = jax.ShapeDtypeStruct((cfg.data.global_batch, cfg.data.seq_len), jnp.int32)
   outer = jax.make_jaxpr(fn)(gparams, gtok, gtok)

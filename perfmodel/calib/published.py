@@ -111,6 +111,15 @@ class PublishedRun:
   notes: str = ""
   split: str = "heldout"  # design | heldout (heldout_rule, benchmarks/data/published_split.csv)
   split_why: str = ""
+  # mixture of experts (published_moe_training.csv; 0 = a dense row)
+  n_experts: int = 0
+  experts_per_token: int = 0
+  moe_d_ff: int = 0  # one expert's FFN width
+  n_shared_experts: int = 0
+  first_dense_layers: int = 0  # leading dense layers (DeepSeek-V3: 3), d_ff wide
+  expert: int = 1  # expert-parallel degree
+  capacity_factor: float = 0.0  # > 0: capacity routing (tokens dropped beyond it); 0: dropless
+  router: str = "softmax"
 
   @property
   def tokens_per_step(self) -> int:
@@ -130,11 +139,24 @@ class PublishedRun:
 
 # ------------------------------------------------------------------------------------------------ parameters, FLOPs
 
-def n_params(r: PublishedRun) -> int:
-  """Every parameter of the model the row ran (embedding once when tied; biases and learned positions if any)."""
-  d, h, kv, hd, f, L, V = r.d_model, r.n_heads, r.n_kv_heads, r.head_dim, r.d_ff, r.n_layers, r.vocab_size
+def ffn_width(r: PublishedRun, active: bool = True) -> float:
+  """Mean FFN width per layer: d_ff for a dense row; with experts, the routed (``active``) or all experts plus the
+  shared ones, and the leading dense layers at d_ff."""
+  if not r.n_experts:
+    return float(r.d_ff)
+  moe = ((r.experts_per_token if active else r.n_experts) + r.n_shared_experts) * r.moe_d_ff
+  dense = min(r.first_dense_layers, r.n_layers)
+  return (dense * r.d_ff + (r.n_layers - dense) * moe) / r.n_layers
+
+
+def n_params(r: PublishedRun, active: bool = False) -> int:
+  """Every parameter of the model the row ran (embedding once when tied; biases and learned positions if any);
+  ``active``: only the experts a token is routed to (the count MoE FLOP conventions use), plus the router."""
+  d, h, kv, hd, f, L, V = r.d_model, r.n_heads, r.n_kv_heads, r.head_dim, ffn_width(r, active), r.n_layers, \
+      r.vocab_size
   attn = d * h * hd * 2 + d * kv * hd * 2  # q, o; k, v
-  mlp = d * f * (3 if r.mlp == "swiglu" else 2)
+  mlp = d * f * (3 if r.mlp == "swiglu" else 2) + (d * r.n_experts * (L - min(r.first_dense_layers, L)) / L
+                                                   if r.n_experts else 0)
   norms = d * (1 if r.parallel_block else 2)
   bias = (h * hd + 2 * kv * hd + d + f * (2 if r.mlp == "swiglu" else 1) + d) if r.biases else 0
   if r.biases:
@@ -143,27 +165,30 @@ def n_params(r: PublishedRun) -> int:
   n += V * d * (1 if r.tie_embeddings else 2)
   if r.learned_positions:
     n += r.seq_len * d
-  return n
+  return int(n)
 
 
 def flops_per_step(r: PublishedRun, convention: Optional[str] = None) -> float:
-  """Model FLOPs of one optimizer step (all chips together) by a publisher's convention (module docstring)."""
+  """Model FLOPs of one optimizer step (all chips together) by a publisher's convention (module docstring). With
+  experts every convention counts the routed experts only (MaxText's calculate_training_tflops and Megatron's
+  num_floating_point_operations both do: ``num_experts_per_tok`` / ``moe_router_topk`` times the expert width)."""
   conv = convention or r.convention
   B, S, L, d, H, hd = r.global_batch, r.seq_len, r.n_layers, r.d_model, r.n_heads, r.head_dim
+  n_act = n_params(r, active=True)
   if conv == "maxtext_6n_causal":
-    return 6.0 * n_params(r) * B * S + 6.0 * L * H * hd * S * S * B
+    return 6.0 * n_act * B * S + 6.0 * L * H * hd * S * S * B
   if conv == "megatron":
     gated = 1.5 if r.mlp == "swiglu" else 1.0
-    per = (1 + r.n_kv_heads / H + S / d) * (H * hd / d) + gated * r.d_ff / d + r.vocab_size / (2.0 * L * d)
+    per = (1 + r.n_kv_heads / H + S / d) * (H * hd / d) + gated * ffn_width(r) / d + r.vocab_size / (2.0 * L * d)
     return 12.0 * B * S * L * d * d * per
   if conv == "narayanan_hfu":
     return 96.0 * B * S * L * d * d * (1 + S / (6.0 * d) + r.vocab_size / (16.0 * L * d))
   if conv == "llmfoundry":
-    return B * (6.0 * n_params(r) * S + 12.0 * L * d * S * S)
+    return B * (6.0 * n_act * S + 12.0 * L * d * S * S)
   if conv in ("torchtitan", "palm"):
-    return B * S * (6.0 * n_params(r) + 12.0 * L * H * hd * S)
+    return B * S * (6.0 * n_act + 12.0 * L * H * hd * S)
   if conv == "paxml_6n_full":
-    return 6.0 * n_params(r) * B * S + 12.0 * L * H * hd * S * S * B
+    return 6.0 * n_act * B * S + 12.0 * L * H * hd * S * S * B
   raise ValueError(f"row {r.id}: no FLOP convention ({conv!r}); known: {', '.join(CONVENTIONS)}")
 
 
@@ -321,6 +346,7 @@ def _row(row: dict, splits: dict) -> PublishedRun:
       data=dp, fsdp=fsdp, tensor=tp, pipeline=pp, sequence=cp, micro_batch=mb, microbatches=micro,
       virtual_stages=vpp, chip=row["chip"], hardware=prof, hardware_caveat=hw_caveat, n_chips=n_chips,
       metric=row["metric"], value=float(row["value"]), convention=convention_of(row), notes=row["notes"])
+  kw.update(_moe_fields(row, kw, caveats))
   kw["table"] = f"{kw['source_key']} | {row['chip'].strip()} | {prec}"
   run = PublishedRun(measured_step_s=None, included=False, exclude_reason="", caveats=tuple(caveats), **kw)
   step, why = _step_seconds(run)
@@ -328,6 +354,44 @@ def _row(row: dict, splits: dict) -> PublishedRun:
   split, split_why = splits.get(row["id"], ("heldout", "added after the split was fixed"))
   return dataclasses.replace(run, measured_step_s=step, included=not reason, exclude_reason=reason, split=split,
                              split_why=split_why)
+
+
+def _moe_fields(row: dict, kw: dict, caveats: list) -> dict:
+  """The expert columns of published_moe_training.csv (absent or empty: a dense row). A Megatron-style dp that
+  counts the expert-parallel ranks (EP inside DP: dp x tp x pp x cp = chips) becomes data = dp / ep, since the
+  expert mesh axis shards the batch as data does (parallelism/README.md, Expert parallelism)."""
+  e = _int(row.get("n_experts", ""))
+  if not e:
+    return {}
+  ep = _int(row.get("ep", ""), 1) or 1
+  data, fsdp, expert = kw["data"], kw["fsdp"], ep
+  other = kw["tensor"] * kw["pipeline"] * kw["sequence"]
+  if ep > 1 and fsdp == 1 and data * other == kw["n_chips"]:  # EP carved out of the data-parallel ranks
+    if data % ep == 0:
+      data //= ep
+    elif ep % data == 0 and kw["tensor"] % (ep // data) == 0:  # Megatron's MoE parallel folding over TP ranks
+      caveats.append(f"expert parallelism {ep} folds over tensor ranks: experts split over expert {data} x tensor "
+                     f"{ep // data} (their width), not {ep} whole-expert ranks")
+      expert, data = data, 1
+  elif ep > 1 and fsdp * other * max(data, 1) == kw["n_chips"] and fsdp % ep == 0:  # EP inside the FSDP ranks
+    fsdp //= ep
+    caveats.append(f"expert parallelism inside FSDP: the dense parameters shard over fsdp {fsdp}, not "
+                   f"{fsdp * ep} (replicated over the expert axis)")
+  routing = (row.get("routing") or "").strip().lower()
+  cf = float(row["capacity_factor"]) if routing.startswith("capacity") and (row.get("capacity_factor") or
+                                                                             "").strip() else 0.0
+  if _int(row.get("first_dense_layers", "")):
+    caveats.append(f"first {_int(row['first_dense_layers'])} layers dense: the program runs every layer as MoE")
+  if "mla" in (row["notes"] + row["model"]).lower() or "deepseek" in row["model"].lower():
+    caveats.append("multi-head latent attention run as multi-head attention of the same heads")
+  head_dim = _int(row.get("head_dim", "")) or kw["head_dim"]
+  return {"n_experts": e, "experts_per_token": _int(row.get("experts_per_token", "")),
+          "moe_d_ff": _int(row.get("moe_d_ff", "")), "n_shared_experts": _int(row.get("n_shared_experts", "")),
+          "first_dense_layers": _int(row.get("first_dense_layers", "")), "expert": expert, "data": data,
+          "fsdp": fsdp,
+          "capacity_factor": cf, "head_dim": head_dim, "d_ff": kw["d_ff"] or _int(row.get("moe_d_ff", "")),
+          "mlp": "swiglu", "tie_embeddings": False,  # every MoE family here gates its experts, unties its embedding
+          "router": "sigmoid" if "sigmoid" in (row["notes"] + routing).lower() else "softmax"}
 
 
 def bf16_peak(profile: str) -> float:
@@ -356,14 +420,20 @@ def _exclusion(r: PublishedRun, step: Optional[float], why: str) -> str:
     return "int8 precision: no int8 training path"
   if r.hardware is None:
     return f"unknown chip '{r.chip}'"
-  if "moe" in (r.model + r.notes).lower() or "experts" in r.notes.lower():
-    return "unsupported architecture: mixture of experts"
+  if not r.n_experts and ("moe" in (r.model + r.notes).lower() or "experts" in r.notes.lower()):
+    return "mixture of experts without its expert columns (published_moe_training.csv has them)"
   if "sliding window attention" in r.notes.lower():
     return "unsupported architecture: sliding-window attention (window size not published)"
   if not r.mlp:
     return "unsupported architecture: MLP kind not identified"
   if "CONFLICT" in r.notes:
     return "conflicting published configuration: " + r.notes.split(". ")[0]
+  if r.n_experts and not (r.experts_per_token and r.moe_d_ff):
+    return "missing fields: experts per token or expert width"
+  if r.n_experts and ("interleave_moe_layer_step" in r.notes or "alternate" in r.notes.lower()):
+    return "unsupported architecture: dense and MoE layers alternate"
+  if r.n_experts and "sliding window" in r.notes.lower():
+    return "unsupported architecture: sliding-window attention on some layers (not built)"
   if step is None:
     return why
   missing = [k for k in ("n_layers", "d_model", "n_heads", "d_ff", "vocab_size", "seq_len", "global_batch", "n_chips")
@@ -372,9 +442,9 @@ def _exclusion(r: PublishedRun, step: Optional[float], why: str) -> str:
     return "missing fields: " + ", ".join(missing)
   if not r.data:
     return "missing fields: parallel layout (data / tensor / pipeline degrees) not published"
-  if r.data * r.fsdp * r.tensor * r.pipeline * r.sequence != r.n_chips:
+  if r.data * r.fsdp * r.tensor * r.pipeline * r.sequence * r.expert != r.n_chips:
     return (f"layout data {r.data} x fsdp {r.fsdp} x tensor {r.tensor} x pipeline {r.pipeline} x sequence "
-            f"{r.sequence} does not multiply to {r.n_chips} chips")
+            f"{r.sequence} x expert {r.expert} does not multiply to {r.n_chips} chips")
   if not (math.isfinite(step) and step > 0):
     return "step time not finite and positive"
   return ""
@@ -386,7 +456,7 @@ def load(path: Optional[str] = None) -> list:
   if not os.path.exists(path):
     raise FileNotFoundError(f"published training rows not found at {path}; pass the path of a "
                             f"published_training.csv (the committed one: {os.path.relpath(DEFAULT_CSV, ROOT)})")
-  splits = load_split()
+  splits = load_split(split_path(path))
   with open(path, newline="") as f:
     return [_row(row, splits) for row in csv.DictReader(f)]
 
@@ -406,6 +476,13 @@ def heldout_rule(row_id: str, precision: str) -> str:
   if int(hashlib.sha256(row_id.encode()).hexdigest()[:8], 16) % 4 == 0:
     return "sha256(id) mod 4 == 0"
   return ""
+
+
+def split_path(csv_path: str) -> str:
+  """The committed split beside a rows file: published_training.csv -> published_split.csv,
+  published_moe_training.csv -> published_moe_split.csv."""
+  d, name = os.path.split(csv_path)
+  return os.path.join(d, name.replace("_training.csv", "_split.csv")) if name.endswith("_training.csv") else SPLIT_CSV
 
 
 def load_split(path: str = SPLIT_CSV) -> dict:

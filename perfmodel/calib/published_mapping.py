@@ -39,7 +39,8 @@ class FeaturePathMissing(ConfigError):
 
 
 FAMILIES = ((r"^MaxText", "maxtext"), (r"^Paxml", "paxml"), (r"^Megatron-LM \(20", "megatron_2021"),
-            (r"^Megatron-Core", "megatron_core"), (r"^(NeMo|Megatron-Bridge)", "nemo"), (r"^torchtitan", "torchtitan"),
+            (r"^Megatron-Core", "megatron_core"), (r"^NeMo Automodel", "automodel"),
+            (r"^(NeMo|Megatron-Bridge)", "nemo"), (r"^torchtitan", "torchtitan"),
             (r"^llm-foundry", "llmfoundry"), (r"^Llama 3", "llama3"), (r"^Megatron-LM @", "megatron_megascale"),
             (r"^MegaScale", "megascale"))
 
@@ -57,6 +58,9 @@ SRC = {
     "nemo_opt": "NeMo / Megatron-Bridge default optimizer recipe distributed_fused_adam_with_cosine_annealing: "
                 "use_distributed_optimizer=True, overlap_grad_reduce=True, overlap_param_gather=True "
                 "(nemo/collections/llm/recipes/optim/adam.py)",
+    "automodel_opt": "NeMo Automodel trains with PyTorch FSDP2 (CSV framework): parameters, gradients and optimizer "
+                     "state sharded over the FSDP ranks; where the expert axis takes those ranks, ZeRO-1 over the "
+                     "batch axes (data x expert) keeps the optimizer state sharded",
     "llama3_opt": "Llama 3 paper Sec. 3.3.2: FSDP shards optimizer states and gradients; parameters are not "
                   "resharded after forward",
     "megascale_opt": "MegaScale paper Fig. 1 and Sec. 2: ZeRO-2 data parallelism (optimizer state and gradients "
@@ -119,13 +123,17 @@ def row_features(r: P.PublishedRun) -> dict:
   # optimizer state sharded over the data-parallel ranks (ZeRO-1 / distributed optimizer)?
   opt = {"maxtext": ("fsdp", SRC["maxtext_opt"]), "paxml": ("fsdp", SRC["paxml_opt"]),
          "torchtitan": ("fsdp", SRC["fsdp_opt"]), "llmfoundry": ("fsdp", SRC["fsdp_opt"]),
+         "automodel": ("data", SRC["automodel_opt"]),
          "megatron_2021": ("none", SRC["megatron_2021_opt"]), "megatron_core": ("data", SRC["megatron_core_opt"]),
          "nemo": ("data", SRC["nemo_opt"]), "llama3": ("data", SRC["llama3_opt"]),
          "megatron_megascale": ("none", SRC["megatron_default_opt"]), "megascale": ("data", SRC["megascale_opt"])}[fam]
   if fam == "nemo" and r.fsdp > 1:
     opt = ("fsdp", f"CSV fsdp = {r.fsdp} (Megatron FSDP): state sharded with the parameters")
-  f["optimizer_sharding"] = Fact(opt[0] if r.data > 1 or opt[0] == "fsdp" else "none",
-                                 opt[1] + ("" if r.data > 1 else "; CSV dp = 1: nothing to shard over"))
+  if fam == "automodel" and r.fsdp > 1 and r.expert == 1:
+    opt = ("fsdp", SRC["fsdp_opt"])
+  shardable = r.data * r.expert > 1  # the expert axis splits the batch as data does (ZeRO-1 shards over both)
+  f["optimizer_sharding"] = Fact(opt[0] if shardable or opt[0] == "fsdp" else "none",
+                                 opt[1] + ("" if shardable else "; CSV dp = 1: nothing to shard over"))
   megatron_like = fam in ("megatron_2021", "megatron_core", "nemo", "megatron_megascale", "megascale")
   f["master_weights"] = (Fact("f32", SRC["megatron_master"]) if megatron_like else
                          Fact("f32", SRC["llama3_master"]) if fam == "llama3" else Fact("params", SRC["params_master"]))
@@ -202,7 +210,7 @@ def row_features(r: P.PublishedRun) -> dict:
                                       ("param_gather", "--overlap-param-gather"), ("tp_comm", "--tp-comm-overlap"))
                     if flag in r.notes)
     src = "CSV notes (Megatron flags)"
-  elif fam == "nemo" and r.data > 1:
+  elif fam == "nemo" and r.data * r.expert > 1:
     overlap, src = ("grad_reduce", "param_gather"), SRC["nemo_opt"]
   elif fam == "llama3":
     overlap, src = ("grad_reduce", "param_gather"), SRC["llama3_overlap"]
@@ -252,7 +260,7 @@ def feature_pairs(name: str, fact: Fact) -> dict:
 
 # family -> the framework predict prices the step as (parallelism/target_flags.py): its XLA flags for the target;
 # the overlap options are the row's ``overlap`` fact. Meta's Llama 3 stack and MegaScale are PyTorch / Megatron.
-FRAMEWORK_OF = {"maxtext": "maxtext", "paxml": "paxml", "megatron_2021": "megatron", "megatron_core": "megatron",
+FRAMEWORK_OF = {"automodel": "torchtitan", "maxtext": "maxtext", "paxml": "paxml", "megatron_2021": "megatron", "megatron_core": "megatron",
                 "nemo": "nemo", "torchtitan": "torchtitan", "llmfoundry": "llm-foundry", "llama3": "torchtitan",
                 "megatron_megascale": "megatron", "megascale": "megatron"}
 
@@ -307,6 +315,22 @@ def _attention(r: P.PublishedRun, notes: list) -> str:
   return "dot_product"
 
 
+def _experts(r: P.PublishedRun, notes: list) -> dict:
+  """The MoE keys of a row. Rule (written before any MoE row was priced): every row runs the capacity dispatch
+  (framework/moe.py ``capacity``: per-expert buffers of C slots, all_to_all over the expert axis), at the row's
+  capacity factor when it drops tokens, else at 1.0: a dropless run whose router is balanced (forced-balanced
+  benchmarks, or the balance loss at work) gives every expert A / E assignments, the work of C = A / E slots;
+  grouped GEMMs (megablox, TE) run exactly that. XLA's own ragged dot is not what those frameworks run (on GPU it
+  lowers to a dense product over every local expert)."""
+  cf = r.capacity_factor or 1.0
+  notes.append(f"experts: capacity dispatch at factor {cf:g}" + ("" if r.capacity_factor else
+                                                                 " (dropless, balanced routing assumed)"))
+  if r.first_dense_layers:
+    notes.append(f"first {r.first_dense_layers} dense layers run as MoE layers")
+  return dict(n_experts=r.n_experts, experts_per_token=r.experts_per_token, moe_d_ff=r.moe_d_ff,
+              n_shared_experts=r.n_shared_experts, router=r.router, moe_impl="capacity", capacity_factor=cf)
+
+
 def row_config(r: P.PublishedRun) -> RowMapping:
   """The row's overrides (base config ``P.BASE_CONFIG``), TPU topology and notes; ``error`` set, not raised, when
   a feature the row ran has no path in this checkout."""
@@ -320,13 +344,15 @@ def row_config(r: P.PublishedRun) -> RowMapping:
                attention=_attention(r, notes), attention_block=512 if r.seq_len % 512 == 0 else r.seq_len,
                block="parallel" if r.parallel_block else "sequential", dtype="bfloat16", param_dtype="float32",
                scan_layers=True)
+  if r.n_experts:
+    model.update(_experts(r, notes))
   micro = r.microbatches or 1
   if r.pipeline > 1 and r.microbatches == 0:
     micro = max(1, r.global_batch // max(1, r.data * r.fsdp))
     notes.append(f"micro-batch size not published: {micro} pipeline micro-batches of one sequence")
   pipelined_or_cp = r.pipeline > 1 or r.sequence > 1
   mesh = dict(data=r.data, fsdp=r.fsdp, tensor=r.tensor, pipeline=r.pipeline, sequence=r.sequence,
-              microbatches=micro, form="shard_map" if pipelined_or_cp else "jit", schedule="1f1b")
+              expert=r.expert, microbatches=micro, form="shard_map" if pipelined_or_cp else "jit", schedule="1f1b")
   flat = {f"model.{k}": v for k, v in model.items()}
   flat.update({"data.seq_len": r.seq_len, "data.global_batch": r.global_batch})
   flat.update({f"mesh.{k}": v for k, v in mesh.items()})

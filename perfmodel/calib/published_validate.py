@@ -151,8 +151,20 @@ def run(csv: Optional[str] = None, limit: int = 0, ids: Optional[list] = None, p
     _plot(per, png)
     out["png"] = png
   if record:
-    write_record(out)
+    write_record(out, record_path(csv))
   return out
+
+
+def record_path(csv: Optional[str]) -> str:
+  """Where ``--record`` writes: published_validation.json for the default rows, <name>_validation.json beside
+  another ``*_training.csv`` (published_moe_training.csv -> published_moe_validation.json)."""
+  if not csv or os.path.abspath(csv) == os.path.abspath(P.default_path()):
+    return JSON_PATH
+  name = os.path.basename(csv)
+  if not name.endswith("_training.csv"):
+    raise SystemExit(f"--record with --csv {csv}: name the rows file <name>_training.csv (its record is "
+                     f"<name>_validation.json beside it)")
+  return os.path.join(os.path.dirname(os.path.abspath(csv)), name.replace("_training.csv", "_validation.json"))
 
 
 def summarize(rows: list, per: list, wall_s: float = 0.0, command: str = "", run_at: str = "") -> dict:

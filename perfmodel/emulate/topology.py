@@ -1,7 +1,7 @@
 """Ranks of a target mesh: coordinates, collective groups and a rank's position inside a group.
 
 Devices are numbered row-major over the mesh axes in ``framework.config.MESH_AXES`` order
-('pipeline', 'data', 'fsdp', 'sequence', 'tensor'): tensor innermost, so a tensor-parallel group is
+('pipeline', 'data', 'fsdp', 'sequence', 'expert', 'tensor'): tensor innermost, so a tensor-parallel group is
 a run of neighbouring ids, which is the layout ``perfmodel.cost.collectives`` maps onto link levels
 (``id // level.size`` is the NVLink island). Nothing here allocates or needs devices: an
 8192-rank mesh is just arithmetic.

@@ -401,11 +401,13 @@ def parse_module(text: str) -> Module:
         cur_entry = bool(m.group(1) or m.group(3))
         cur_name = m.group(2) or m.group(4)
       continue
-    if line.strip() == "}" or (line.strip() and _INSTR.match(line)):
+    # a computation ends at a line '}' (TPU appends attributes to it: '}, execution_thread="sparsecore"')
+    end = line.strip() == "}" or line.startswith("}, ")
+    if end or (line.strip() and _INSTR.match(line)):
       if pending:
         cur.append(parse_instruction(" ".join(pending), cur_name))
         pending = []
-    if line.strip() == "}":
+    if end:
       comps[cur_name] = Computation(cur_name, cur, is_entry=cur_entry, header=cur_header)
       if cur_entry:
         entry = cur_name

@@ -20,7 +20,7 @@ from jax.sharding import AbstractDevice, AbstractMesh
 
 from framework import attention
 from framework import model as model_lib
-from framework.config import ModelConfig
+from framework.config import MESH_AXES, ModelConfig
 
 F32 = {"rtol": 2e-5, "atol": 2e-6}
 BF16 = {"rtol": 2e-2, "atol": 2e-2}
@@ -231,7 +231,6 @@ def test_blockwise_backward_does_not_hold_the_score_matrix():
 # ---------------------------------------------------------------------------------------------- platforms
 
 TPU = AbstractDevice(device_kind="TPU v5 lite", num_cores=None, platform="tpu")
-MESH_AXES = ("pipeline", "data", "fsdp", "sequence", "tensor")
 
 
 def _splash_grad_trace(mesh_sizes, device):
@@ -247,7 +246,7 @@ def _splash_grad_trace(mesh_sizes, device):
         params, tokens)
 
 
-@pytest.mark.parametrize("mesh_sizes", [(1, 1, 1, 1, 1), (1, 2, 1, 1, 4)], ids=["one_chip", "data2_tensor4"])
+@pytest.mark.parametrize("mesh_sizes", [(1, 1, 1, 1, 1, 1), (1, 2, 1, 1, 1, 4)], ids=["one_chip", "data2_tensor4"])
 def test_splash_lowers_for_a_tpu_target_from_this_host(mesh_sizes):
   """The kernel choice follows the mesh's platform, not jax.default_backend(): under a TPU mesh the Mosaic
   kernels (forward, dq, dkv) lower, inside a shard_map over the batch/head axes."""
@@ -258,7 +257,7 @@ def test_splash_lowers_for_a_tpu_target_from_this_host(mesh_sizes):
 def test_splash_and_cudnn_refuse_other_platforms_with_the_alternative():
   cpu = AbstractDevice(device_kind="cpu", num_cores=None, platform="cpu")
   with pytest.raises(ValueError, match=r"splash' is a TPU kernel, this program is for 'cpu': use .*'blockwise'"):
-    _splash_grad_trace((1, 1, 1, 1, 1), cpu)
+    _splash_grad_trace((1, 1, 1, 1, 1, 1), cpu)
   q, k, v, _ = _qkv(1, 8, 8, 2, 1, 8, "bfloat16")
   qpos, kpos = _positions(1, 8, 8, 0)
   with pytest.raises(ValueError, match=r"'cudnn' needs a GPU, this program is for 'cpu': use .*'dot_product'"):

@@ -103,7 +103,7 @@ BAD = {
                      r"mesh data=2 x tensor=2 needs 4 devices, found 8: change --config.mesh.*"
                      r"xla_force_host_platform_device_count=4"),
     "batch_vs_data_axes": (dict(data=dict(global_batch=12)),
-                           r"global_batch=12 is not divisible by the batch axes data x fsdp = 8: "
+                           r"global_batch=12 is not divisible by the batch axes data x fsdp x expert = 8: "
                            r"use a multiple of 8"),
     "layers_vs_pipeline": (dict(model=dict(n_layers=3), mesh=dict(data=4, pipeline=2, form="shard_map")),
                            r"n_layers=3 is not divisible by mesh.pipeline=2 stages: "

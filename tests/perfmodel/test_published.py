@@ -4,6 +4,7 @@ Hand computations below cite the row they check; the FLOP conventions are also c
 each source published next to its number (never by fitting anything to the rows).
 """
 import csv
+import dataclasses
 import math
 import os
 
@@ -196,3 +197,42 @@ def test_llama3_and_megascale_rows_match_their_papers(rows):
   assert P.flops_per_step(m, "megatron") / (8.57 * 12288 * 312e12) == pytest.approx(0.412, abs=0.002)
   assert (m.hardware, m.data, m.virtual_stages, m.vocab_size) == ("a100", 192, 6, 64000)
   assert not rows["megascale_175b_12288"].included  # sliding-window attention, window not published
+
+
+def _mixtral(tmp_path, **over):
+  """Mixtral 8x7B as a Megatron-style MoE row: dp counts the expert-parallel ranks (EP inside DP)."""
+  row = dict(framework="Megatron-Core (NeMo)", model="Mixtral 8x7B", n_layers="32", d_model="4096", n_heads="32",
+             n_kv_heads="8", d_ff="", vocab="32000", seq_len="4096", global_batch_seqs="256", dp="16", tp="1", pp="4",
+             n_chips="64", chip="H100 SXM", metric="model TFLOP/s per chip", value="400",
+             metric_definition="Megatron num_floating_point_operations", head_dim="128", n_experts="8",
+             experts_per_token="2", moe_d_ff="14336", n_shared_experts="", first_dense_layers="", ep="8", etp="",
+             capacity_factor="", routing="dropless", split="")
+  row.update(over)
+  return _csv(tmp_path, **row)
+
+
+def test_moe_rows_count_routed_experts_and_split_dp_over_ep(tmp_path):
+  r = _mixtral(tmp_path)
+  assert r.included, r.exclude_reason
+  assert (r.n_experts, r.experts_per_token, r.expert, r.data, r.capacity_factor) == (8, 2, 8, 2, 0.0)
+  # Mistral's published counts: 46.7B parameters, 12.9B used per token
+  assert P.n_params(r) == pytest.approx(46.7e9, rel=0.01)
+  assert P.n_params(r, active=True) == pytest.approx(12.9e9, rel=0.01)
+  # Megatron's MoE FLOPs take the routed experts' width (2 x 14336) where a dense row has d_ff
+  dense = dataclasses.replace(r, n_experts=0, d_ff=2 * 14336)
+  assert P.flops_per_step(r) == pytest.approx(P.flops_per_step(dense), rel=1e-3)
+  assert P.flops_per_step(r, "maxtext_6n_causal") > 6 * 12.9e9 * 256 * 4096
+  # the same layout written with ep outside dp (dp x ep x ... = chips) is kept as written
+  assert _mixtral(tmp_path, dp="2").data == 2
+  assert "expert width" in _mixtral(tmp_path, moe_d_ff="").exclude_reason
+  cap = _mixtral(tmp_path, routing="capacity", capacity_factor="1.25")
+  assert cap.capacity_factor == 1.25
+
+
+def test_moe_row_maps_to_the_capacity_program(tmp_path):
+  from perfmodel.calib import published_mapping as M
+  r = _mixtral(tmp_path)
+  flat = dict(o[len("--config."):].split("=", 1) for o in M.row_config(r).overrides)
+  assert (flat["model.n_experts"], flat["model.moe_impl"], flat["model.capacity_factor"], flat["mesh.expert"],
+          flat["mesh.data"]) == ("8", "capacity", "1.0", "8", "2")
+  assert M.row_config(r).error == ""
