@@ -78,10 +78,14 @@ PARAM_AXES = {
     "scale": ("norm",),
     "kernel": ("embed", "vocab"),
     "router": ("embed", "router"),  # mixture of experts (framework/moe.py)
+    "router_bias": ("router",),  # the balancing bias (model.router_bias_rate): float32, replicated
     "we_gate": ("experts", "embed", "expert_mlp"),
     "we_up": ("experts", "embed", "expert_mlp"),
     "we_down": ("experts", "expert_mlp", "embed"),
 }
+# parameters the optimizer does not weight-decay (framework/optim.py decayed): norms' scales, biases, the router's
+# balancing bias (moved by framework/moe.py update_bias, not by gradients)
+NOT_DECAYED = ("scale", "bq", "bk", "bv", "router_bias")
 
 
 @dataclasses.dataclass(frozen=True)
@@ -293,7 +297,12 @@ class MoE(_Base):
     E, F, k = c.n_experts, c.expert_ff, c.experts_per_token
     router = self.weight("router", (d, E)).astype(jnp.float32)
     logits_BxTxE = jnp.einsum("btd,de->bte", router_in.astype(jnp.float32), router)
-    w_BxTxK, ids_BxTxK, probs_BxTxE = moe_lib.route(logits_BxTxE, k, c.router, c.moe_norm_topk)
+    bias = None
+    if c.router_bias_rate:  # float32 whatever param_dtype is: its steps (the rate) are far below bf16's resolution
+      init = nn.initializers.zeros
+      bias = self.param(moe_lib.BIAS, init if ctx.manual else nn.with_logical_partitioning(
+          init, PARAM_AXES[moe_lib.BIAS]), (E,), jnp.float32)
+    w_BxTxK, ids_BxTxK, probs_BxTxE = moe_lib.route(logits_BxTxE, k, c.router, c.moe_norm_topk, bias)
     seq_axis = ctx.sequence_axis if ctx.manual and ctx.sequence_axis and ctx.size((ctx.sequence_axis,)) > 1 else None
     seq_len = t * (ctx.size((seq_axis,)) if seq_axis else 1)
     self.sow("moe", "aux", moe_lib.balance(ids_BxTxK, probs_BxTxE, seq_len, seq_axis))
@@ -303,16 +312,22 @@ class MoE(_Base):
     ep = ctx.size((ep_axis,)) if ep_axis else 1
     x_NxD, ids_NxK, w_NxK = x_BxTxD.reshape(b * t, d), ids_BxTxK.reshape(b * t, k), w_BxTxK.reshape(b * t, k)
     if c.moe_impl == "capacity":
-      def experts(x_ExCxD):
-        h = nn.silu(self.project("ecd,edf->ecf", x_ExCxD, wg)) * self.project("ecd,edf->ecf", x_ExCxD, wu)
-        return self.project("ecf,efd->ecd", h, wd)  # fp8 under matmul_precision='fp8', as the dense MLP
-      y_NxD, dropped = moe_lib.capacity(x_NxD, ids_NxK, w_NxK, experts, E, c.capacity_factor, ep_axis, ep)
+      def experts(x_ExCxD):  # fp8 under matmul_precision='fp8', as the dense MLP
+        x_ExCxD = self.tag(x_ExCxD, remat_lib.MOE_DISPATCH)
+        g = self.tag(self.project("ecd,edf->ecf", x_ExCxD, wg), remat_lib.MLP_IN_GATE)
+        u = self.tag(self.project("ecd,edf->ecf", x_ExCxD, wu), remat_lib.MLP_IN_UP)
+        return self.project("ecf,efd->ecd", nn.silu(g) * u, wd)
+      y_NxD, dropped = moe_lib.capacity(x_NxD, ids_NxK, w_NxK, experts, E, c.capacity_factor, ep_axis, ep,
+                                        tag=lambda y: self.tag(y, remat_lib.MOE_COMBINE))
       self.sow("moe", "dropped", dropped)
     else:
       def experts(x_MxD, sizes):
-        h = nn.silu(jax.lax.ragged_dot(x_MxD, wg, sizes)) * jax.lax.ragged_dot(x_MxD, wu, sizes)
-        return jax.lax.ragged_dot(h, wd, sizes)
-      y_NxD = moe_lib.dropless(x_NxD, ids_NxK, w_NxK, experts, E, ep_axis, ep)
+        x_MxD = self.tag(x_MxD, remat_lib.MOE_DISPATCH)
+        g = self.tag(jax.lax.ragged_dot(x_MxD, wg, sizes), remat_lib.MLP_IN_GATE)
+        u = self.tag(jax.lax.ragged_dot(x_MxD, wu, sizes), remat_lib.MLP_IN_UP)
+        return jax.lax.ragged_dot(nn.silu(g) * u, wd, sizes)
+      y_NxD = moe_lib.dropless(x_NxD, ids_NxK, w_NxK, experts, E, ep_axis, ep,
+                               tag=lambda y: self.tag(y, remat_lib.MOE_COMBINE))
     y_BxTxD = y_NxD.reshape(b, t, d) * jnp.asarray(c.router_scale, y_NxD.dtype)
     if c.n_shared_experts:
       shared = dataclasses.replace(c, d_ff=F * c.n_shared_experts, n_experts=0)

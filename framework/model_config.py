@@ -96,7 +96,10 @@ class ModelConfig:
   ``capacity`` (each expert takes at most ``capacity_factor x tokens x k / n_experts`` tokens from each device,
   the rest are dropped and counted). ``aux_loss_coef``: weight of the load-balancing loss, computed per sequence
   (DeepSeek-V3's sequence-wise form of the Switch loss: ``E/k x sum_e f_e P_e``), averaged over layers and
-  sequences and added to the cross-entropy. The expert dimension is sharded over ``mesh.expert``.
+  sequences and added to the cross-entropy. ``router_bias_rate`` > 0: DeepSeek-V3's auxiliary-loss-free balancing,
+  a per-expert bias added to the scores to select the experts (not to weight them), moved after every step by
+  ``rate`` toward balance (framework/moe.py ``update_bias``); it lives in the params, untouched by the optimizer.
+  The expert dimension is sharded over ``mesh.expert``.
   """
   vocab_size: int = 256  # byte-level tokenizer
   d_model: int = 256
@@ -135,6 +138,7 @@ class ModelConfig:
   moe_impl: str = "dropless"  # one of MOE_IMPLS
   capacity_factor: float = 1.25  # moe_impl='capacity': slots per expert = factor x tokens x k / n_experts
   aux_loss_coef: float = 0.01  # load-balancing loss weight (0: none)
+  router_bias_rate: float = 0.0  # > 0: DeepSeek-V3's auxiliary-loss-free balancing, the bias update speed (V3: 0.001)
 
   @property
   def hd(self) -> int:
@@ -214,6 +218,9 @@ def validate_model(m: ModelConfig) -> None:
     raise ConfigError(f"model.n_experts > 0 builds gated (swiglu) experts; model.mlp={m.mlp!r}: set model.mlp=swiglu")
   if m.moe and m.capacity_factor <= 0:
     raise ConfigError(f"model.capacity_factor={m.capacity_factor} must be > 0")
+  if m.router_bias_rate < 0 or (m.router_bias_rate and not m.moe):
+    raise ConfigError(f"model.router_bias_rate={m.router_bias_rate} balances the experts' routing: use a rate >= 0 "
+                      f"with model.n_experts > 0 (DeepSeek-V3: 0.001)")
   if m.rope_scaling == "llama3":
     if not (m.rope_factor > 0 and m.rope_original_max_len > 0
             and 0 < m.rope_low_freq_factor < m.rope_high_freq_factor):

@@ -35,21 +35,24 @@ import jax.numpy as jnp
 import numpy as np
 
 
-def route(logits_NxE, k: int, kind: str, norm_topk: bool):
-  """(gate weights N x k, expert ids N x k, routing probabilities N x E) in float32."""
+def route(logits_NxE, k: int, kind: str, norm_topk: bool, bias_E=None):
+  """(gate weights N x k, expert ids N x k, routing probabilities N x E) in float32. ``bias_E`` (DeepSeek-V3's
+  auxiliary-loss-free balancing): added to the scores to *select* the k experts only; the gate weights are the
+  unbiased scores of the selected experts, and no gradient reaches the bias."""
   logits = logits_NxE.astype(jnp.float32)
-  if kind == "sigmoid":
-    scores = jax.nn.sigmoid(logits)
-    _, ids_NxK = jax.lax.top_k(scores, k)
+  scores = jax.nn.sigmoid(logits) if kind == "sigmoid" else jax.nn.softmax(logits, axis=-1)
+  if bias_E is None:
+    w_NxK, ids_NxK = jax.lax.top_k(scores, k)
+  else:
+    bias = jax.lax.stop_gradient(bias_E.astype(jnp.float32))
+    _, ids_NxK = jax.lax.top_k(scores + bias.reshape((1,) * (scores.ndim - 1) + bias.shape), k)
     w_NxK = jnp.take_along_axis(scores, ids_NxK, axis=-1)
+  if kind == "sigmoid":
     w_NxK = w_NxK / (jnp.sum(w_NxK, axis=-1, keepdims=True) + 1e-20)
-    probs = scores / jnp.sum(scores, axis=-1, keepdims=True)
-    return w_NxK, ids_NxK, probs
-  probs = jax.nn.softmax(logits, axis=-1)
-  w_NxK, ids_NxK = jax.lax.top_k(probs, k)
+    return w_NxK, ids_NxK, scores / jnp.sum(scores, axis=-1, keepdims=True)
   if norm_topk:
     w_NxK = w_NxK / jnp.sum(w_NxK, axis=-1, keepdims=True)
-  return w_NxK, ids_NxK, probs
+  return w_NxK, ids_NxK, scores
 
 
 def expert_counts(ids_BxTxK, n_experts: int):
@@ -80,9 +83,11 @@ def _sort_by_expert(ids_A, n_groups: int):
 
 
 def dropless(x_NxD, ids_NxK, w_NxK, experts: Callable, n_experts: int, ep_axis: Optional[str] = None,
-             ep: int = 1):
+             ep: int = 1, tag: Callable = lambda y: y):
   """Routed output N x D. ``experts(x_MxD, group_sizes_El) -> y_MxD`` applies this device's ``El = E / ep``
-  experts to rows grouped by local expert (rows past the groups' total are padding and come out zero)."""
+  experts to rows grouped by local expert (rows past the groups' total are padding and come out zero).
+  ``tag``: applied to the experts' outputs once they are back on this device (a remat name: the backward then
+  keeps them rather than exchanging them again)."""
   n, d = x_NxD.shape
   k = ids_NxK.shape[1]
   ids_A = ids_NxK.reshape(-1)
@@ -92,7 +97,7 @@ def dropless(x_NxD, ids_NxK, w_NxK, experts: Callable, n_experts: int, ep_axis: 
     y_AxD = experts(x_AxD, sizes_E)
   else:
     y_AxD = _exchange(x_AxD, ids_A[order_A], sizes_E, experts, n_experts // ep, ep_axis, ep)
-  y_sorted = jnp.zeros_like(y_AxD).at[order_A].set(y_AxD)  # back to (token, slot) order
+  y_sorted = jnp.zeros_like(y_AxD).at[order_A].set(tag(y_AxD))  # back to (token, slot) order
   return jnp.einsum("nkd,nk->nd", y_sorted.reshape(n, k, d), w_NxK.astype(y_sorted.dtype))
 
 
@@ -119,9 +124,10 @@ def capacity_of(n_assignments: int, n_experts: int, factor: float) -> int:
 
 
 def capacity(x_NxD, ids_NxK, w_NxK, experts: Callable, n_experts: int, factor: float,
-             ep_axis: Optional[str] = None, ep: int = 1):
+             ep_axis: Optional[str] = None, ep: int = 1, tag: Callable = lambda y: y):
   """(routed output N x D, assignments dropped on this device). ``experts(x_ExCxD) -> y_ExCxD`` applies this
-  device's ``El`` experts, expert ``j`` to row block ``j`` (``ep x C`` rows each under expert parallelism)."""
+  device's ``El`` experts, expert ``j`` to row block ``j`` (``ep x C`` rows each under expert parallelism);
+  ``tag`` as in :func:`dropless`."""
   n, d = x_NxD.shape
   k = ids_NxK.shape[1]
   ids_A = ids_NxK.reshape(-1)
@@ -142,7 +148,7 @@ def capacity(x_NxD, ids_NxK, w_NxK, experts: Callable, n_experts: int, factor: f
     out = experts(recv.transpose(1, 0, 2, 3).reshape(el, ep * c, d))
     out = out.reshape(el, ep, c, d).transpose(1, 0, 2, 3)
     out_ExCxD = jax.lax.all_to_all(out, ep_axis, 0, 0, tiled=True).reshape(n_experts, c, d)
-  y_AxD = out_ExCxD.at[ids_A, slot_A].get(mode="fill", fill_value=0)
+  y_AxD = tag(out_ExCxD).at[ids_A, slot_A].get(mode="fill", fill_value=0)
   y = jnp.einsum("nkd,nk->nd", y_AxD.reshape(n, k, d), w_NxK.astype(y_AxD.dtype))
   return y, jnp.sum(~kept_A).astype(jnp.float32)
 
@@ -194,3 +200,39 @@ def imbalance(load_LxE, expert_shards: int = 1) -> float:
   if np.any(mean <= 0):
     raise ValueError("expert load has a layer with no assignments: pass the counts of a step that ran tokens")
   return float(np.mean(per_rank.max(-1) / mean))
+
+
+BIAS = "router_bias"  # the parameter name of the balancing bias (MoE layers, E per layer; stacked L x E when scanned)
+
+
+def update_bias(params, load_LxE, rate: float):
+  """DeepSeek-V3's bias update after a step: each layer's bias moves by ``rate`` toward balance, up for the
+  experts that got fewer assignments than the layer's mean, down for those that got more
+  (``b += rate * sign(mean - load)``). ``load_LxE``: the step's assignments (StepMetrics.expert_load), layers in
+  model order (as every leaf of the layer stack holds them). Every other parameter is returned as it is."""
+  if not rate or load_LxE is None:
+    return params
+  load = load_LxE.astype(jnp.float32)
+  delta_LxE = rate * jnp.sign(jnp.mean(load, axis=-1, keepdims=True) - load)
+  biases = [path for path, _ in jax.tree_util.tree_flatten_with_path(params)[0] if _key(path[-1]) == BIAS]
+  # layers in model order: a scanned stack is one L x E leaf; unscanned layers are layers_0, layers_1, ...
+  biases.sort(key=lambda path: [(len(k), k) for k in map(_key, path)])
+  offset, updates = 0, {}
+  for path in biases:
+    leaf = _get(params, path)
+    n = leaf.size // leaf.shape[-1]  # layers in the leaf: E; L x E scanned; v x L/v x E with virtual stages
+    updates[path] = (leaf + delta_LxE[offset:offset + n].reshape(leaf.shape).astype(leaf.dtype))
+    offset += n
+  if offset != load.shape[0]:
+    raise ValueError(f"router bias of {offset} layers for an expert load of {load.shape[0]}")
+  return jax.tree_util.tree_map_with_path(lambda path, x: updates.get(path, x), params)
+
+
+def _key(entry) -> str:
+  return str(getattr(entry, "key", getattr(entry, "name", entry)))
+
+
+def _get(tree, path):
+  for entry in path:
+    tree = tree[_key(entry)]
+  return tree

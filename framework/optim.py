@@ -55,14 +55,28 @@ def with_master_weights(inner: optax.GradientTransformation) -> optax.GradientTr
 
 
 def make(cfg: OptimConfig, total_steps: int) -> optax.GradientTransformationExtraArgs:
-  # Decay only matrices (ndim >= 2): norms' scales are not weight-decayed, as in Llama.
+  return with_master_weights(_adamw(cfg, total_steps)) if cfg.master_weights else _adamw(cfg, total_steps)
+
+
+def decayed(path, leaf) -> bool:
+  """Weight decay for the model's matrices only (Llama, Megatron): not norms' scales, biases or a MoE router's
+  balancing bias (framework/model.py NOT_DECAYED), by the parameter's name, not its array rank: a scanned layer
+  stack adds a leading layer axis, so a norm's scale is 2-D there (L x D) and still a vector."""
+  from framework.model import NOT_DECAYED, PARAM_AXES  # noqa: PLC0415 (the model's declaration of its parameters)
+  name = str(getattr(path[-1], "key", getattr(path[-1], "name", ""))) if path else ""
+  if name in PARAM_AXES:
+    return name not in NOT_DECAYED
+  return getattr(leaf, "ndim", 0) >= 2  # a parameter the model does not declare (e.g. a test's own tree)
+
+
+def _adamw(cfg: OptimConfig, total_steps: int) -> optax.GradientTransformation:
   def mask(params):
-    return jax.tree.map(lambda p: getattr(p, "ndim", 0) >= 2, params)
+    return jax.tree_util.tree_map_with_path(decayed, params)
   tx = optax.chain(
       clip_by_global_norm(cfg.grad_clip) if cfg.grad_clip > 0 else optax.identity(),
       optax.adamw(schedule(cfg, total_steps), b1=cfg.b1, b2=cfg.b2, eps=cfg.eps,
                   weight_decay=cfg.weight_decay, mask=mask))
-  return with_master_weights(tx) if cfg.master_weights else tx
+  return tx
 
 
 def apply(tx: optax.GradientTransformation, grads, opt_state, params, **extra):

@@ -23,7 +23,10 @@ from framework.config import REMAT_POLICIES
 
 QUERY, KEY, VALUE, OUT = "query_proj", "key_proj", "value_proj", "out_proj"
 MLP_IN_GATE, MLP_IN_UP, MLP_IN, MLP_OUT = "mlpwi_0", "mlpwi_1", "mlpwi", "mlpwo"
-NAMES = (QUERY, KEY, VALUE, OUT, MLP_IN_GATE, MLP_IN_UP, MLP_IN, MLP_OUT)
+# mixture of experts: the tokens an expert-parallel rank received (its experts' input) and the experts' outputs
+# back on the sender; kept, the backward pass exchanges no token twice (Megatron recomputes no all-to-all either)
+MOE_DISPATCH, MOE_COMBINE = "moe_dispatch", "moe_combine"
+NAMES = (QUERY, KEY, VALUE, OUT, MLP_IN_GATE, MLP_IN_UP, MLP_IN, MLP_OUT, MOE_DISPATCH, MOE_COMBINE)
 
 _QKV = (QUERY, KEY, VALUE)
 _SAVED_NAMES = {

@@ -105,7 +105,18 @@ def train_step(state: TrainState, batch, *, model: nn.Module, tx: optax.Gradient
     grads = jax.lax.with_sharding_constraint(grads, grad_shardings)
   metrics = StepMetrics(loss=loss, grad_norm=optax.tree.norm(grads),
                         n_tokens=jnp.asarray(batch["targets"].size, jnp.int32), expert_load=load)
-  return apply_grads(state, grads, tx), metrics
+  return balance_router(apply_grads(state, grads, tx), load, model.cfg.router_bias_rate), metrics
+
+
+def balance_router(state: TrainState, load_LxE, rate: float) -> TrainState:
+  """The step's router-bias update (``model.router_bias_rate``; framework/moe.py update_bias) on the params and,
+  with master weights, on their float32 masters (which the next update starts from)."""
+  if not rate or load_LxE is None:
+    return state
+  opt = state.opt_state
+  if isinstance(opt, optim.MasterState):
+    opt = opt._replace(master=moe_lib.update_bias(opt.master, load_LxE, rate))
+  return TrainState(step=state.step, params=moe_lib.update_bias(state.params, load_LxE, rate), opt_state=opt)
 
 
 def eval_step(params, batch, *, model: nn.Module):

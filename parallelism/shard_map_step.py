@@ -202,7 +202,9 @@ def build(cfg: Config, mesh: Mesh, donate: bool = True) -> compiled.CompiledStep
       if zero1:
         grads = jax.lax.with_sharding_constraint(grads, grad_sh)
       norm, new_state = optax.tree.norm(grads), ts.apply_grads(state, grads, tx)
+    load = load[0] if load else None
+    new_state = ts.balance_router(new_state, load, cfg.model.router_bias_rate)
     return new_state, ts.StepMetrics(loss=loss, grad_norm=norm, n_tokens=jnp.asarray(n_tokens, jnp.int32),
-                                     expert_load=load[0] if load else None)
+                                     expert_load=load)
 
   return compiled.assemble(cfg, mesh, model, tx, rules, state_sh, step, loss_and_grads, donate)

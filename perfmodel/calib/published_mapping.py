@@ -304,10 +304,11 @@ def _slices(r: P.PublishedRun) -> int:
 
 def _attention(r: P.PublishedRun, notes: list) -> str:
   tpu = r.hardware.startswith("tpu")
-  if tpu and r.pipeline == 1 and r.sequence == 1 and r.seq_len % 128 == 0:
+  if tpu and r.pipeline == 1 and r.sequence == 1 and r.seq_len % 128 == 0 and not r.n_experts:
     return "splash"
   if tpu:
-    notes.append("attention blockwise: the layout (pipeline / context parallel) rules out the splash kernel")
+    notes.append("attention blockwise: the layout (pipeline / context parallel / experts: shard_map form) rules out "
+                 "the splash kernel")
     return "blockwise"
   if r.head_dim <= 128 and r.head_dim % 8 == 0:
     return "cudnn"
@@ -321,7 +322,9 @@ def _experts(r: P.PublishedRun, notes: list) -> dict:
   capacity factor when it drops tokens, else at 1.0: a dropless run whose router is balanced (forced-balanced
   benchmarks, or the balance loss at work) gives every expert A / E assignments, the work of C = A / E slots;
   grouped GEMMs (megablox, TE) run exactly that. XLA's own ragged dot is not what those frameworks run (on GPU it
-  lowers to a dense product over every local expert)."""
+  lowers to a dense product over every local expert). The step is the shard_map form (two all_to_all per layer),
+  as Megatron's and MaxText's MoE layers are explicit per-device code: the jit form's dispatch sorts the global
+  batch, which GSPMD all-gathers."""
   cf = r.capacity_factor or 1.0
   notes.append(f"experts: capacity dispatch at factor {cf:g}" + ("" if r.capacity_factor else
                                                                  " (dropless, balanced routing assumed)"))
@@ -352,7 +355,7 @@ def row_config(r: P.PublishedRun) -> RowMapping:
     notes.append(f"micro-batch size not published: {micro} pipeline micro-batches of one sequence")
   pipelined_or_cp = r.pipeline > 1 or r.sequence > 1
   mesh = dict(data=r.data, fsdp=r.fsdp, tensor=r.tensor, pipeline=r.pipeline, sequence=r.sequence,
-              expert=r.expert, microbatches=micro, form="shard_map" if pipelined_or_cp else "jit", schedule="1f1b")
+              expert=r.expert, microbatches=micro, form="shard_map" if pipelined_or_cp or r.n_experts else "jit", schedule="1f1b")
   flat = {f"model.{k}": v for k, v in model.items()}
   flat.update({"data.seq_len": r.seq_len, "data.global_batch": r.global_batch})
   flat.update({f"mesh.{k}": v for k, v in mesh.items()})

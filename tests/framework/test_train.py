@@ -2,6 +2,7 @@
 (framework/train.py, framework/checkpoint.py)."""
 import json
 
+import flax.linen as nn
 import jax
 import numpy as np
 import pytest
@@ -129,3 +130,20 @@ def test_loop_runs_hooks_in_order_and_the_same_steps(tmp_path):
     state, m = step(state, step.put_batch(next(ref_it)))
     ref.append(float(m.loss))
   assert [c[2] for c in calls if c[0] == "after"] == ref
+
+
+def test_weight_decay_spares_norms_and_biases_in_a_scanned_stack():
+  """A scanned layer stack makes a norm's scale 2-D (layers x width): decay still goes by what the parameter is."""
+  import jax.tree_util as jtu
+  from framework import model as model_lib
+  from framework import optim
+  from framework.config import ModelConfig
+  cfg = ModelConfig(vocab_size=64, d_model=32, n_layers=2, n_heads=4, n_kv_heads=2, max_seq_len=16, qkv_bias=True,
+                    n_experts=4, experts_per_token=2, router_bias_rate=0.01, scan_layers=True)
+  m = model_lib.build(cfg)
+  params = jax.eval_shape(lambda: nn.unbox(model_lib.init_params(m, jax.random.key(0))))
+  decay = {jtu.keystr(p): optim.decayed(p, x) for p, x in jtu.tree_leaves_with_path(params)}
+  assert decay["['layers']['attn_norm']['scale']"] is False and params["layers"]["attn_norm"]["scale"].ndim == 2
+  assert decay["['layers']['attn']['bq']"] is False and decay["['layers']['moe']['router_bias']"] is False
+  assert decay["['layers']['attn']['wq']"] and decay["['layers']['moe']['we_up']"] and decay["['embed']['embedding']"]
+  assert decay["['final_norm']['scale']"] is False

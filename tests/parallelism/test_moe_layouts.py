@@ -135,3 +135,78 @@ def test_imbalance_is_the_busiest_rank_over_the_mean():
   assert moe.imbalance(two, 4) == pytest.approx((40 / 25 + 1.0) / 2)
   with pytest.raises(ValueError, match="divisible"):
     moe.imbalance(balanced, 3)
+
+
+BIASED = dict(MOE, router_bias_rate=0.05)
+
+
+def _three_steps(st, state, batch):
+  """Losses and router counts of three steps from ``state`` (the bias moves after each), and the final biases."""
+  out = []
+  state = jax.device_put(harness.chunk_layers(state, st.cfg.mesh.virtual_stages), st.state_shardings)
+  with st.context():
+    for _ in range(3):
+      state, m = st.step_fn(state, st.put_batch(batch))
+      out.append((float(m.loss), np.asarray(m.expert_load)))
+  bias = [np.asarray(x).reshape(-1, MOE["n_experts"]) for p, x in jax.tree_util.tree_leaves_with_path(
+      harness.unchunk_layers(jax.device_get(state.params), st.cfg.mesh.virtual_stages)) if "router_bias" in str(p)]
+  return out, np.concatenate(bias)
+
+
+@pytest.fixture(scope="module")
+def biased_reference(moe_reference):
+  st = harness.build({}, "jit", model=BIASED)
+  state = jax.tree.map(np.asarray, st.init_state(jax.random.key(1)))
+  return state, _three_steps(st, state, moe_reference["batch"])
+
+
+def test_router_bias_moves_toward_balance(biased_reference):
+  """DeepSeek-V3's auxiliary-loss-free balancing: after a step every layer's bias is +rate on the experts below
+  the layer's mean load and -rate above it; the selection follows the bias (counts change), the weights do not
+  (the bias gets no gradient)."""
+  state, (steps, bias) = biased_reference
+  load0 = steps[0][1]
+  assert not any("router_bias" in str(p) for p, _ in jax.tree_util.tree_leaves_with_path(
+      harness.build({}, "jit", model=MOE).init_state(jax.random.key(1)).params))  # off by default
+  first = 0.05 * np.sign(load0.mean(axis=1, keepdims=True) - load0)
+  later = sum(0.05 * np.sign(s[1].mean(axis=1, keepdims=True) - s[1]) for s in steps[1:])
+  np.testing.assert_allclose(bias, first + later, atol=1e-6)
+  assert not np.array_equal(steps[0][1], steps[2][1])  # the selection moved with the bias
+
+
+@pytest.mark.parametrize("mesh,form", [({"data": 2, "expert": 4}, "shard_map"),
+                                       ({"pipeline": 2, "expert": 4, "microbatches": 2, "schedule": "1f1b",
+                                         "virtual_stages": 2}, "shard_map"),
+                                       ({"expert": 4, "data": 2}, "jit")],
+                         ids=["data2-expert4", "pipeline2-virtual2-expert4", "jit-expert4-data2"])
+def test_router_bias_equals_one_device(biased_reference, moe_reference, mesh, form):
+  state, (ref_steps, ref_bias) = biased_reference
+  steps, bias = _three_steps(harness.build(mesh, form, model=BIASED), state, moe_reference["batch"])
+  for (loss, load), (rloss, rload) in zip(steps, ref_steps):
+    assert abs(loss - rloss) <= 1e-4 * abs(rloss)
+    np.testing.assert_array_equal(load, rload)
+  np.testing.assert_allclose(bias, ref_bias, atol=1e-6)
+
+
+def _count(jaxpr, name):
+  n = sum(e.primitive.name == name for e in jaxpr.eqns)
+  return n + sum(_count(sub, name) for e in jaxpr.eqns for sub in jex_core.jaxprs_in_params(e.params))
+
+
+@pytest.mark.parametrize("impl", ["dropless", "capacity"])
+def test_remat_minimal_keeps_the_exchanged_tokens(moe_reference, impl):
+  """Under 'minimal' the backward pass keeps the tokens a rank received and the experts' outputs it got back:
+  4 token all_to_all per layer (2 forward, 2 backward) where 'full' exchanges the tokens again (6); the result is
+  the one-device step's."""
+  def a2a(remat):
+    st = harness.build({"expert": 4, "data": 2}, "shard_map", model=dict(MOE, remat=remat, moe_impl=impl,
+                                                                         capacity_factor=8.0))
+    state = jax.device_put(moe_reference["state"], st.state_shardings)
+    with st.context():
+      jaxpr = jax.make_jaxpr(st.step_fn)(state, st.put_batch(moe_reference["batch"])).jaxpr
+    return st, _count(jaxpr, "all_to_all")
+  st, minimal = a2a("minimal")
+  _, full = a2a("full")
+  # dropless also sends each token's expert id forward (ints, no gradient; recomputed for the backward's sort)
+  assert (minimal, full) == ((6, 8) if impl == "dropless" else (4, 6))
+  _check(st, moe_reference)

@@ -115,3 +115,28 @@ def test_plain_matmul_flops_equal_xla():
 
 def test_bare_mesh_replica_groups_mean_the_whole_mesh():
   assert hp.parse_replica_groups("mesh['axis_0'=1,'axis_1'=2,'axis_2'=4]") == [tuple(range(8))]
+
+
+def test_a_computation_closed_with_attributes_ends_there():
+  """TPU prints a SparseCore computation's closing brace with attributes; the next computation is its own."""
+  text = """HloModule m, num_partitions=1
+
+%sc_body (p: f32[8]) -> f32[8] {
+  %p = f32[8]{0} parameter(0)
+  ROOT %n = f32[8]{0} negate(%p)
+}, execution_thread="sparsecore"
+
+%fused_computation.1 (q: f32[8]) -> f32[8] {
+  %q = f32[8]{0} parameter(0)
+  ROOT %e = f32[8]{0} exponential(%q)
+}
+
+ENTRY %main (a: f32[8]) -> f32[8] {
+  %a = f32[8]{0} parameter(0)
+  ROOT %f = f32[8]{0} fusion(%a), kind=kLoop, calls=%fused_computation.1
+}
+"""
+  mod = hp.parse_module(text)
+  assert set(mod.computations) == {"sc_body", "fused_computation.1", "main"}
+  assert [i.opcode for i in mod.computations["fused_computation.1"].instructions] == ["parameter", "exponential"]
+  assert [n.transcendentals for n, _ in G.build_graph(mod).walk()] == [8]  # the fusion reads its own computation

@@ -235,4 +235,21 @@ def test_moe_row_maps_to_the_capacity_program(tmp_path):
   flat = dict(o[len("--config."):].split("=", 1) for o in M.row_config(r).overrides)
   assert (flat["model.n_experts"], flat["model.moe_impl"], flat["model.capacity_factor"], flat["mesh.expert"],
           flat["mesh.data"]) == ("8", "capacity", "1.0", "8", "2")
+  assert flat["mesh.form"] == "shard_map"  # explicit all_to_all: the jit form's dispatch sorts the global batch
   assert M.row_config(r).error == ""
+
+
+def test_moe_rows_have_their_own_split_and_record(tmp_path):
+  from perfmodel.calib import published_validate as V
+  moe_csv = os.path.join(P.DATA_DIR, "published_moe_training.csv")
+  assert P.split_path(moe_csv).endswith("published_moe_split.csv")
+  assert P.split_path(P.default_path()) == P.SPLIT_CSV
+  assert V.record_path(moe_csv).endswith("published_moe_validation.json")
+  assert V.record_path(None) == V.JSON_PATH
+  rows = P.load(moe_csv)
+  with open(P.split_path(moe_csv), newline="") as f:
+    split = {row["id"]: row["split"] for row in csv.DictReader(f)}
+  assert {r.id for r in rows} == set(split)  # the split was fixed over every row
+  for r in rows:
+    assert (r.split == "heldout") == bool(P.heldout_rule(r.id, r.precision)), r.id
+  assert sum(r.included for r in rows) >= 15
