@@ -40,8 +40,11 @@ def test_freshness_names_what_changed():
   assert why.startswith("mapping:")
 
 
+MOE_CSV = os.path.join(P.DATA_DIR, "published_moe_training.csv")
+
+
 def test_committed_programs_are_of_included_rows():
-  rows = {r.id: r for r in P.included(P.load(), precision=None)}
+  rows = {r.id: r for r in P.included(P.load(), precision=None) + P.included(P.load(MOE_CSV), precision=None)}
   files = [f for f in os.listdir(PP.DIR) if f.endswith(".json.xz")]
   assert files
   for f in files:
@@ -110,3 +113,26 @@ def test_strict_refuses_a_stale_program(monkeypatch):
   out = PV.run(reprice=True, strict=True, ids=["maxtext_v5e_16b_1x256"], log=lambda *_: None)
   (row,) = out["rows"]
   assert row["error"].startswith("stale program: code:") and out["n_priced"] == 0
+
+
+def test_moe_reprice_reproduces_its_committed_json():
+  """The mixture-of-experts rows' record (published_moe_validation.json) from their committed programs: every
+  priced row's prediction and every score; a row that did not compile has no program and stays unpriced."""
+  with open(PV.record_path(MOE_CSV)) as f:
+    committed = json.load(f)
+  repriced = PV.run(csv=MOE_CSV, reprice=True, log=lambda *_: None)
+  got = {e["id"]: e for e in repriced["rows"]}
+  assert set(got) == {e["id"] for e in committed["rows"]}
+  for e in committed["rows"]:
+    if "predicted_s" in e:
+      assert got[e["id"]]["predicted_s"] == pytest.approx(e["predicted_s"], rel=1e-9), e["id"]
+      assert got[e["id"]]["fits_in_memory"] == e["fits_in_memory"], e["id"]
+    else:
+      assert "predicted_s" not in got[e["id"]] and e["error"], e["id"]
+  for k in ("n_priced", "n_failed", "fits"):
+    assert repriced[k] == committed[k], k
+  for group, sc in committed["scores"].items():
+    for who in ("model", "baseline"):
+      for stat in ("mape_pct", "tau_global"):
+        assert repriced["scores"][group][who][stat] == pytest.approx(sc[who][stat], rel=1e-9, abs=1e-12), (
+            group, who, stat)
