@@ -1,9 +1,14 @@
 """Hugging Face ``transformers`` interop: checkpoint directory <-> (ModelConfig, params).
 
 Architectures: ``LlamaForCausalLM`` (plain RoPE, or Llama 3.x's rope_scaling type 'llama3' ->
-``model.rope_scaling='llama3'``) and ``Qwen2ForCausalLM`` (q/k/v biases -> ``model.qkv_bias``); tied or
-untied embeddings as ``tie_word_embeddings`` says. Export writes a Qwen2ForCausalLM for a model with
-``qkv_bias``, a LlamaForCausalLM otherwise, with its RoPE scaling.
+``model.rope_scaling='llama3'``), ``Qwen2ForCausalLM`` (q/k/v biases -> ``model.qkv_bias``) and
+``MixtralForCausalLM`` (a mixture of experts: ``num_local_experts`` -> ``model.n_experts``,
+``num_experts_per_tok`` -> ``experts_per_token``, ``intermediate_size`` -> ``moe_d_ff``, softmax router with the
+top-k renormalised); tied or untied embeddings as ``tie_word_embeddings`` says. Export writes a
+MixtralForCausalLM for a model with ``n_experts`` (refusing what Mixtral lacks: shared experts, a sigmoid router,
+``router_scale`` != 1, a router bias; ``names.mixtral_unsupported``), a Qwen2ForCausalLM for one with
+``qkv_bias``, a LlamaForCausalLM otherwise, with its RoPE scaling. HF's ``router_aux_loss_coef`` weighs a loss
+``k`` times ours (its expert fractions sum to ``k``, ours to 1), so ``aux_loss_coef = k x router_aux_loss_coef``.
 
 A HF checkpoint directory is ``config.json`` plus ``model.safetensors`` (or shards listed in
 ``model.safetensors.index.json``). Arrays are read and written with the ``safetensors`` numpy API:
@@ -53,8 +58,8 @@ class HFError(ValueError):
 
 # ---------------------------------------------------------------- config mapping
 
-# HF model_type -> the architecture class written on export; model.qkv_bias picks qwen2.
-ARCHITECTURES = {"llama": "LlamaForCausalLM", "qwen2": "Qwen2ForCausalLM"}
+# HF model_type -> the architecture class written on export; model.n_experts picks mixtral, model.qkv_bias qwen2.
+ARCHITECTURES = {"llama": "LlamaForCausalLM", "qwen2": "Qwen2ForCausalLM", "mixtral": "MixtralForCausalLM"}
 # transformers' 'llama3' rope_scaling keys -> ModelConfig fields (framework/rope.py)
 LLAMA3_ROPE_KEYS = (("factor", "rope_factor", float), ("low_freq_factor", "rope_low_freq_factor", float),
                     ("high_freq_factor", "rope_high_freq_factor", float),
@@ -86,8 +91,8 @@ def model_config_from_hf(hf: Mapping[str, Any], dtype: str = "float32") -> Model
   """HF ``config.json`` (dict) -> :class:`ModelConfig`; refuses features our model does not have."""
   mt = hf.get("model_type", "llama")
   if mt not in ARCHITECTURES:
-    raise HFError(f"model_type={mt!r}: only 'llama' (LlamaForCausalLM) and 'qwen2' (Qwen2ForCausalLM) "
-                  f"checkpoints are supported")
+    raise HFError(f"model_type={mt!r}: only 'llama' (LlamaForCausalLM), 'qwen2' (Qwen2ForCausalLM) and 'mixtral' "
+                  f"(MixtralForCausalLM) checkpoints are supported")
   act = hf.get("hidden_act", "silu")
   if act != "silu":
     raise HFError(f"hidden_act={act!r}: the PrismLLM MLP is SwiGLU (silu)")
@@ -97,18 +102,29 @@ def model_config_from_hf(hf: Mapping[str, Any], dtype: str = "float32") -> Model
                     "lacks (model.qkv_bias covers q/k/v only); convert a checkpoint without attention biases")
     if hf.get("mlp_bias"):
       raise HFError("mlp_bias=true: PrismLLM MLPs have no biases; convert a checkpoint without MLP biases")
+  elif mt == "mixtral":
+    if hf.get("sliding_window") is not None:
+      raise HFError(f"sliding_window={hf['sliding_window']}: PrismLLM attends to the whole context (no sliding "
+                    f"window); convert a checkpoint saved with sliding_window=null")
   elif hf.get("use_sliding_window") or any(t != "full_attention" for t in hf.get("layer_types") or ()):
     raise HFError("use_sliding_window=true: PrismLLM attends to the whole context (no sliding window); convert a "
                   "checkpoint saved with use_sliding_window=false")
   d, h = int(hf["hidden_size"]), int(hf["num_attention_heads"])
   head_dim = int(hf.get("head_dim") or d // h)
+  moe = {}
+  if mt == "mixtral":
+    k = int(hf.get("num_experts_per_tok", 2))
+    moe = dict(n_experts=int(hf.get("num_local_experts", 8)), experts_per_token=k,
+               moe_d_ff=int(hf["intermediate_size"]), router="softmax", moe_norm_topk=True, router_scale=1.0,
+               n_shared_experts=0, aux_loss_coef=k * float(hf.get("router_aux_loss_coef", 0.001)))
   cfg = ModelConfig(
       vocab_size=int(hf["vocab_size"]), d_model=d, n_layers=int(hf["num_hidden_layers"]), n_heads=h,
       n_kv_heads=int(hf.get("num_key_value_heads") or h),
       head_dim=0 if head_dim == d // h else head_dim,
       d_ff=int(hf["intermediate_size"]), norm_eps=float(hf.get("rms_norm_eps", 1e-6)),
       tie_embeddings=bool(hf.get("tie_word_embeddings", False)), qkv_bias=mt == "qwen2",
-      max_seq_len=int(hf.get("max_position_embeddings", 2048)), dtype=dtype, param_dtype=dtype, **_rope_fields(hf))
+      max_seq_len=int(hf.get("max_position_embeddings", 2048)), dtype=dtype, param_dtype=dtype, **_rope_fields(hf),
+      **moe)
   try:
     config_lib.validate_model(cfg)
   except ConfigError as e:
@@ -117,18 +133,22 @@ def model_config_from_hf(hf: Mapping[str, Any], dtype: str = "float32") -> Model
 
 
 def hf_config_from_model(cfg: ModelConfig, dtype: str = "float32") -> dict:
-  """:class:`ModelConfig` -> HF ``config.json`` dict (readable by transformers 4.x and 5.x): a Qwen2ForCausalLM
-  with ``qkv_bias``, a LlamaForCausalLM otherwise."""
+  """:class:`ModelConfig` -> HF ``config.json`` dict (readable by transformers 4.x and 5.x): a MixtralForCausalLM
+  with ``n_experts``, a Qwen2ForCausalLM with ``qkv_bias``, a LlamaForCausalLM otherwise."""
   if cfg.mlp != "swiglu" or cfg.block != "sequential":
-    raise HFError(f"model.mlp={cfg.mlp!r} / model.block={cfg.block!r}: Llama and Qwen2 are 'swiglu' MLPs in "
-                  f"'sequential' blocks; export a model with those")
-  mt = "qwen2" if cfg.qkv_bias else "llama"
+    raise HFError(f"model.mlp={cfg.mlp!r} / model.block={cfg.block!r}: Llama, Qwen2 and Mixtral are 'swiglu' MLPs "
+                  f"in 'sequential' blocks; export a model with those")
+  why = names.mixtral_unsupported(cfg)
+  if why:
+    raise HFError(why)
+  mt = "mixtral" if cfg.moe else "qwen2" if cfg.qkv_bias else "llama"
   rope = {"rope_type": "default", "rope_theta": cfg.rope_theta}
   if cfg.rope_scaling == "llama3":
     rope = dict(rope, rope_type="llama3", **{k: getattr(cfg, f) for k, f, _ in LLAMA3_ROPE_KEYS})
   out = {
       "architectures": [ARCHITECTURES[mt]], "model_type": mt,
-      "vocab_size": cfg.vocab_size, "hidden_size": cfg.d_model, "intermediate_size": cfg.ff,
+      "vocab_size": cfg.vocab_size, "hidden_size": cfg.d_model,
+      "intermediate_size": cfg.expert_ff if cfg.moe else cfg.ff,
       "num_hidden_layers": cfg.n_layers, "num_attention_heads": cfg.n_heads,
       "num_key_value_heads": cfg.n_kv_heads, "head_dim": cfg.hd, "hidden_act": "silu",
       "max_position_embeddings": cfg.max_seq_len, "rms_norm_eps": cfg.norm_eps,
@@ -140,7 +160,11 @@ def hf_config_from_model(cfg: ModelConfig, dtype: str = "float32") -> dict:
   }
   if cfg.rope_scaling != "none":
     out["rope_scaling"] = {k: v for k, v in rope.items() if k != "rope_theta"}
-  if mt == "qwen2":
+  if mt == "mixtral":
+    out.update(num_local_experts=cfg.n_experts, num_experts_per_tok=cfg.experts_per_token, sliding_window=None,
+               router_aux_loss_coef=cfg.aux_loss_coef / cfg.experts_per_token, router_jitter_noise=0.0,
+               output_router_logits=False)
+  elif mt == "qwen2":
     out.update(use_sliding_window=False, sliding_window=None, max_window_layers=cfg.n_layers,
                layer_types=["full_attention"] * cfg.n_layers)
   else:
@@ -199,19 +223,20 @@ def read_config(hf_dir: str, dtype: str = "float32") -> ModelConfig:
 
 
 def load(hf_dir: str, dtype: str = "float32", scan_layers: bool = True) -> tuple:
-  """Reads a HF Llama / Qwen2 checkpoint directory -> (ModelConfig, params tree of numpy arrays).
+  """Reads a HF Llama / Qwen2 / Mixtral checkpoint directory -> (ModelConfig, params tree of numpy arrays).
 
   ``dtype`` is the parameter (and compute) dtype of the returned model; ``scan_layers`` picks the
   stacked ('layers', leading L axis) or unrolled ('layers_{i}') parameter layout."""
   d = pathlib.Path(hf_dir)
   cfg = dataclasses.replace(read_config(hf_dir, dtype), scan_layers=scan_layers)
   arrays = _LazyTensors(_tensor_files(d), np.dtype(_np_dtype(dtype)))
-  used = {p.hf.format(i=i) for p in names.entries(cfg) for i in (range(cfg.n_layers) if p.per_layer else [0])}
+  used = {n for p in names.entries(cfg) for n in names.layer_names(p, p.hf, cfg)}
   extra = sorted(k for k in arrays if k not in used and not k.endswith(_IGNORABLE_SUFFIXES)
                  and not (cfg.tie_embeddings and k == "lm_head.weight"))
   if extra:
     raise HFError(f"{len(extra)} tensors in {d} have no PrismLLM parameter (e.g. {extra[:4]}): the checkpoint "
-                  f"is not a plain {'Qwen2' if cfg.qkv_bias else 'Llama'} with {cfg.n_layers} layers")
+                  f"is not a plain {'Mixtral' if cfg.moe else 'Qwen2' if cfg.qkv_bias else 'Llama'} with "
+                  f"{cfg.n_layers} layers")
   try:
     params = names.hf_to_framework(arrays, cfg)
   except KeyError as e:
@@ -221,7 +246,7 @@ def load(hf_dir: str, dtype: str = "float32", scan_layers: bool = True) -> tuple
 
 def save(params: Any, cfg: ModelConfig, out_dir: str, dtype: Optional[str] = None,
          max_shard_bytes: int = 4 << 30) -> pathlib.Path:
-  """Writes framework params as a HF Llama / Qwen2 directory (config.json + model.safetensors, or shards
+  """Writes framework params as a HF Llama / Qwen2 / Mixtral directory (config.json + model.safetensors, or shards
   with an index past ``max_shard_bytes``). ``dtype`` defaults to the model's param dtype."""
   from safetensors.numpy import save_file  # noqa: PLC0415
   dtype = dtype or cfg.param_dtype
@@ -316,7 +341,7 @@ def import_to_workdir(hf_dir: str, workdir: str, cfg: Config = Config(),
 
 def export_from_workdir(workdir: str, out_dir: str, step: Optional[int] = None,
                         dtype: Optional[str] = None) -> pathlib.Path:
-  """Writes a workdir checkpoint's params (latest, or ``step``) as a HF Llama / Qwen2 directory."""
+  """Writes a workdir checkpoint's params (latest, or ``step``) as a HF Llama / Qwen2 / Mixtral directory."""
   import jax  # noqa: PLC0415
 
   from framework import checkpoint as ckpt_lib  # noqa: PLC0415 - orbax, only for workdirs
@@ -362,7 +387,9 @@ def main(argv=None) -> int:
       m = cfg.model
       keys = ["vocab_size", "d_model", "n_layers", "n_heads", "n_kv_heads", "head_dim", "d_ff", "rope_theta",
               "norm_eps", "tie_embeddings", "max_seq_len"]
-      keys += [k for k in ("rope_scaling",) + tuple(f for _, f, _ in LLAMA3_ROPE_KEYS) + ("qkv_bias",)
+      keys += [k for k in ("rope_scaling",) + tuple(f for _, f, _ in LLAMA3_ROPE_KEYS) + ("qkv_bias", "n_experts",
+                                                                                      "experts_per_token", "moe_d_ff",
+                                                                                      "aux_loss_coef")
                if getattr(m, k) != getattr(ModelConfig(), k)]
       ov = " ".join(rest + [f"--config.model.{k}={getattr(m, k)!r}" for k in keys])
       print(f"imported {m.n_params() / 1e6:.2f}M params into {os.path.abspath(args.workdir)}; train on with:\n"

@@ -17,6 +17,15 @@ Layouts (per layer; the framework stacks layers on a leading ``L`` axis when ``s
   embed/embedding V x D   embed_tokens (V, D)  token_embd    (a row table, not transposed)
   lm_head/kernel  D x V   lm_head (V, D)       output        (absent when embeddings are tied)
   norms (D,)          *_layernorm / norm     *_norm
+  moe/router D x X    block_sparse_moe.gate (X, D)            ffn_gate_inp   (X experts; kept F32 in GGUF)
+  moe/we_gate X x D x F  experts.{e}.w1 (F, D) each  ffn_gate_exps (X, F, D)  (one GGUF tensor per layer)
+  moe/we_up   X x D x F  experts.{e}.w3 (F, D) each  ffn_up_exps   (X, F, D)
+  moe/we_down X x F x D  experts.{e}.w2 (D, F) each  ffn_down_exps (X, D, F)
+
+A mixture-of-experts model (``model.n_experts > 0``) is written as Mixtral: HF ``MixtralForCausalLM`` (its
+``block_sparse_moe`` in place of ``mlp``) and llama.cpp's ``llama`` architecture with ``llama.expert_count``.
+Mixtral's router is a softmax whose top-k weights are renormalised, with no scale, bias or shared experts:
+:func:`mixtral_unsupported` names what else a model has.
 
 GGUF stores a numpy array of shape (n_out, n_in) with ggml ``ne = [n_in, n_out]``.
 
@@ -43,7 +52,8 @@ class ParamName:
   hf: str
   gguf: str
   per_layer: bool
-  kind: str  # 'in_out' (D x ... -> transpose), 'heads_in' (H x E x D), 'rows' (V x D), 'vector'
+  kind: str  # 'in_out' (D x ... -> transpose), 'heads_in' (H x E x D), 'rows' (V x D), 'vector',
+  #            'experts' (X x n_in x n_out: X stacked matrices, each transposed; HF names one per expert, '{e}')
   rope_heads: str = ""  # '' | 'q' | 'kv': which head count the GGUF RoPE permutation uses
 
 
@@ -89,12 +99,46 @@ EXTRA: tuple = (
 
 QKV_BIASES: tuple = EXTRA[:3]
 
+# A mixture-of-experts layer in place of the MLP, in Mixtral's names (HF MixtralForCausalLM; llama.cpp 'llama'
+# with experts). HF has one tensor per expert ('{e}'), GGUF one stacked (X, n_out, n_in) tensor per layer.
+_EXP = "model.layers.{i}.block_sparse_moe.experts.{e}."
+MOE: tuple = (
+    ParamName(("moe", "router"), "model.layers.{i}.block_sparse_moe.gate.weight", "blk.{i}.ffn_gate_inp.weight",
+              True, "in_out"),
+    ParamName(("moe", "we_gate"), _EXP + "w1.weight", "blk.{i}.ffn_gate_exps.weight", True, "experts"),
+    ParamName(("moe", "we_up"), _EXP + "w3.weight", "blk.{i}.ffn_up_exps.weight", True, "experts"),
+    ParamName(("moe", "we_down"), _EXP + "w2.weight", "blk.{i}.ffn_down_exps.weight", True, "experts"),
+)
+
 
 def entries(cfg: ModelConfig) -> tuple:
   """The table entries present in a model built from ``cfg`` (no lm_head with tied embeddings; the q/k/v biases
-  with ``qkv_bias``)."""
-  out = tuple(p for p in TABLE if not (cfg.tie_embeddings and p.path[0] == "lm_head"))
+  with ``qkv_bias``; :data:`MOE` in place of the MLP with ``n_experts``)."""
+  out: tuple = ()
+  for p in TABLE:
+    if (cfg.tie_embeddings and p.path[0] == "lm_head") or (cfg.moe and p.path[0] == "mlp"):
+      continue
+    out += (p,) + (MOE if cfg.moe and p.path[0] == "mlp_norm" else ())
   return out + (QKV_BIASES if cfg.qkv_bias else ())
+
+
+def mixtral_unsupported(cfg: ModelConfig) -> str:
+  """'' when ``cfg`` is a dense model or a mixture of experts that Mixtral (HF MixtralForCausalLM, llama.cpp's
+  llama MoE) computes exactly; else one line naming the setting and the fix."""
+  if not cfg.moe:
+    return ""
+  bad = [(cfg.n_shared_experts, f"model.n_shared_experts={cfg.n_shared_experts}", "n_shared_experts=0"),
+         (cfg.router != "softmax", f"model.router={cfg.router!r}", "router='softmax'"),
+         (not cfg.moe_norm_topk, "model.moe_norm_topk=False", "moe_norm_topk=True"),
+         (cfg.router_scale != 1.0, f"model.router_scale={cfg.router_scale}", "router_scale=1"),
+         (cfg.router_bias_rate, f"model.router_bias_rate={cfg.router_bias_rate} (a router bias)",
+          "router_bias_rate=0"),
+         (cfg.qkv_bias, "model.qkv_bias=True", "qkv_bias=False")]
+  for flag, what, fix in bad:
+    if flag:
+      return (f"{what}: a mixture of experts is exported as Mixtral (softmax router, top-k renormalised, no scale, "
+              f"router bias, shared experts or q/k/v biases), which cannot express it; train with model.{fix}")
+  return ""
 
 
 # ---------------------------------------------------------------- RoPE permutation (the one place)
@@ -132,6 +176,8 @@ def to_hf(p: ParamName, w: np.ndarray) -> np.ndarray:
     return np.ascontiguousarray(w.reshape(w.shape[0], -1).T)
   if p.kind == "heads_in":  # H x E x D -> (D, H*E)
     return np.ascontiguousarray(w.reshape(-1, w.shape[-1]).T)
+  if p.kind == "experts":  # X x n_in x n_out -> (X, n_out, n_in)
+    return np.ascontiguousarray(w.swapaxes(-1, -2))
   return w
 
 
@@ -139,11 +185,15 @@ def from_hf(p: ParamName, m: np.ndarray, cfg: ModelConfig) -> np.ndarray:
   """Inverse of :func:`to_hf`: HF array -> framework array (single layer)."""
   m = np.asarray(m)
   D, H, K, E, F, V = cfg.d_model, cfg.n_heads, cfg.n_kv_heads, cfg.hd, cfg.ff, cfg.vocab_size
+  X, Fe = cfg.n_experts, cfg.expert_ff
   shapes = {"wq": (D, H, E), "wk": (D, K, E), "wv": (D, K, E), "wo": (H, E, D), "w_gate": (D, F),
             "w_up": (D, F), "w_down": (F, D), "embedding": (V, D), "kernel": (D, V), "scale": (D,), "bq": (H, E),
-            "bk": (K, E), "bv": (K, E)}
+            "bk": (K, E), "bv": (K, E), "router": (D, X), "we_gate": (X, D, Fe), "we_up": (X, D, Fe),
+            "we_down": (X, Fe, D)}
   want = shapes[p.path[-1]]
-  if p.kind == "in_out":
+  if p.kind == "experts":
+    out = m.swapaxes(-1, -2).reshape(want)
+  elif p.kind == "in_out":
     out = m.T.reshape(want)
   elif p.kind == "heads_in":
     out = m.T.reshape(want)
@@ -200,7 +250,11 @@ def _convert_out(params: Any, cfg: ModelConfig, name_of: Callable, conv: Callabl
     out[name_of(p)] = conv(p, np.asarray(_get(params, p.path)))
   for i in range(cfg.n_layers):
     for p, ws in per_layer.items():
-      out[name_of(p).format(i=i)] = conv(p, ws[i])
+      w, name = conv(p, ws[i]), name_of(p)
+      if "{e}" in name:  # HF: one tensor per expert
+        out.update({name.format(i=i, e=e): np.ascontiguousarray(w[e]) for e in range(w.shape[0])})
+      else:
+        out[name.format(i=i)] = w
   for p in ents[1:]:
     if not p.per_layer:
       out[name_of(p)] = conv(p, np.asarray(_get(params, p.path)))
@@ -219,14 +273,22 @@ def framework_to_gguf(params: Any, cfg: ModelConfig, arch: str = "llama") -> dic
 
 def _convert_in(arrays: Mapping, cfg: ModelConfig, name_of: Callable, conv: Callable, scan: bool,
                 fmt: str) -> dict:
-  missing = [name_of(p).format(i=0) for p in entries(cfg) if name_of(p).format(i=0) not in arrays]
+  missing = [name_of(p).format(i=0, e=0) for p in entries(cfg) if name_of(p).format(i=0, e=0) not in arrays]
   if missing:
     raise KeyError(f"{fmt} weights lack {missing}; is this a Llama-architecture checkpoint with "
-                   f"{cfg.n_layers} layers, tie_embeddings={cfg.tie_embeddings} and qkv_bias={cfg.qkv_bias}?")
+                   f"{cfg.n_layers} layers, tie_embeddings={cfg.tie_embeddings}, qkv_bias={cfg.qkv_bias} and "
+                   f"n_experts={cfg.n_experts}?")
+
+  def layer(p, i):
+    name = name_of(p)
+    if "{e}" in name:  # HF: one tensor per expert, stacked
+      return np.stack([np.asarray(arrays[name.format(i=i, e=e)]) for e in range(cfg.n_experts)])
+    return arrays[name.format(i=i)]
+
   params: dict = {}
   for p in entries(cfg):
     if p.per_layer:
-      ws = [conv(p, arrays[name_of(p).format(i=i)]) for i in range(cfg.n_layers)]
+      ws = [conv(p, layer(p, i)) for i in range(cfg.n_layers)]
       if scan:
         _set(params, ("layers",) + p.path, np.stack(ws))
       else:
@@ -235,6 +297,14 @@ def _convert_in(arrays: Mapping, cfg: ModelConfig, name_of: Callable, conv: Call
     else:
       _set(params, p.path, conv(p, arrays[name_of(p)]))
   return params
+
+
+def layer_names(p: ParamName, name: str, cfg: ModelConfig) -> list:
+  """Every file name of ``p`` (its HF or GGUF name ``name``) in a model of ``cfg``: one per layer, and per
+  expert for HF's experts."""
+  layers = range(cfg.n_layers) if p.per_layer else [0]
+  experts = range(cfg.n_experts) if "{e}" in name else [0]
+  return [name.format(i=i, e=e) for i in layers for e in experts]
 
 
 def _set(tree: dict, path: tuple, value):

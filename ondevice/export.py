@@ -9,6 +9,10 @@
        --out moe.gguf --quant q8_0
      (a random mixture-of-experts file in llama.cpp's layout: qwen3moe or mixtral shape; testmodels.moe_gguf)
 --quant: f32 | f16 | bf16 | q8_0 | q4_0, or q4_k_m | q5_k_m | q6_k (an F16 file through llama.cpp's quantiser).
+A mixture-of-experts model (--workdir / --random with model.n_experts > 0) is written in llama.cpp's Mixtral layout
+(arch llama, llama.expert_count / expert_used_count, ffn_gate_inp + stacked ffn_{gate,up,down}_exps; names from
+framework/names.py); what Mixtral cannot express (shared experts, sigmoid router, router_scale != 1, router bias)
+is refused in one line.
 """
 from __future__ import annotations
 
@@ -130,11 +134,33 @@ def _export_body(ap, args, overrides) -> int:
     origin = f"{args.workdir} step {step}"
   if not args.from_gguf:
     model_cfg, name = cfg.model, cfg.name
-  summary = gguf_io.export_gguf(params, model_cfg, args.out, args.quant, name=name,
-                                output_quant=args.output_quant)
+  export = export_moe_gguf if model_cfg.moe else gguf_io.export_gguf
+  summary = export(params, model_cfg, args.out, args.quant, name=name, output_quant=args.output_quant)
   summary.update(origin=origin, seconds=round(time.time() - t0, 2))
   print(json.dumps(summary))
   return 0
+
+
+def export_moe_gguf(params, cfg, path: str, quant: str = "f32", name: str = "prismllm", output_quant=None) -> dict:
+  """A framework mixture-of-experts model (``cfg.n_experts > 0``) -> a GGUF in llama.cpp's Mixtral layout: arch
+  ``llama`` with ``llama.expert_count`` / ``expert_used_count``, ``feed_forward_length`` = the experts' width;
+  q/k rows RoPE-permuted and the experts stacked as names.py says; Llama 3's ``rope_freqs.weight`` for
+  ``rope_scaling='llama3'``. The router stays F32 (gguf_io.write_arrays)."""
+  from framework import names, rope
+  from ondevice import gguf_check, gguf_io
+  from ondevice.errors import InputError
+  why = names.mixtral_unsupported(cfg)
+  if why:
+    raise InputError(why)
+  arrays = names.framework_to_gguf(params, cfg, "llama")
+  factors = rope.freq_factors(cfg)
+  if factors is not None:
+    arrays = {"rope_freqs.weight": factors, **arrays}
+  # the file's model_config: the same model, its dense width the experts' (llama.feed_forward_length)
+  file_cfg = dataclasses.replace(cfg, d_ff=cfg.expert_ff, moe_d_ff=cfg.expert_ff)
+  moe = gguf_check.MoE(cfg.n_experts, cfg.experts_per_token, cfg.expert_ff)
+  return gguf_io.write_quantized(arrays, file_cfg, path, quant, name=name, output_quant=output_quant, arch="llama",
+                                 moe=moe)
 
 
 if __name__ == "__main__":

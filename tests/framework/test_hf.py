@@ -221,3 +221,118 @@ def test_imported_checkpoint_is_what_training_resumes(tmp_path):
   toks = _tokens(seed=10)
   np.testing.assert_allclose(_our_logits(cfg.model, jax.device_get(state.params), toks), _hf_logits(m, toks),
                              rtol=0, atol=1e-4)
+
+
+# ---------------------------------------------------------------- Mixtral (mixture of experts)
+
+MIXTRAL_CASES = {
+    # name: (config kwargs, scan_layers)
+    "mixtral_gqa_untied": (dict(num_key_value_heads=2, tie_word_embeddings=False), True),
+    "mixtral_tied_unrolled_llama3_rope": (dict(num_key_value_heads=1, tie_word_embeddings=True,
+                                               rope_scaling=LLAMA3_ROPE), False),
+}
+
+
+def _mixtral(case, seed=0):
+  kw, _ = MIXTRAL_CASES[case]
+  cfg = transformers.MixtralConfig(vocab_size=300, hidden_size=64, intermediate_size=48, num_hidden_layers=2,
+                                   num_attention_heads=4, num_local_experts=4, num_experts_per_tok=2,
+                                   max_position_embeddings=64, rms_norm_eps=1e-5, rope_theta=5000.0,
+                                   sliding_window=None, attn_implementation="eager", **kw)
+  torch.manual_seed(seed)
+  m = transformers.MixtralForCausalLM(cfg).eval()
+  with torch.no_grad():
+    for name, p in m.named_parameters():
+      p.copy_(1.0 + 0.2 * torch.randn_like(p) if name.endswith("norm.weight") else 0.15 * torch.randn_like(p))
+  return m
+
+
+@pytest.mark.parametrize("case", sorted(MIXTRAL_CASES))
+def test_mixtral_logits_match_transformers_and_export_round_trips(case, tmp_path):
+  kw, scan = MIXTRAL_CASES[case]
+  m = _mixtral(case)
+  m.save_pretrained(tmp_path / "hf")
+  cfg, params = hf.load(str(tmp_path / "hf"), scan_layers=scan)
+  assert (cfg.n_experts, cfg.experts_per_token, cfg.moe_d_ff, cfg.n_shared_experts) == (4, 2, 48, 0)
+  assert cfg.router == "softmax" and cfg.moe_norm_topk and cfg.router_scale == 1.0
+  assert cfg.aux_loss_coef == pytest.approx(2 * m.config.router_aux_loss_coef)
+  tree = params["layers"] if scan else params["layers_0"]
+  assert "mlp" not in tree and set(tree["moe"]) == {"router", "we_gate", "we_up", "we_down"}
+  assert cfg.n_params() == sum(p.numel() for p in m.parameters())
+  toks = _tokens()
+  ref, got = _hf_logits(m, toks), _our_logits(cfg, params, toks)
+  assert np.abs(ref).max() > 1.0
+  np.testing.assert_allclose(got, ref, rtol=0, atol=1e-4)
+  # The routing is exercised: a different top-k (k=1) on the same weights is far off.
+  k1 = _our_logits(dataclasses.replace(cfg, experts_per_token=1), params, toks)
+  assert np.abs(k1 - ref).max() > 1e-2
+  hf.save(params, cfg, str(tmp_path / "out"))
+  hf_cfg = json.loads((tmp_path / "out" / hf.CONFIG_FILE).read_text())
+  assert hf_cfg["model_type"] == "mixtral" and hf_cfg["architectures"] == ["MixtralForCausalLM"]
+  assert (hf_cfg["num_local_experts"], hf_cfg["num_experts_per_tok"], hf_cfg["intermediate_size"]) == (4, 2, 48)
+  assert hf_cfg["router_aux_loss_coef"] == pytest.approx(m.config.router_aux_loss_coef)
+  back = transformers.AutoModelForCausalLM.from_pretrained(str(tmp_path / "out"), attn_implementation="eager").eval()
+  assert type(back) is type(m)
+  ref_sd, got_sd = m.state_dict(), back.state_dict()
+  assert set(ref_sd) == set(got_sd)
+  for k in ref_sd:
+    assert torch.equal(ref_sd[k], got_sd[k]), k
+  np.testing.assert_allclose(_hf_logits(back, toks), ref, rtol=0, atol=0)
+
+
+def test_framework_moe_params_round_trip_exactly(tmp_path):
+  """A MoE model initialised by the framework -> HF Mixtral directory -> back: the same arrays, bit for bit."""
+  from framework.config import ModelConfig
+  cfg = ModelConfig(vocab_size=96, d_model=32, n_layers=2, n_heads=4, n_kv_heads=2, n_experts=4, experts_per_token=2,
+                    moe_d_ff=32, max_seq_len=32)
+  params = jax.device_get(model_lib.init_params(model_lib.build(cfg), jax.random.key(0)))
+  from flax.core import meta
+  params = meta.unbox(params)
+  hf.save(params, cfg, str(tmp_path / "out"))
+  cfg2, back = hf.load(str(tmp_path / "out"))
+  for f in ("n_experts", "experts_per_token", "moe_d_ff", "router", "moe_norm_topk", "aux_loss_coef", "d_model"):
+    assert getattr(cfg2, f) == pytest.approx(getattr(cfg, f)), f
+  flat, flat2 = jax.tree_util.tree_leaves_with_path(params), jax.tree_util.tree_leaves_with_path(back)
+  assert [p for p, _ in flat] == [p for p, _ in flat2]
+  for (path, a), (_, b) in zip(flat, flat2):
+    np.testing.assert_array_equal(np.asarray(a), np.asarray(b), err_msg=jax.tree_util.keystr(path))
+  toks = _tokens()[:, :8] % 96
+  np.testing.assert_array_equal(_our_logits(cfg, params, toks), _our_logits(cfg2, back, toks))
+
+
+@pytest.mark.parametrize("kw,match", [
+    (dict(n_shared_experts=1), "model.n_shared_experts=1: .*train with model.n_shared_experts=0"),
+    (dict(router="sigmoid"), "model.router='sigmoid'"),
+    (dict(router_scale=2.5), "model.router_scale=2.5"),
+    (dict(router_bias_rate=0.001), "router_bias_rate=0.001"),
+    (dict(moe_norm_topk=False), "moe_norm_topk=False"),
+    (dict(qkv_bias=True), "qkv_bias=True"),
+])
+def test_moe_that_mixtral_cannot_express_is_refused(kw, match, tmp_path):
+  from framework.config import ModelConfig
+  cfg = ModelConfig(vocab_size=96, d_model=32, n_layers=1, n_heads=4, n_experts=4, moe_d_ff=32, **kw)
+  with pytest.raises(hf.HFError, match=match) as e:
+    hf.save({}, cfg, str(tmp_path / "bad"))
+  assert "\n" not in str(e.value) and not (tmp_path / "bad").exists()
+
+
+def test_mixtral_sliding_window_is_refused():
+  base = dict(model_type="mixtral", vocab_size=300, hidden_size=64, intermediate_size=96, num_hidden_layers=2,
+              num_attention_heads=4, num_local_experts=4, num_experts_per_tok=2)
+  assert hf.model_config_from_hf({**base, "sliding_window": None}).n_experts == 4
+  with pytest.raises(hf.HFError, match="sliding_window=4096"):
+    hf.model_config_from_hf({**base, "sliding_window": 4096})
+
+
+def test_mixtral_workdir_import_export_cli_round_trip(tmp_path, capsys):
+  """Mixtral dir -> step-0 training checkpoint (CLI) -> Mixtral dir (CLI): identical tensors."""
+  m = _mixtral("mixtral_gqa_untied", seed=11)
+  m.save_pretrained(tmp_path / "hf")
+  wd, out = tmp_path / "wd", tmp_path / "out"
+  assert hf.main(["import", "--hf-dir", str(tmp_path / "hf"), "--workdir", str(wd)]) == 0
+  printed = capsys.readouterr().out
+  assert "--config.model.n_experts=4" in printed and "--config.model.moe_d_ff=48" in printed
+  assert hf.main(["export", "--workdir", str(wd), "--out", str(out)]) == 0
+  back = transformers.MixtralForCausalLM.from_pretrained(str(out))
+  for k, v in m.state_dict().items():
+    assert torch.equal(v, back.state_dict()[k]), k
