@@ -55,7 +55,7 @@ def default_path() -> str:
   return DEFAULT_CSV
 
 
-REMAT_NAMES = ("full", "minimal", "save_qkv_proj", "save_dot_except_mlp", "none")
+REMAT_NAMES = ("full", "minimal", "save_qkv_proj", "save_dot_except_mlp", "qkv_proj_offloaded", "none")
 CONVENTIONS = ("maxtext_6n_causal", "megatron", "narayanan_hfu", "llmfoundry", "torchtitan", "paxml_6n_full", "palm")
 
 
@@ -257,6 +257,12 @@ def remat_of(raw: str) -> tuple:
     return "save_qkv_proj", False  # Praxis also saves the output projection
   if r.startswith("save_dot_except_mlpwi"):
     return "save_dot_except_mlp", False  # MaxText's *_mlpwi saves the MLP output projection too
+  if r.startswith("custom: offload"):
+    # MaxText's custom policy: the named tensors go to host memory, everything else is recomputed. On the chip that
+    # is full recomputation (the layer input too is off the chip); with q/k/v offloaded they are not recomputed
+    if any(n in r for n in ("query_proj", "key_proj", "value_proj", "q/k/v")):
+      return "qkv_proj_offloaded", False
+    return "full", False
   if r.startswith("selective (layer)") or r.startswith("custom"):
     return None, False  # every k-th layer recomputed / host offload: no MaxText-style name
   if r.startswith("selective"):

@@ -180,6 +180,10 @@ def test_remat_mapping():
   assert P.remat_of("none") == ("none", True)
   assert P.remat_of("") == (None, False)
   assert P.remat_of("selective (layer)") == (None, False)
+  # MaxText's host offload: nothing but what is offloaded stays, on the chip that is full recomputation
+  assert P.remat_of("custom: offload decoder_layer_input, out_proj, query_proj, key_proj, value_proj") == (
+      "qkv_proj_offloaded", False)
+  assert P.remat_of("custom: offload decoder_layer_input") == ("full", False)
 
 
 def test_llama3_and_megascale_rows_match_their_papers(rows):
