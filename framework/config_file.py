@@ -19,6 +19,15 @@ from framework import config as config_lib
 from framework.config import Config, ConfigError, from_dict
 
 
+def lock(cd):
+  """A config file's ConfigDict, rebuilt from plain dicts (nested ``dict(...)`` sections become ConfigDicts) and
+  locked, so a command-line override of a key it does not have is an error."""
+  import ml_collections  # noqa: PLC0415 (config files only)
+  cd = ml_collections.ConfigDict(cd.to_dict())
+  cd.lock()
+  return cd
+
+
 def parse_arg(arg: Optional[str], **defaults) -> types.SimpleNamespace:
   """'runlocal=True,model=tiny' -> namespace(runlocal=True, model='tiny'), typed like the defaults."""
   out = dict(defaults)

@@ -17,7 +17,7 @@ Commands:
 """
 import ml_collections
 
-from framework.config_file import parse_arg
+from framework.config_file import lock, parse_arg
 
 
 def get_config(arg=None):
@@ -41,10 +41,4 @@ def get_config(arg=None):
     c.mesh.update(data=2, expert=4)
     c.train.update(steps=4, log_every=2)
     c.checkpoint.update(every=0)
-  return _lock(c)
-
-
-def _lock(c):
-  c = ml_collections.ConfigDict(c.to_dict())
-  c.lock()
-  return c
+  return lock(c)

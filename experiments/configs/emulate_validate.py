@@ -26,7 +26,7 @@ benchmarks/emulate_validate.png.
 """
 import ml_collections
 
-from framework.config_file import parse_arg
+from framework.config_file import lock, parse_arg
 
 LAYOUTS = {
     "data": dict(data=2),
@@ -57,10 +57,4 @@ def get_config(arg=None):
     c.model.update(d_model=64, n_layers=2, n_heads=4, n_kv_heads=4, d_ff=128)
     c.data.update(seq_len=32, global_batch=8)
     c.train.update(steps=4)
-  return _lock(c)
-
-
-def _lock(c):
-  c = ml_collections.ConfigDict(c.to_dict())
-  c.lock()
-  return c
+  return lock(c)

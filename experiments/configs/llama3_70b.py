@@ -17,7 +17,7 @@ first command and `perfmodel predict`, and writes the committed benchmarks/data/
 """
 import ml_collections
 
-from framework.config_file import parse_arg
+from framework.config_file import lock, parse_arg
 
 
 def get_config(arg=None):
@@ -40,10 +40,4 @@ def get_config(arg=None):
     c.mesh.update(data=1, fsdp=2, tensor=2, pipeline=2, microbatches=2)
     c.train.update(steps=4, log_every=2)
     c.checkpoint.update(every=0)
-  return _lock(c)
-
-
-def _lock(c):
-  c = ml_collections.ConfigDict(c.to_dict())
-  c.lock()
-  return c
+  return lock(c)

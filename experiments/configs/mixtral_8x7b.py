@@ -14,7 +14,7 @@ Commands:
 """
 import ml_collections
 
-from framework.config_file import parse_arg
+from framework.config_file import lock, parse_arg
 
 
 def get_config(arg=None):
@@ -37,10 +37,4 @@ def get_config(arg=None):
     c.mesh.update(fsdp=2, expert=4)
     c.train.update(steps=4, log_every=2)
     c.checkpoint.update(every=0)
-  return _lock(c)
-
-
-def _lock(c):
-  c = ml_collections.ConfigDict(c.to_dict())
-  c.lock()
-  return c
+  return lock(c)

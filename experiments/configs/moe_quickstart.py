@@ -10,7 +10,7 @@ The router's assignments per layer and expert are in the step's metrics (StepMet
 """
 import ml_collections
 
-from framework.config_file import parse_arg
+from framework.config_file import lock, parse_arg
 
 
 def get_config(arg=None):
@@ -32,10 +32,4 @@ def get_config(arg=None):
     c.optim.update(warmup_steps=5)
     c.train.update(steps=60, log_every=10, eval_every=0, sample_tokens=16)
     c.checkpoint.update(every=0)
-  return _lock(c)
-
-
-def _lock(c):
-  c = ml_collections.ConfigDict(c.to_dict())
-  c.lock()
-  return c
+  return lock(c)

@@ -7,7 +7,7 @@ Variants: ':runlocal=True' shrinks everything for a smoke test (a few seconds).
 """
 import ml_collections
 
-from framework.config_file import parse_arg
+from framework.config_file import lock, parse_arg
 
 
 def get_config(arg=None):
@@ -28,10 +28,4 @@ def get_config(arg=None):
     c.data.update(seq_len=32, global_batch=8)
     c.train.update(steps=4, log_every=2, eval_every=0, sample_tokens=16)
     c.checkpoint.update(every=2)
-  return _lock(c)
-
-
-def _lock(c):
-  c = ml_collections.ConfigDict(c.to_dict())
-  c.lock()
-  return c
+  return lock(c)
