@@ -7,7 +7,10 @@ permutation come from framework/names.py (TABLE and EXTRA). The tokenizer: a byt
 pre-tokenizer llama.cpp knows (GPT-2, Llama 3, Qwen2 regexes) becomes a gpt2 vocabulary with its merges; a
 Metaspace + byte-fallback BPE (Llama 2 / Mistral style) becomes an SPM vocabulary (score = -id). Special added
 tokens are CONTROL, others USER_DEFINED. tokenizer_config.json gives bos/eos, add_bos and the chat template.
-Anything else is refused in one line naming the key.
+MixtralForCausalLM (a mixture of experts) is read by framework/hf.py and written in llama.cpp's Mixtral layout
+(ondevice.export.export_moe_gguf: arch llama with experts, ffn_gate_inp + stacked ffn_{gate,up,down}_exps); it is
+held in memory as float32 while it is written (4 bytes per parameter). Anything else is refused in one line naming
+the key.
 """
 from __future__ import annotations
 
@@ -56,7 +59,8 @@ def read_config(hf_dir: str) -> tuple:
   archs = hf.get("architectures") or []
   arch = next((ARCH_OF[a] for a in archs if a in ARCH_OF), None)
   if arch is None:
-    raise HFGGUFError(f"{hf_dir}: architectures={archs} is not one of {', '.join(ARCH_OF)}; run it with llama.cpp")
+    raise HFGGUFError(f"{hf_dir}: architectures={archs} is not one of {', '.join(ARCH_OF)}, MixtralForCausalLM; "
+                      f"run it with llama.cpp")
   rope = dict(hf.get("rope_parameters") or {})
   scaling = dict(hf.get("rope_scaling") or {})
   rope_type = scaling.get("rope_type", scaling.get("type")) or rope.get("rope_type", rope.get("type", "default"))
@@ -179,6 +183,11 @@ def convert(hf_dir: str, out: str, quant: str = "f32", name: Optional[str] = Non
   """The checkpoint as a GGUF file; ``quant`` as ``gguf_io.export_gguf`` (K-quants through llama.cpp's quantiser).
   ``tokenizer=False``: PrismLLM's byte vocabulary (needs vocab_size >= 256)."""
   from ondevice import gguf_io
+  if "MixtralForCausalLM" in (_json(pathlib.Path(hf_dir) / "config.json").get("architectures") or []):
+    from ondevice.export import export_moe_gguf  # noqa: PLC0415 (the CLI module imports this one lazily too)
+    mcfg, params = fhf.load(hf_dir)
+    voc = hf_vocab(hf_dir, mcfg.vocab_size) if tokenizer else None
+    return export_moe_gguf(params, mcfg, out, quant, name=name or pathlib.Path(hf_dir).name, vocab=voc)
   arch, cfg, factors = read_config(hf_dir)
   arr = arrays(hf_dir, arch, cfg)
   if factors is not None:

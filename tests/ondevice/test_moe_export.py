@@ -8,6 +8,7 @@ import jax
 import numpy as np
 import pytest
 
+from framework import hf as fhf
 from framework import model as fm
 from framework.config import ModelConfig
 from ondevice import export, gguf_check, gguf_io
@@ -38,7 +39,23 @@ def moe_run(tmp_path_factory):
   for q in ("f32", "q8_0"):
     files[q] = str(d / f"moe-{q}.gguf")
     assert export.main(["--workdir", wd, "--out", files[q], "--quant", q]) == 0
+  hf_dir = str(d / "hf")  # the same weights as a HF MixtralForCausalLM directory, converted by --hf-dir
+  fhf.save(params, MOE, hf_dir)
+  files["hf_f32"] = str(d / "moe-hf-f32.gguf")
+  assert export.main(["--hf-dir", hf_dir, "--out", files["hf_f32"], "--quant", "f32", "--byte-vocab"]) == 0
   return files, logits
+
+
+def test_hf_mixtral_directory_converts_to_the_same_file(moe_run):
+  """A HF Mixtral checkpoint directory -> GGUF gives the tensors the workdir export writes, bit for bit."""
+  from gguf import GGUFReader
+  files, _ = moe_run
+  a, b = GGUFReader(files["f32"]), GGUFReader(files["hf_f32"])
+  ta, tb = {t.name: t for t in a.tensors}, {t.name: t for t in b.tensors}
+  assert sorted(ta) == sorted(tb) and any(n.endswith("ffn_down_exps.weight") for n in ta)
+  for n, t in ta.items():
+    assert t.tensor_type == tb[n].tensor_type and np.array_equal(np.asarray(t.data), np.asarray(tb[n].data)), n
+  assert gguf_io.read_info(files["hf_f32"]).moe == gguf_check.MoE(8, 2, 64)
 
 
 def test_mixtral_layout_and_metadata(moe_run):
