@@ -357,19 +357,26 @@ def read_info(path: str) -> GGUFInfo:
 
 
 def load_params(path: str, scan_layers: bool = True) -> tuple:
-  """GGUF -> (framework params tree of f32 numpy arrays, ModelConfig). Quantised tensors are dequantised."""
+  """GGUF -> (framework params tree of f32 numpy arrays, ModelConfig). Quantised tensors are dequantised. A
+  mixture-of-experts file in llama.cpp's Mixtral layout (arch llama with experts) loads as the framework's Mixtral
+  model (softmax router, top-k renormalised: framework/names.py ``mixtral_unsupported``); qwen3moe files do not."""
   from gguf import GGUFReader
   from gguf.quants import dequantize
   info = read_info(path)
+  cfg = info.cfg
   if info.moe is not None:
-    raise GGUFError(f"{path} is a mixture-of-experts file: the framework has no MoE model to load it into; run it "
-                    f"with `python -m ondevice.run --model {path}`")
+    if info.arch != "llama":
+      raise GGUFError(f"{path} is a {info.arch} mixture-of-experts file: the framework loads llama.cpp's Mixtral "
+                      f"layout (arch llama) only; run it with `python -m ondevice.run --model {path}`")
+    if not cfg.moe:  # a file without prismllm.model_config (llama.cpp's converter): Mixtral's routing
+      cfg = dataclasses.replace(cfg, n_experts=info.moe.n_expert, experts_per_token=info.moe.n_used,
+                                moe_d_ff=info.moe.ff, router="softmax", moe_norm_topk=True)
   reader = GGUFReader(path, "r")
   arrays = {}
   for t in reader.tensors:
     a = dequantize(t.data, t.tensor_type)
     arrays[t.name] = np.asarray(a, np.float32).reshape(info.tensors[t.name].shape)
-  cfg = dataclasses.replace(info.cfg, scan_layers=scan_layers)
+  cfg = dataclasses.replace(cfg, scan_layers=scan_layers)
   return names.gguf_to_framework(arrays, cfg, info.arch), cfg
 
 

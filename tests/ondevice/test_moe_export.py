@@ -136,3 +136,19 @@ def test_random_moe_config_exports(tmp_path, capsys):
   assert info.moe == gguf_check.MoE(8, 2, 64) and dataclasses.asdict(info.cfg)["n_experts"] == 8
   m = GGUFLlama(MappedGGUF(out), max_len=64)
   assert np.isfinite(m.forward(PROMPT[:8], 0, m.new_cache())).all()
+
+
+@pytest.mark.parametrize("with_prismllm_config", [True, False])
+def test_loaded_back_into_the_framework_gives_its_logits(moe_run, monkeypatch, with_prismllm_config):
+  """gguf_io.load_params of the Mixtral file: the framework's MoE model again, with the original logits; without
+  the file's prismllm.model_config (a llama.cpp-converted file) the routing is Mixtral's from the llama.* keys."""
+  files, logits = moe_run
+  if not with_prismllm_config:
+    field = gguf_io._field
+    monkeypatch.setattr(gguf_io, "_field", lambda r, k, *d: None if k == "prismllm.model_config" else field(r, k, *d))
+  params, cfg = gguf_io.load_params(files["f32"])
+  assert (cfg.n_experts, cfg.experts_per_token, cfg.moe_d_ff, cfg.router, cfg.moe_norm_topk) == \
+      (8, 2, 64, "softmax", True)
+  with jax.numpy_rank_promotion("allow"):
+    got = np.asarray(fm.build(cfg).apply({"params": params}, jax.numpy.asarray([PROMPT])))[0]
+  np.testing.assert_allclose(got, logits, rtol=0, atol=1e-4)
