@@ -110,6 +110,16 @@ MOE: tuple = (
     ParamName(("moe", "we_down"), _EXP + "w2.weight", "blk.{i}.ffn_down_exps.weight", True, "experts"),
 )
 
+# Qwen3-MoE's names (HF Qwen3MoeForCausalLM; llama.cpp 'qwen3moe'): the same GGUF tensors as MOE. The framework has
+# no Qwen3 attention (per-head q/k norms); ondevice/hf_gguf.py converts such checkpoints to GGUF directly.
+_QEXP = "model.layers.{i}.mlp.experts.{e}."
+QWEN3_MOE: tuple = (
+    ParamName(("moe", "router"), "model.layers.{i}.mlp.gate.weight", "blk.{i}.ffn_gate_inp.weight", True, "in_out"),
+    ParamName(("moe", "we_gate"), _QEXP + "gate_proj.weight", "blk.{i}.ffn_gate_exps.weight", True, "experts"),
+    ParamName(("moe", "we_up"), _QEXP + "up_proj.weight", "blk.{i}.ffn_up_exps.weight", True, "experts"),
+    ParamName(("moe", "we_down"), _QEXP + "down_proj.weight", "blk.{i}.ffn_down_exps.weight", True, "experts"),
+)
+
 
 def entries(cfg: ModelConfig) -> tuple:
   """The table entries present in a model built from ``cfg`` (no lm_head with tied embeddings; the q/k/v biases

@@ -7,9 +7,11 @@ permutation come from framework/names.py (TABLE and EXTRA). The tokenizer: a byt
 pre-tokenizer llama.cpp knows (GPT-2, Llama 3, Qwen2 regexes) becomes a gpt2 vocabulary with its merges; a
 Metaspace + byte-fallback BPE (Llama 2 / Mistral style) becomes an SPM vocabulary (score = -id). Special added
 tokens are CONTROL, others USER_DEFINED. tokenizer_config.json gives bos/eos, add_bos and the chat template.
-MixtralForCausalLM (a mixture of experts) is read by framework/hf.py and written in llama.cpp's Mixtral layout
-(ondevice.export.export_moe_gguf: arch llama with experts, ffn_gate_inp + stacked ffn_{gate,up,down}_exps); it is
-held in memory as float32 while it is written (4 bytes per parameter). Anything else is refused in one line naming
+Qwen3MoeForCausalLM: a qwen3moe file, the per-expert tensors stacked (framework/names.py
+QWEN3_MOE); refused when llama.cpp computes it otherwise (norm_topk_prob false, dense layers between the MoE
+layers). MixtralForCausalLM (a mixture of experts) is read by framework/hf.py and written in llama.cpp's Mixtral
+layout (ondevice.export.export_moe_gguf: arch llama with experts, ffn_gate_inp + stacked ffn_{gate,up,down}_exps);
+it is held in memory as float32 while it is written (4 bytes per parameter). Anything else is refused in one line naming
 the key.
 """
 from __future__ import annotations
@@ -23,11 +25,12 @@ import numpy as np
 
 from framework import hf as fhf
 from framework import names, rope
+from ondevice import gguf_check
 from ondevice import vocab as vocab_lib
 from ondevice.gguf_check import GGUFError
 
 ARCH_OF = {"LlamaForCausalLM": "llama", "MistralForCausalLM": "llama", "Qwen2ForCausalLM": "qwen2",
-           "Qwen3ForCausalLM": "qwen3"}
+           "Qwen3ForCausalLM": "qwen3", "Qwen3MoeForCausalLM": "qwen3moe"}
 # the original (tokenizer.json) regexes of the pre-tokenizers llama.cpp implements -> tokenizer.ggml.pre
 _CONTRACTIONS = r"(?i:'s|'t|'re|'ve|'m|'ll|'d)|[^\r\n\p{L}\p{N}]?\p{L}+|"
 _REST = r"| ?[^\s\p{L}\p{N}]+[\r\n]*|\s*[\r\n]+|\s+(?!\S)|\s+"
@@ -69,7 +72,9 @@ def read_config(hf_dir: str) -> tuple:
   if rope_type not in ("default", "llama3") or (rope_type == "llama3" and arch != "llama"):
     raise HFGGUFError(f"{hf_dir}: rope scaling {rope_type!r} is not implemented (default RoPE and Llama 3's "
                       f"'llama3' are); run it with llama.cpp")
-  for key in ("mlp_bias",) + (("attention_bias",) if arch == "qwen3" else ()):
+  if arch == "qwen3moe":
+    hf = dict(hf, intermediate_size=_qwen3_moe(hf_dir, hf).ff)  # the file's feed_forward_length: the experts'
+  for key in ("mlp_bias",) + (("attention_bias",) if arch in ("qwen3", "qwen3moe") else ()):
     if hf.get(key):
       raise HFGGUFError(f"{hf_dir}: {key}=true is not implemented for {arch}; run it with llama.cpp")
   if hf.get("hidden_act", "silu") != "silu":
@@ -87,26 +92,44 @@ def read_config(hf_dir: str) -> tuple:
   return arch, cfg, None
 
 
+def _qwen3_moe(hf_dir: str, hf: dict) -> gguf_check.MoE:
+  """The experts of a Qwen3MoeForCausalLM config, refusing what llama.cpp's qwen3moe does not compute: top-k
+  weights not renormalised, dense MLP layers between the MoE layers."""
+  if not hf.get("norm_topk_prob", False):
+    raise HFGGUFError(f"{hf_dir}: norm_topk_prob=false: llama.cpp's qwen3moe renormalises the top-k routing weights; "
+                      f"run it with transformers")
+  if int(hf.get("decoder_sparse_step", 1)) != 1 or hf.get("mlp_only_layers"):
+    raise HFGGUFError(f"{hf_dir}: dense MLP layers between the MoE layers (decoder_sparse_step / mlp_only_layers) "
+                      f"are not a qwen3moe file; run it with transformers")
+  n_expert = hf.get("num_experts", hf.get("num_local_experts"))  # the hub's key; transformers 5 saves the second
+  return gguf_check.MoE(int(n_expert), int(hf["num_experts_per_tok"]), int(hf["moe_intermediate_size"]))
+
+
 def arrays(hf_dir: str, arch: str, cfg) -> dict:
   """GGUF tensor name -> float32 array in llama.cpp's layout, layer-major (each layer one byte range)."""
   d = pathlib.Path(hf_dir)
   src = fhf._LazyTensors(fhf._tensor_files(d), np.dtype(np.float32))
   permute = arch == "llama"  # NORM RoPE: q/k rows (and biases) in adjacent-pair order; qwen is NEOX
   conv = (lambda p, m: names.hf_to_gguf(p, m, cfg)) if permute else (lambda p, m: m)
-  ents = names.entries(cfg)
+  ents, n_expert = names.entries(cfg), 0
+  if arch == "qwen3moe":  # the experts in place of the MLP
+    ents = tuple(p for p in ents if p.path[0] != "mlp") + names.QWEN3_MOE
+    n_expert = _qwen3_moe(hf_dir, _json(d / "config.json")).n_expert
   extra = [p for p in names.EXTRA if p not in ents and p.hf.format(i=0) in src]
   if arch == "qwen2" and not all(p.hf.format(i=0) in src for p in names.QKV_BIASES):
     raise HFGGUFError(f"{hf_dir}: a Qwen2 checkpoint without q/k/v biases; re-save it with them")
   used, out = set(), {}
 
   def take(p, i=None):
-    name = p.hf.format(i=i) if i is not None else p.hf
-    if name not in src:
-      raise HFGGUFError(f"{hf_dir} lacks tensor {name}; is it a complete {arch} checkpoint with {cfg.n_layers} "
-                        f"layers?")
-    used.add(name)
-    out[p.gguf.format(i=i) if i is not None else p.gguf] = np.ascontiguousarray(conv(p, np.asarray(src[name])),
-                                                                                np.float32)
+    per = [p.hf.format(i=i, e=e) for e in range(n_expert)] if "{e}" in p.hf else \
+        [p.hf.format(i=i) if i is not None else p.hf]  # experts: one HF tensor each, stacked (X, n_out, n_in)
+    for name in per:
+      if name not in src:
+        raise HFGGUFError(f"{hf_dir} lacks tensor {name}; is it a complete {arch} checkpoint with {cfg.n_layers} "
+                          f"layers?")
+      used.add(name)
+    w = np.stack([np.asarray(src[n]) for n in per]) if "{e}" in p.hf else np.asarray(src[per[0]])
+    out[p.gguf.format(i=i) if i is not None else p.gguf] = np.ascontiguousarray(conv(p, w), np.float32)
 
   take(ents[0])
   for i in range(cfg.n_layers):
@@ -194,4 +217,5 @@ def convert(hf_dir: str, out: str, quant: str = "f32", name: Optional[str] = Non
     arr = {"rope_freqs.weight": factors, **arr}
   voc = hf_vocab(hf_dir, cfg.vocab_size) if tokenizer else None
   name = name or pathlib.Path(hf_dir).name
-  return gguf_io.write_quantized(arr, cfg, out, quant, name=name, arch=arch, vocab=voc)
+  moe = _qwen3_moe(hf_dir, _json(pathlib.Path(hf_dir) / "config.json")) if arch == "qwen3moe" else None
+  return gguf_io.write_quantized(arr, cfg, out, quant, name=name, arch=arch, vocab=voc, moe=moe)

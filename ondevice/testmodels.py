@@ -105,7 +105,7 @@ def moe_gguf(path: str, kind: str = "qwen3moe", quant: str = "q8_0", n_layers: i
 def hf_checkpoint(out_dir: str, arch: str = "llama3", vocab_size: int = 512, d_model: int = 256, n_layers: int = 2,
                   n_heads: int = 4, n_kv_heads: int = 2, d_ff: int = 768, max_len: int = 256, seed: int = 0,
                   std: float = 0.02, tokenizer_dir: str = None) -> str:
-  """A random ``transformers`` model of ``arch`` (llama3: Llama 3.1 RoPE scaling; qwen2; qwen3; mistral) saved
+  """A random ``transformers`` model of ``arch`` (llama3: Llama 3.1 RoPE scaling; qwen2; qwen3; qwen3moe; mistral) saved
   with save_pretrained (float32 safetensors); the tokenizer files of ``tokenizer_dir`` are copied beside it."""
   import torch
   import transformers as tf
@@ -122,8 +122,11 @@ def hf_checkpoint(out_dir: str, arch: str = "llama3", vocab_size: int = 512, d_m
     cfg = tf.Qwen3Config(**common, rope_theta=1000000.0, head_dim=d_model // n_heads)
   elif arch == "mistral":
     cfg = tf.MistralConfig(**common, rope_theta=10000.0, sliding_window=None)
+  elif arch == "qwen3moe":  # 8 experts of width 256 (K-quant rows), top-2, renormalised (as Qwen3-30B-A3B)
+    cfg = tf.Qwen3MoeConfig(**common, rope_theta=1000000.0, head_dim=d_model // n_heads, num_experts=8,
+                            num_experts_per_tok=2, moe_intermediate_size=256, norm_topk_prob=True)
   else:
-    raise ValueError(f"arch {arch!r}: choose llama3, qwen2, qwen3 or mistral")
+    raise ValueError(f"arch {arch!r}: choose llama3, qwen2, qwen3, qwen3moe or mistral")
   torch.manual_seed(seed)
   model = tf.AutoModelForCausalLM.from_config(cfg, torch_dtype=torch.float32)
   with torch.no_grad():  # norms near 1 and biases non-zero, so that every parameter matters
