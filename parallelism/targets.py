@@ -217,18 +217,26 @@ def _plan_gpu(hardware: str, n: int, topology: Optional[str]) -> Target:
 
 
 def gpu_target_config(hardware: str) -> str:
-  """The GpuTargetConfigProto text XLA compiles against: the spec file plus the installed cuDNN version
-  (XLA enables its cuDNN-backed rewrites only for a cuDNN it is told about)."""
+  """The GpuTargetConfigProto text XLA compiles against: the spec file plus the versions of the installed CUDA
+  plugin's libraries, which a real machine running that plugin reports too. cuDNN: XLA enables its cuDNN-backed
+  rewrites only for a cuDNN it is told about. CUDA runtime: XLA rewrites fp8 dots into cuBLASLt fp8 GEMMs
+  (``__cublas$lt$matmul$f8``) only for a runtime of at least 12.0; without one it widens the fp8 operands and
+  runs a bf16 GEMM."""
   hardware = _check_hardware(hardware)
   if hardware not in _GPUS:
     raise TargetError(f"{hardware} is a TPU; GPU target configs exist for {', '.join(_GPUS)}")
   text = (SPECS / _GPUS[hardware]).read_text()
   try:
     from jax_cuda12_plugin import _versions  # noqa: PLC0415 (optional dependency: the tpu-aot extra)
+    cuda = int(_versions.cuda_runtime_build_version())  # e.g. 12090 = 12.9
+    runtime = f'"{cuda // 1000}.{cuda // 10 % 100}.0"'
+    info = f"  runtime_version: {runtime}\n  compile_time_toolkit_version: {runtime}\n"
+    head, sep, tail = text.rpartition("\n}\nplatform_name")  # the end of the gpu_device_info block
+    text = head + "\n" + info.rstrip("\n") + sep + tail if sep else text
     v = int(_versions.cudnn_build_version())  # e.g. 90800 = 9.8.0
     text += f"dnn_version_info {{ major: {v // 10000} minor: {v // 100 % 100} patch: {v % 100} }}\n"
   except (ImportError, AttributeError, RuntimeError):
-    pass  # no version known: XLA compiles without cuDNN rewrites
+    pass  # no versions known: XLA compiles without cuDNN rewrites and without fp8 GEMMs
   return text
 
 

@@ -205,28 +205,28 @@ def computation_flops(module: hp.Module, comp: hp.Computation) -> tuple:
 
 def _operand_read_bytes(module, ins, comp) -> float:
   """Bytes a fusion reads: a parameter used only through dynamic-slice/slice reads the slice only;
-  the in-place buffer of a root dynamic-update-slice is not read at all."""
+  the in-place buffer of a root dynamic-update-slice is not read at all (either through bitcasts too)."""
   body = module.computations.get(ins.called()[0]) if ins.opcode == "fusion" and ins.called() else None
   total = 0.0
   for idx, opname in enumerate(ins.operands):
     src = comp.by_name.get(opname)
-    full = src.out_bytes if src is not None else 0.0
-    if body is None:
-      total += full
-      continue
-    params = [p for p in body.instructions if p.opcode == "parameter" and p.attrs.get("parameter_number") == str(idx)]
-    if not params:
-      total += full
-      continue
-    pname = params[0].name
-    users = [u for u in body.instructions if pname in u.operands]
-    if users and all(u.opcode in ("dynamic-slice", "slice") and u.operands[0] == pname for u in users):
-      total += sum(u.out_bytes for u in users)
-    elif users and all(u.opcode == "dynamic-update-slice" and u.operands[0] == pname for u in users):
-      total += 0.0
-    else:
-      total += full
+    params = [p for p in body.instructions
+              if p.opcode == "parameter" and p.attrs.get("parameter_number") == str(idx)] if body else []
+    users = _users_through_bitcasts(body, params[0].name) if params else []
+    if users and all(u.opcode in ("dynamic-slice", "slice") and u.operands[0] == n for n, u in users):
+      total += sum(u.out_bytes for _, u in users)
+    elif not (users and all(u.opcode == "dynamic-update-slice" and u.operands[0] == n for n, u in users)):
+      total += src.out_bytes if src is not None else 0.0
   return total
+
+
+def _users_through_bitcasts(body, name: str) -> list:
+  """(operand name, user) pairs of ``name`` in a fusion body, through bitcasts (which read nothing)."""
+  out = []
+  for u in body.instructions:
+    if name in u.operands:
+      out.extend(_users_through_bitcasts(body, u.name) if u.opcode == "bitcast" else [(name, u)])
+  return out
 
 
 def _minor_dim(dims: tuple, minor_to_major: tuple):

@@ -139,6 +139,24 @@ def test_devices_are_the_target_chips(hardware, kind):
   assert devices == targets.compile_only_devices(hardware, 8)  # cached: the same device objects
 
 
+@needs_cuda
+@pytest.mark.parametrize("hardware,fp8_gemms", [("h100", 2), ("a100", 0)])
+def test_fp8_dots_become_cublaslt_fp8_gemms_on_hopper(hardware, fp8_gemms):
+  # Both gradients of a scaled fp8 dot (e5m2 gradient x e4m3 operand) must compile to cuBLASLt fp8 GEMMs on
+  # H100, as on a real machine with this plugin: without the CUDA runtime version in the target description
+  # XLA widens the operands to bf16 instead. A100 has no fp8 tensor cores: bf16 GEMMs there.
+  import jax.numpy as jnp  # noqa: PLC0415
+  from jax.sharding import SingleDeviceSharding  # noqa: PLC0415
+  from framework import fp8  # noqa: PLC0415
+  x = jax.ShapeDtypeStruct((256, 256), jnp.bfloat16,
+                           sharding=SingleDeviceSharding(targets.compile_only_devices(hardware, 1)[0]))
+  grads = jax.grad(lambda a, b: fp8.dot_general(a, b, (((1,), (0,)), ((), ()))).astype(jnp.float32).sum(), (0, 1))
+  with targets.trace_context(hardware):
+    hlo = jax.jit(grads).lower(x, x).compile(compiler_options={"xla_gpu_enable_triton_gemm": False}).as_text()
+  calls = re.findall(r'custom_call_target="(__cublas[^"]*)"', hlo)
+  assert calls.count("__cublas$lt$matmul$f8") == fp8_gemms and len(calls) == 2, calls
+
+
 # ------------------------------------------------------------------------------- the real step, compiled
 
 

@@ -140,3 +140,45 @@ ENTRY %main (a: f32[8]) -> f32[8] {
   assert set(mod.computations) == {"sc_body", "fused_computation.1", "main"}
   assert [i.opcode for i in mod.computations["fused_computation.1"].instructions] == ["parameter", "exponential"]
   assert [n.transcendentals for n, _ in G.build_graph(mod).walk()] == [8]  # the fusion reads its own computation
+
+
+def test_a_stacked_operand_read_through_a_bitcast_reads_its_slice_only():
+  """A scanned layer's weight is one slice of the stacked [L, ...] array: a fusion that bitcasts the stack and
+  dynamic-slices one layer out reads that layer (not L layers); a root dynamic-update-slice into a bitcast of
+  its buffer writes the update only and reads nothing of the buffer."""
+  text = """HloModule m, num_partitions=1
+
+%read (p0: s32[], p1: bf16[32,64,128]) -> f32[128,64] {
+  %p1 = bf16[32,64,128]{1,0,2} parameter(1)
+  %b = bf16[128,32,64]{2,1,0} bitcast(%p1)
+  %z = s32[] constant(0)
+  %p0 = s32[] parameter(0)
+  %ds = bf16[128,1,64]{2,1,0} dynamic-slice(%b, %z, %p0, %z), dynamic_slice_sizes={128,1,64}
+  %c = f32[128,1,64]{2,1,0} convert(%ds)
+  ROOT %r = f32[128,64]{1,0} bitcast(%c)
+}
+
+%write (q0: s32[], q1: bf16[32,1,64,128], q2: bf16[64,128]) -> bf16[128,32,1,64] {
+  %q1 = bf16[32,1,64,128]{2,1,0,3} parameter(1)
+  %bb = bf16[128,32,1,64]{3,2,1,0} bitcast(%q1)
+  %q2 = bf16[64,128]{0,1} parameter(2)
+  %u = bf16[128,1,1,64]{3,2,1,0} bitcast(%q2)
+  %zz = s32[] constant(0)
+  %q0 = s32[] parameter(0)
+  ROOT %d = bf16[128,32,1,64]{3,2,1,0} dynamic-update-slice(%bb, %u, %zz, %q0, %zz, %zz)
+}
+
+ENTRY %main (i: s32[], w: bf16[32,64,128], buf: bf16[32,1,64,128], g: bf16[64,128]) -> (f32[128,64], bf16[128,32,1,64]) {
+  %i = s32[] parameter(0)
+  %w = bf16[32,64,128]{1,0,2} parameter(1)
+  %buf = bf16[32,1,64,128]{2,1,0,3} parameter(2)
+  %g = bf16[64,128]{0,1} parameter(3)
+  %f1 = f32[128,64]{1,0} fusion(%i, %w), kind=kLoop, calls=%read
+  %f2 = bf16[128,32,1,64]{3,2,1,0} fusion(%i, %buf, %g), kind=kLoop, calls=%write
+  ROOT %t = (f32[128,64]{1,0}, bf16[128,32,1,64]{3,2,1,0}) tuple(%f1, %f2)
+}
+"""
+  nodes = {n.name: n for n, _ in G.build_graph(hp.parse_module(text)).walk()}
+  layer = 64 * 128
+  assert nodes["f1"].bytes == 4 + 2 * layer + 4 * layer  # index + one bf16 layer read + its f32 written
+  assert nodes["f2"].bytes == 4 + 2 * layer + 2 * layer  # index + the update read + the update written
