@@ -134,35 +134,11 @@ def _export_body(ap, args, overrides) -> int:
     origin = f"{args.workdir} step {step}"
   if not args.from_gguf:
     model_cfg, name = cfg.model, cfg.name
-  export = export_moe_gguf if model_cfg.moe else gguf_io.export_gguf
+  export = gguf_io.export_moe_gguf if model_cfg.moe else gguf_io.export_gguf
   summary = export(params, model_cfg, args.out, args.quant, name=name, output_quant=args.output_quant)
   summary.update(origin=origin, seconds=round(time.time() - t0, 2))
   print(json.dumps(summary))
   return 0
-
-
-def export_moe_gguf(params, cfg, path: str, quant: str = "f32", name: str = "prismllm", output_quant=None,
-                    vocab=None) -> dict:
-  """A framework mixture-of-experts model (``cfg.n_experts > 0``) -> a GGUF in llama.cpp's Mixtral layout: arch
-  ``llama`` with ``llama.expert_count`` / ``expert_used_count``, ``feed_forward_length`` = the experts' width;
-  q/k rows RoPE-permuted and the experts stacked as names.py says; Llama 3's ``rope_freqs.weight`` for
-  ``rope_scaling='llama3'``. The router stays F32 (gguf_io.write_arrays). ``vocab``: a checkpoint's tokenizer
-  (ondevice.hf_gguf.hf_vocab); None: the byte vocabulary."""
-  from framework import names, rope
-  from ondevice import gguf_check, gguf_io
-  from ondevice.errors import InputError
-  why = names.mixtral_unsupported(cfg)
-  if why:
-    raise InputError(why)
-  arrays = names.framework_to_gguf(params, cfg, "llama")
-  factors = rope.freq_factors(cfg)
-  if factors is not None:
-    arrays = {"rope_freqs.weight": factors, **arrays}
-  # the file's model_config: the same model, its dense width the experts' (llama.feed_forward_length)
-  file_cfg = dataclasses.replace(cfg, d_ff=cfg.expert_ff, moe_d_ff=cfg.expert_ff)
-  moe = gguf_check.MoE(cfg.n_experts, cfg.experts_per_token, cfg.expert_ff)
-  return gguf_io.write_quantized(arrays, file_cfg, path, quant, name=name, output_quant=output_quant, arch="llama",
-                                 moe=moe, vocab=vocab)
 
 
 if __name__ == "__main__":

@@ -356,6 +356,28 @@ def read_info(path: str) -> GGUFInfo:
                   arch, moe)
 
 
+def export_moe_gguf(params, cfg, path: str, quant: str = "f32", name: str = "prismllm", output_quant=None,
+                    vocab=None) -> dict:
+  """A framework mixture-of-experts model (``cfg.n_experts > 0``) -> a GGUF in llama.cpp's Mixtral layout: arch
+  ``llama`` with ``llama.expert_count`` / ``expert_used_count``, ``feed_forward_length`` = the experts' width;
+  q/k rows RoPE-permuted and the experts stacked as names.py says; Llama 3's ``rope_freqs.weight`` for
+  ``rope_scaling='llama3'``. The router stays F32 (write_arrays). ``vocab``: a checkpoint's tokenizer
+  (ondevice.hf_gguf.hf_vocab); None: the byte vocabulary."""
+  from ondevice.errors import InputError  # noqa: PLC0415 (the CLI's one-line error)
+  why = names.mixtral_unsupported(cfg)
+  if why:
+    raise InputError(why)
+  arrays = names.framework_to_gguf(params, cfg, "llama")
+  factors = rope.freq_factors(cfg)
+  if factors is not None:
+    arrays = {"rope_freqs.weight": factors, **arrays}
+  # the file's model_config: the same model, its dense width the experts' (llama.feed_forward_length)
+  file_cfg = dataclasses.replace(cfg, d_ff=cfg.expert_ff, moe_d_ff=cfg.expert_ff)
+  moe = gguf_check.MoE(cfg.n_experts, cfg.experts_per_token, cfg.expert_ff)
+  return write_quantized(arrays, file_cfg, path, quant, name=name, output_quant=output_quant, arch="llama", moe=moe,
+                         vocab=vocab)
+
+
 def load_params(path: str, scan_layers: bool = True) -> tuple:
   """GGUF -> (framework params tree of f32 numpy arrays, ModelConfig). Quantised tensors are dequantised. A
   mixture-of-experts file in llama.cpp's Mixtral layout (arch llama with experts) loads as the framework's Mixtral

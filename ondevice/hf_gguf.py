@@ -10,7 +10,7 @@ tokens are CONTROL, others USER_DEFINED. tokenizer_config.json gives bos/eos, ad
 Qwen3MoeForCausalLM: a qwen3moe file, the per-expert tensors stacked (framework/names.py
 QWEN3_MOE); refused when llama.cpp computes it otherwise (norm_topk_prob false, dense layers between the MoE
 layers). MixtralForCausalLM (a mixture of experts) is read by framework/hf.py and written in llama.cpp's Mixtral
-layout (ondevice.export.export_moe_gguf: arch llama with experts, ffn_gate_inp + stacked ffn_{gate,up,down}_exps);
+layout (ondevice.gguf_io.export_moe_gguf: arch llama with experts, ffn_gate_inp + stacked ffn_{gate,up,down}_exps);
 it is held in memory as float32 while it is written (4 bytes per parameter). Anything else is refused in one line naming
 the key.
 """
@@ -207,10 +207,9 @@ def convert(hf_dir: str, out: str, quant: str = "f32", name: Optional[str] = Non
   ``tokenizer=False``: PrismLLM's byte vocabulary (needs vocab_size >= 256)."""
   from ondevice import gguf_io
   if "MixtralForCausalLM" in (_json(pathlib.Path(hf_dir) / "config.json").get("architectures") or []):
-    from ondevice.export import export_moe_gguf  # noqa: PLC0415 (the CLI module imports this one lazily too)
     mcfg, params = fhf.load(hf_dir)
     voc = hf_vocab(hf_dir, mcfg.vocab_size) if tokenizer else None
-    return export_moe_gguf(params, mcfg, out, quant, name=name or pathlib.Path(hf_dir).name, vocab=voc)
+    return gguf_io.export_moe_gguf(params, mcfg, out, quant, name=name or pathlib.Path(hf_dir).name, vocab=voc)
   arch, cfg, factors = read_config(hf_dir)
   arr = arrays(hf_dir, arch, cfg)
   if factors is not None:
