@@ -11,8 +11,8 @@ Qwen3MoeForCausalLM: a qwen3moe file, the per-expert tensors stacked (framework/
 QWEN3_MOE); refused when llama.cpp computes it otherwise (norm_topk_prob false, dense layers between the MoE
 layers). MixtralForCausalLM (a mixture of experts) is read by framework/hf.py and written in llama.cpp's Mixtral
 layout (ondevice.gguf_io.export_moe_gguf: arch llama with experts, ffn_gate_inp + stacked ffn_{gate,up,down}_exps);
-it is held in memory as float32 while it is written (4 bytes per parameter). Anything else is refused in one line naming
-the key.
+it is held in memory as float32 while it is written (4 bytes per parameter). Anything else is refused in one line
+naming the key.
 """
 from __future__ import annotations
 
@@ -105,16 +105,16 @@ def _qwen3_moe(hf_dir: str, hf: dict) -> gguf_check.MoE:
   return gguf_check.MoE(int(n_expert), int(hf["num_experts_per_tok"]), int(hf["moe_intermediate_size"]))
 
 
-def arrays(hf_dir: str, arch: str, cfg) -> dict:
-  """GGUF tensor name -> float32 array in llama.cpp's layout, layer-major (each layer one byte range)."""
+def arrays(hf_dir: str, arch: str, cfg, moe: Optional[gguf_check.MoE] = None) -> dict:
+  """GGUF tensor name -> float32 array in llama.cpp's layout, layer-major (each layer one byte range); ``moe``:
+  a qwen3moe checkpoint's experts (:func:`_qwen3_moe`)."""
   d = pathlib.Path(hf_dir)
   src = fhf._LazyTensors(fhf._tensor_files(d), np.dtype(np.float32))
   permute = arch == "llama"  # NORM RoPE: q/k rows (and biases) in adjacent-pair order; qwen is NEOX
   conv = (lambda p, m: names.hf_to_gguf(p, m, cfg)) if permute else (lambda p, m: m)
-  ents, n_expert = names.entries(cfg), 0
-  if arch == "qwen3moe":  # the experts in place of the MLP
+  ents, n_expert = names.entries(cfg), moe.n_expert if moe else 0
+  if moe:  # the experts in place of the MLP
     ents = tuple(p for p in ents if p.path[0] != "mlp") + names.QWEN3_MOE
-    n_expert = _qwen3_moe(hf_dir, _json(d / "config.json")).n_expert
   extra = [p for p in names.EXTRA if p not in ents and p.hf.format(i=0) in src]
   if arch == "qwen2" and not all(p.hf.format(i=0) in src for p in names.QKV_BIASES):
     raise HFGGUFError(f"{hf_dir}: a Qwen2 checkpoint without q/k/v biases; re-save it with them")
@@ -211,10 +211,10 @@ def convert(hf_dir: str, out: str, quant: str = "f32", name: Optional[str] = Non
     voc = hf_vocab(hf_dir, mcfg.vocab_size) if tokenizer else None
     return gguf_io.export_moe_gguf(params, mcfg, out, quant, name=name or pathlib.Path(hf_dir).name, vocab=voc)
   arch, cfg, factors = read_config(hf_dir)
-  arr = arrays(hf_dir, arch, cfg)
+  moe = _qwen3_moe(hf_dir, _json(pathlib.Path(hf_dir) / "config.json")) if arch == "qwen3moe" else None
+  arr = arrays(hf_dir, arch, cfg, moe)
   if factors is not None:
     arr = {"rope_freqs.weight": factors, **arr}
   voc = hf_vocab(hf_dir, cfg.vocab_size) if tokenizer else None
   name = name or pathlib.Path(hf_dir).name
-  moe = _qwen3_moe(hf_dir, _json(pathlib.Path(hf_dir) / "config.json")) if arch == "qwen3moe" else None
   return gguf_io.write_quantized(arr, cfg, out, quant, name=name, arch=arch, vocab=voc, moe=moe)
