@@ -9,12 +9,14 @@ runs the head and the loss. Which unit (micro-batch, chunk) runs in which tick i
 Megatron's interleaved 1F1B; parallelism/schedules.py). Every tick, each stage, in SPMD lock-step:
 
 1. forward slot (``lax.cond``, skipped when idle): ``x = embed(tokens)`` on the first virtual stage, else the
-   activation received last tick; ``y = chunk(x)`` under ``jax.vjp``; the vjp's residuals that depend on ``x``
-   go to the unit's stash slot (parallelism/stash.py); on the last stage ``y`` is kept for the head;
+   activation received last tick; ``y = chunk(x)``, a scan over the chunk's layers, each under ``jax.vjp`` and
+   reading its weights in place from the stage's stack (no per-tick copy of the chunk's weights); the vjp's
+   residuals that depend on ``x`` go to the unit's stash slot (parallelism/stash.py); on the last stage ``y`` is
+   kept for the head;
 2. ``ppermute`` ``y`` to stage ``s+1`` (around the ring, ``P-1 -> 0``, when ``v > 1``);
 3. backward slot (``lax.cond``): on the last virtual stage, head + loss and their vjp (seeded with d loss = 1)
-   give the cotangent, elsewhere it is the one received; the chunk's pullback is rebuilt from the stash
-   (parameter-only residuals recomputed) and applied; the first virtual stage pulls back through the embedding;
+   give the cotangent, elsewhere it is the one received; each layer's pullback, in reverse, is rebuilt from the
+   stash (parameter-only residuals recomputed) and applied; the first virtual stage pulls back through the embedding;
    parameter gradients accumulate (per chunk);
 4. ``ppermute`` the input cotangent to stage ``s-1``.
 
@@ -127,14 +129,22 @@ def _body(params, inputs_BxT, targets_BxT, *, model, specs, sched: Schedule, n_t
   local = manual.localize_params(params, specs, reduce_over)
   layers = local["layers"]
   rest = {k: x for k, x in local.items() if k != "layers"}
-  # One chunk of L/(vP) layers, stored without repeats: the stage's stack indexed at chunk j.
-  chunk_model = model if v == 1 else model.clone(
-      cfg=dataclasses.replace(model.cfg, n_layers=model.cfg.n_layers // v),
-      ctx=dataclasses.replace(model.ctx, layer_repeats=1))
-  if v == 1:
-    chunk_of = lambda j: layers  # noqa: E731
-  else:
-    chunk_of = lambda j: jax.tree.map(lambda a: jax.lax.dynamic_index_in_dim(a, j, 0, keepdims=False), layers)  # noqa: E731
+  # The chunk's layers run one at a time, each read in place from the stage's stack (``layer_of``): slicing a
+  # whole chunk out of the stack for the layer scan would copy the chunk's weights in every slot of every tick.
+  # ``layer_model`` is the model cut to one layer (stored with a leading axis of 1, as its scan stores it).
+  lc = model.n_local_layers
+  layer_model = model.clone(cfg=dataclasses.replace(model.cfg, n_layers=model.cfg.n_layers // (v * lc)),
+                            ctx=dataclasses.replace(model.ctx, layer_repeats=1))
+
+  def layer_of(j, i):
+    """Layer ``i`` of chunk ``j`` of the stage's stack, as a one-layer stack (``[1, ...]``)."""
+    def one(a):
+      if v == 1:
+        return jax.lax.dynamic_slice_in_dim(a, i, 1, 0)
+      zero = jnp.zeros((), jnp.int32)
+      out = jax.lax.dynamic_slice(a, (j, i) + (zero,) * (a.ndim - 2), (1, 1) + a.shape[2:])
+      return out.reshape(out.shape[1:])
+    return jax.tree.map(one, layers)
   # Typed templates: the activation flowing between stages varies over the batch axes and
   # 'pipeline' (it is stage-dependent) and is invariant over 'tensor' (after the TP psum), or under sequence
   # parallelism is this tensor rank's T/tensor chunk (after the TP psum_scatter), varying over 'tensor'.
@@ -152,11 +162,11 @@ def _body(params, inputs_BxT, targets_BxT, *, model, specs, sched: Schedule, n_t
   n_layers = model.n_local_layers * p * v  # the whole model's (the jit form's stage model holds L / P)
 
   def blocks(layer_prm, x_BxTxD):
-    """The chunk's output; with experts (output, its balance term, its assignments per layer and expert)."""
+    """One layer's output; with experts (output, its balance term, its assignments per expert, ``1 x E``)."""
     if not moe:
-      y, _ = chunk_model.apply({"params": {"layers": layer_prm}}, x_BxTxD, pos_BxT, method="blocks")
+      y, _ = layer_model.apply({"params": {"layers": layer_prm}}, x_BxTxD, pos_BxT, method="blocks")
       return manual.vary(y, x_axes)
-    (y, _), moe_vars = chunk_model.apply({"params": {"layers": layer_prm}}, x_BxTxD, pos_BxT, method="blocks",
+    (y, _), moe_vars = layer_model.apply({"params": {"layers": layer_prm}}, x_BxTxD, pos_BxT, method="blocks",
                                          mutable=["moe"])
     c = model.cfg
     aux = moe_lib.aux_loss(moe_vars["moe"], c.aux_loss_coef, n_layers, n_seqs * seq_shards)
@@ -171,14 +181,37 @@ def _body(params, inputs_BxT, targets_BxT, *, model, specs, sched: Schedule, n_t
     loss = manual.token_loss_sum(model, logits, tgt_BxT) / n_tokens
     return manual.vary(loss, loss_axes)
 
-  split = stash.SplitVjp(blocks, chunk_of(0), x_proto)
+  split = stash.SplitVjp(blocks, layer_of(0, 0), x_proto)
   if moe:  # the chunk's extra outputs: a balance term (seeded with d loss = 1 in the backward) and expert counts
-    lc = chunk_model.n_local_layers
     aux_proto = loss_proto
     load_proto = manual.vary(jnp.zeros((lc, model.cfg.n_experts), jnp.float32), loss_axes)
-    y_proto, seed = (x_proto, aux_proto, load_proto), (jnp.ones_like(aux_proto), jnp.zeros_like(load_proto))
+    y_proto = (x_proto, aux_proto, load_proto)
+    seed = (jnp.ones_like(aux_proto), manual.vary(jnp.zeros((1, model.cfg.n_experts), jnp.float32), loss_axes))
   else:
     y_proto, seed = x_proto, ()
+
+  def chunk_forward(j, x):
+    """Chunk ``j`` on ``x``: its output (with experts: output, balance term, ``L/(vP) x E`` assignments) and its
+    stash (each layer's stashed residuals, stacked on a leading axis of ``L/(vP)``)."""
+    def layer(carry, i):
+      x, aux = carry
+      out, res = split.forward(layer_of(j, i), x)
+      if not moe:
+        return (out, aux), (res, ())
+      y, a, load = out
+      return (y, aux + a), (res, load[0])
+    (y, aux), (res, load) = jax.lax.scan(layer, (x, loss_proto), jnp.arange(lc))
+    return ((y, aux, load) if moe else y), res
+
+  def chunk_backward(j, res, dy):
+    """(d the chunk's layers ``[L/(vP), ...]``, d its input) from its stash, the layers in reverse."""
+    def layer(dx, i_res):
+      i, r = i_res
+      d_prm, dx = split.backward(layer_of(j, i), r, (dx,) + seed if moe else dx)
+      return manual.vary(dx, x_axes), jax.tree.map(lambda a: a.reshape(a.shape[1:]), d_prm)
+    dx, d_chunk = jax.lax.scan(layer, dy, (jnp.arange(lc), res), reverse=True)
+    return d_chunk, dx
+
   head_slot = (lambda k: k) if sched.n_head_slots > 1 else (lambda k: 0)  # noqa: E731
 
   def add_chunk(g_layers, d_chunk, j):
@@ -203,7 +236,7 @@ def _body(params, inputs_BxT, targets_BxT, *, model, specs, sched: Schedule, n_t
   def read(buf, slot):
     return jax.lax.dynamic_index_in_dim(buf, jnp.maximum(slot, 0), 0, keepdims=False)
 
-  res_protos = [b[0] for b in split.zeros(1)]
+  res_protos = [b[0] for b in split.zeros(1, lc)]
 
   # The stash buffers and the layers' gradient accumulator never enter a branch: a branch returns one unit's
   # values and the slot is written (or read, or added to) outside it. A buffer passed through a conditional is
@@ -217,7 +250,7 @@ def _body(params, inputs_BxT, targets_BxT, *, model, specs, sched: Schedule, n_t
     def fwd():
       with jax.named_scope(SCOPE_FIRST):
         x = branch(is_first & (fj == 0), lambda: embed(rest, tok_MxBxT[fm]), lambda: recv_x)
-      return split.forward(chunk_of(fj), x)
+      return chunk_forward(fj, x)
     with jax.named_scope(SCOPE_FWD):
       y, res = branch(fm >= 0, fwd, lambda: (y_proto, res_protos))
     if moe:  # an idle slot's outputs are the protos' zeros
@@ -239,7 +272,7 @@ def _body(params, inputs_BxT, targets_BxT, *, model, specs, sched: Schedule, n_t
         return manual.vary(dy, x_axes), jax.tree.map(jnp.add, g_rest, d_rest), loss_acc + loss
       with jax.named_scope(SCOPE_LAST):
         dy, g_rest, loss_acc = branch(is_last & (bj == v - 1), head, lambda g, l: (recv_dx, g, l), g_rest, loss_acc)
-      d_chunk, dx = split.backward(chunk_of(bj), res, (dy,) + seed if moe else dy)
+      d_chunk, dx = chunk_backward(bj, res, dy)
 
       def embed_bwd(g_rest):
         _, pullback = jax.vjp(lambda prm: embed(prm, tok_MxBxT[bm]), rest)
@@ -253,10 +286,10 @@ def _body(params, inputs_BxT, targets_BxT, *, model, specs, sched: Schedule, n_t
     recv_dx = jax.lax.ppermute(dx, manual.PIPELINE_AXIS, bwd_perm)
     return (recv_x, recv_dx, res_bufs, y_buf, g_layers, g_rest, loss_acc, load_acc), None
 
-  res_bufs = split.zeros(sched.n_slots)
+  res_bufs = split.zeros(sched.n_slots, lc)
   y_buf = manual.vary(jnp.zeros((sched.n_head_slots,) + x_proto.shape, x_proto.dtype), x_axes)
   g_layers = jax.tree.map(manual.zeros_like_typed, layers)
-  d_zero = jax.tree.map(manual.zeros_like_typed, chunk_of(0))
+  d_zero = jax.tree.map(lambda a: manual.zeros_like_typed(a if v == 1 else a[0]), layers)
   g_rest = jax.tree.map(manual.zeros_like_typed, rest)
   load_acc = manual.vary(jnp.zeros((v,) + load_proto.shape, jnp.float32), loss_axes) if moe else None
   carry = (x_proto, x_proto, res_bufs, y_buf, g_layers, g_rest, loss_proto, load_acc)

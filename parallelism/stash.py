@@ -65,12 +65,13 @@ class SplitVjp:
     leaves = [next(stashed) if u else next(known) for u in self._stashed]
     return jax.tree.unflatten(self._treedef, leaves)(dy)
 
-  def zeros(self, n_slots: int) -> list:
-    """Empty stash buffers: ``n_slots`` x each stashed residual, typed like it (shard_map varying axes) and in its
-    memory space (residuals a ``*_offloaded`` remat policy moved to host memory are stashed there)."""
+  def zeros(self, *lead: int) -> list:
+    """Empty stash buffers: ``lead`` (e.g. slots x layers) x each stashed residual, typed like it (shard_map
+    varying axes) and in its memory space (residuals a ``*_offloaded`` remat policy moved to host memory are
+    stashed there)."""
     out = []
     for a in self.stash_avals:
-      buf = jnp.zeros((n_slots,) + a.shape, a.dtype)
+      buf = jnp.zeros(tuple(lead) + a.shape, a.dtype)
       if getattr(a, "memory_space", None) == jax.memory.Space.Host:
         buf = jax.device_put(buf, jax.memory.Space.Host)
       out.append(manual.vary(buf, tuple(a.manual_axis_type.varying)) if hasattr(a, "manual_axis_type") else buf)

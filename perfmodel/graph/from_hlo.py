@@ -17,6 +17,7 @@ from typing import Optional
 import numpy as np
 
 from perfmodel.graph import hlo_parse as hp
+from perfmodel.graph import replica_groups as rg
 from perfmodel.graph.nodes import (Attribution, CollectiveInfo, DotInfo, ExecGraph, Node, Region,
                                    mark_program_bytes)
 
@@ -285,10 +286,10 @@ def _collective_info(ins: hp.Instruction, comp: hp.Computation, kind: str, n_dev
                      is_async: bool) -> CollectiveInfo:
   text = ins.attrs.get("replica_groups") or ins.attrs.get("source_target_pairs") or ""
   if kind == "collective-permute":
-    pairs = hp.parse_pairs(text)
+    pairs = rg.parse_pairs(text)
     size, n = 2, max(1, len(pairs))
   else:
-    groups = hp.parse_replica_groups(text or None, n_devices)
+    groups = rg.parse_replica_groups(text or None, n_devices)
     size, n = len(groups[0]) if groups else n_devices, len(groups)
   in_bytes = sum(comp.by_name[o].out_bytes for o in ins.operands if o in comp.by_name)
   out_bytes = ins.out_bytes
@@ -403,7 +404,7 @@ class _Builder:
       if kind == "collective-permute" and role != "start" and WINDOWED_BODY in comp.name:
         # XLA's windowed einsum (collective matmul) cuts a sharded matmul into chunks whose ring transfers run
         # while the previous chunk multiplies: the permute is on the comm stream, what reads it waits for it
-        pairs = hp.parse_pairs(info.groups_text)
+        pairs = rg.parse_pairs(info.groups_text)
         forward = bool(pairs) and pairs[0][1] == pairs[0][0] + 1
         info = dataclasses.replace(info, is_async=True, ring=1 if forward else -1)
       node = Node(id=self.new_id(), name=ins.name, kind="p2p" if kind == "collective-permute" else "collective",

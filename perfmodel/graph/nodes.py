@@ -22,7 +22,7 @@ import dataclasses
 import functools
 from typing import Iterator, Optional
 
-from perfmodel.graph import hlo_parse as hp
+from perfmodel.graph import replica_groups as rg
 
 COMPUTE_KINDS = ("dot", "fusion", "other")
 
@@ -57,8 +57,8 @@ def _groups(kind: str, text: str, n_devices: int) -> tuple:
   # cached: a loop body's collectives are priced once per trip and schedule slot, and the groups of thousands of
   # devices take a second to parse
   if kind == "collective-permute":
-    return tuple(hp.parse_pairs(text))
-  return tuple(hp.parse_replica_groups(text or None, n_devices))
+    return tuple(rg.parse_pairs(text))
+  return tuple(rg.parse_replica_groups(text or None, n_devices))
 
 
 @dataclasses.dataclass(frozen=True)

@@ -8,32 +8,33 @@ from jax.sharding import NamedSharding, PartitionSpec as P
 
 from perfmodel.graph import from_hlo as G
 from perfmodel.graph import hlo_parse as hp
+from perfmodel.graph import replica_groups as rg
 from perfmodel.graph.nodes import COMPUTE_KINDS
 
 GOLDEN = os.path.join(os.path.dirname(__file__), "golden")
 
 
 def test_replica_groups_explicit():
-  assert hp.parse_replica_groups("{{0,1},{2,3}}") == [(0, 1), (2, 3)]
-  assert hp.parse_replica_groups("{}", 4) == [(0, 1, 2, 3)]
-  assert hp.parse_replica_groups(None, 2) == [(0, 1)]
+  assert rg.parse_replica_groups("{{0,1},{2,3}}") == [(0, 1), (2, 3)]
+  assert rg.parse_replica_groups("{}", 4) == [(0, 1, 2, 3)]
+  assert rg.parse_replica_groups(None, 2) == [(0, 1)]
 
 
 def test_replica_groups_iota():
-  assert hp.parse_replica_groups("[4,2]<=[8]") == [(0, 1), (2, 3), (4, 5), (6, 7)]
+  assert rg.parse_replica_groups("[4,2]<=[8]") == [(0, 1), (2, 3), (4, 5), (6, 7)]
   # reshape [4,2] -> transpose -> [2,4]: groups stride over the first axis
-  assert hp.parse_replica_groups("[2,4]<=[4,2]T(1,0)") == [(0, 2, 4, 6), (1, 3, 5, 7)]
-  assert hp.parse_replica_groups("[1,8]<=[8]") == [tuple(range(8))]
-  assert hp.parse_replica_groups("[2,4]<=[2,2,2]T(1,0,2)") == [(0, 1, 4, 5), (2, 3, 6, 7)]
+  assert rg.parse_replica_groups("[2,4]<=[4,2]T(1,0)") == [(0, 2, 4, 6), (1, 3, 5, 7)]
+  assert rg.parse_replica_groups("[1,8]<=[8]") == [tuple(range(8))]
+  assert rg.parse_replica_groups("[2,4]<=[2,2,2]T(1,0,2)") == [(0, 1, 4, 5), (2, 3, 6, 7)]
 
 
 def test_replica_groups_mesh_axes():
   text = "mesh['axis_0'=4,'axis_1'=2] {'axis_1'}"
-  assert hp.parse_replica_groups(text) == [(0, 1), (2, 3), (4, 5), (6, 7)]
-  assert hp.parse_replica_groups("mesh['a'=4,'b'=2] {'a'}") == [(0, 2, 4, 6), (1, 3, 5, 7)]
-  assert hp.parse_replica_groups("mesh['a'=2,'b'=2,'c'=2] {'a','c'}") == [(0, 1, 4, 5), (2, 3, 6, 7)]
+  assert rg.parse_replica_groups(text) == [(0, 1), (2, 3), (4, 5), (6, 7)]
+  assert rg.parse_replica_groups("mesh['a'=4,'b'=2] {'a'}") == [(0, 2, 4, 6), (1, 3, 5, 7)]
+  assert rg.parse_replica_groups("mesh['a'=2,'b'=2,'c'=2] {'a','c'}") == [(0, 1, 4, 5), (2, 3, 6, 7)]
   # sub-axis 'a':(2)2 = the inner half of axis a (size 4 split as 2 x 2)
-  assert hp.parse_replica_groups("mesh['a'=4,'b'=2] {'a':(2)2}") == [(0, 2), (1, 3), (4, 6), (5, 7)]
+  assert rg.parse_replica_groups("mesh['a'=4,'b'=2] {'a':(2)2}") == [(0, 2), (1, 3), (4, 6), (5, 7)]
 
 
 def test_golden_module_async_pairs_loops_and_collectives():
@@ -114,7 +115,7 @@ def test_plain_matmul_flops_equal_xla():
 
 
 def test_bare_mesh_replica_groups_mean_the_whole_mesh():
-  assert hp.parse_replica_groups("mesh['axis_0'=1,'axis_1'=2,'axis_2'=4]") == [tuple(range(8))]
+  assert rg.parse_replica_groups("mesh['axis_0'=1,'axis_1'=2,'axis_2'=4]") == [tuple(range(8))]
 
 
 def test_a_computation_closed_with_attributes_ends_there():

@@ -212,3 +212,31 @@ def test_gpu_ring_attention_runs_cudnn_flash_blocks():
   calls = [ln.split('custom_call_target="')[1].split('"')[0] for ln in cap.hlo_text.splitlines()
            if 'custom_call_target="' in ln]
   assert "__cudnn$fmhaSoftmax" in calls and "__cudnn$fmhaSoftmaxBackward" in calls, calls
+
+
+def test_the_program_cache_digest_covers_every_module_a_step_is_built_from():
+  """A change to any framework / parallelism module that build_step imports (directly or through another one)
+  must make cached programs stale, so each such module is in the digest's source list."""
+  import ast
+  import os
+  root = target_lib.ROOT
+
+  def local_imports(rel):
+    tree = ast.parse(open(os.path.join(root, rel)).read())
+    out = set()
+    for node in ast.walk(tree):
+      if isinstance(node, ast.ImportFrom) and node.module in ("framework", "parallelism"):
+        out |= {f"{node.module}/{a.name}.py" for a in node.names}
+      elif isinstance(node, ast.ImportFrom) and node.module and node.module.split(".")[0] in ("framework",
+                                                                                             "parallelism"):
+        out.add(node.module.replace(".", "/") + ".py")
+    return {r for r in out if os.path.isfile(os.path.join(root, r))}
+
+  seen, todo = set(), ["parallelism/step.py"]
+  while todo:
+    rel = todo.pop()
+    if rel not in seen:
+      seen.add(rel)
+      todo.extend(local_imports(rel))
+  missing = sorted(seen - set(target_lib._SOURCES))
+  assert not missing, f"modules a compiled step is built from but not in perfmodel.target._SOURCES: {missing}"
