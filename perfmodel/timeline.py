@@ -31,7 +31,7 @@ from typing import Optional
 import numpy as np
 
 from perfmodel.cost.chain import Chain
-from perfmodel.graph.nodes import ExecGraph, _groups
+from perfmodel.graph.nodes import ExecGraph, parse_groups
 
 
 @dataclasses.dataclass
@@ -180,7 +180,7 @@ class Overlap:
 
 @functools.lru_cache(maxsize=4096)
 def _group_axes(kind: str, groups_text: str, n_devices: int, sizes: tuple) -> frozenset:
-  groups = _groups(kind, groups_text, n_devices)
+  groups = parse_groups(kind, groups_text, n_devices)
   if not groups or len(groups[0]) < 2 or math.prod(s for _, s in sizes) != n_devices:
     return frozenset()
   coords = np.array(np.unravel_index(np.asarray(groups[0]), tuple(s for _, s in sizes)))

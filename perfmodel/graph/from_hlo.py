@@ -17,9 +17,8 @@ from typing import Optional
 import numpy as np
 
 from perfmodel.graph import hlo_parse as hp
-from perfmodel.graph import replica_groups as rg
 from perfmodel.graph.nodes import (Attribution, CollectiveInfo, DotInfo, ExecGraph, Node, Region,
-                                   mark_program_bytes)
+                                   mark_program_bytes, parse_groups)
 
 FREE_OPS = {"parameter", "constant", "get-tuple-element", "tuple", "bitcast", "partition-id", "replica-id",
             "after-all", "opt-barrier", "add-dependency", "iota", "domain", "get-dimension-size"}
@@ -285,11 +284,10 @@ def _attribution(ins: hp.Instruction, module: hp.Module) -> Attribution:
 def _collective_info(ins: hp.Instruction, comp: hp.Computation, kind: str, n_devices: int,
                      is_async: bool) -> CollectiveInfo:
   text = ins.attrs.get("replica_groups") or ins.attrs.get("source_target_pairs") or ""
+  groups = parse_groups(kind, text, n_devices)
   if kind == "collective-permute":
-    pairs = rg.parse_pairs(text)
-    size, n = 2, max(1, len(pairs))
+    size, n = 2, max(1, len(groups))
   else:
-    groups = rg.parse_replica_groups(text or None, n_devices)
     size, n = len(groups[0]) if groups else n_devices, len(groups)
   in_bytes = sum(comp.by_name[o].out_bytes for o in ins.operands if o in comp.by_name)
   out_bytes = ins.out_bytes
@@ -404,7 +402,7 @@ class _Builder:
       if kind == "collective-permute" and role != "start" and WINDOWED_BODY in comp.name:
         # XLA's windowed einsum (collective matmul) cuts a sharded matmul into chunks whose ring transfers run
         # while the previous chunk multiplies: the permute is on the comm stream, what reads it waits for it
-        pairs = rg.parse_pairs(info.groups_text)
+        pairs = info.groups()
         forward = bool(pairs) and pairs[0][1] == pairs[0][0] + 1
         info = dataclasses.replace(info, is_async=True, ring=1 if forward else -1)
       node = Node(id=self.new_id(), name=ins.name, kind="p2p" if kind == "collective-permute" else "collective",

@@ -49,13 +49,14 @@ class CollectiveInfo:
   ring: int = 0  # a windowed einsum's ring transfer: its direction (+1 / -1), each direction on its own links
 
   def groups(self) -> list:
-    return list(_groups(self.kind, self.groups_text, self.n_devices))
+    return list(parse_groups(self.kind, self.groups_text, self.n_devices))
 
 
 @functools.lru_cache(maxsize=512)
-def _groups(kind: str, text: str, n_devices: int) -> tuple:
-  # cached: a loop body's collectives are priced once per trip and schedule slot, and the groups of thousands of
-  # devices take a second to parse
+def parse_groups(kind: str, text: str, n_devices: int) -> tuple:
+  """A collective's device groups from its replica_groups (a collective-permute's: its source-target pairs) text.
+  Cached: a program repeats the same groups in every layer and loop body, a loop body's collectives are priced
+  once per trip and schedule slot, and the groups of thousands of devices take a second to parse."""
   if kind == "collective-permute":
     return tuple(rg.parse_pairs(text))
   return tuple(rg.parse_replica_groups(text or None, n_devices))
