@@ -146,7 +146,7 @@ def _curve(hw: HardwareProfile, group: str, kind: str, level: LinkLevel):
 
 def _inner_time(kind: str, S: float, members: list, hw: HardwareProfile, pl: Placement, notes: set) -> float:
   """One domain's part of a collective: NVLink/switch from the published busbw curve of the kind (the sizes it
-  was measured at; alpha-beta elsewhere), a TPU torus as bidirectional rings on every axis the group spans
+  was measured at, never under the ring's latency term; alpha-beta elsewhere), a TPU torus as bidirectional rings on every axis the group spans
   (one direction where the axis does not wrap), links at the published permute efficiency."""
   n, lv = len(members), hw.links[0]
   if n <= 1 or S <= 0:
@@ -154,7 +154,9 @@ def _inner_time(kind: str, S: float, members: list, hw: HardwareProfile, pl: Pla
   if not pl.shape:  # switch
     busbw = _curve(hw, "collectives", kind, lv)
     if busbw is not None and kind in FACTOR:
-      return FACTOR[kind](n) * S / busbw(S)
+      # never under the ring's latency term: the curve clamps its busbw below the smallest measured size,
+      # where a collective is latency-bound (the level's latency is derived from such a measurement)
+      return max(FACTOR[kind](n) * S / busbw(S), _flat(kind, 0.0, n, lv, "ring")[0])
     notes.add(f"{kind} on {lv.name}: alpha-beta from the datasheet link rate (no published curve)")
     return _flat(kind, S, n, lv, "auto")[0]
   extents = [len({c[1 + a] for c in members}) for a in range(len(pl.shape))]
@@ -179,7 +181,8 @@ def placed_cost(kind: str, S: float, group: tuple, hw: HardwareProfile, pl: Plac
   """A collective of a program compiled for the target: the group's devices located by ``pl``. Inside one
   domain :func:`_inner_time`; across domains (InfiniBand between nodes, DCN between TPU slices) hierarchical:
   reduce-scatter inside each domain, the outer level's collective of S / devices-per-domain (alpha-beta at its
-  datasheet rate x the published outer busbw fraction where there is one), all-gather inside."""
+  datasheet rate x the published outer busbw fraction where there is one; an all-reduce as a ring or a tree,
+  whichever is faster), all-gather inside."""
   notes = set() if notes is None else notes
   members = [pl.coords[d] for d in group if d < len(pl.coords)]
   doms = {}
@@ -194,7 +197,9 @@ def placed_cost(kind: str, S: float, group: tuple, hw: HardwareProfile, pl: Plac
   if frac is None:
     notes.add(f"{kind} on {outer.name}: alpha-beta from the datasheet rate (no published curve)")
   if kind == "all-reduce":
-    t = 2 * _inner_time("reduce-scatter", S, one, hw, pl, notes) + _flat("all-reduce", S / per, n_dom, out_lv, "ring")[0]
+    # across domains ring or double binary tree, whichever the alpha-beta model finds faster (NCCL's tuner
+    # chooses the same way: a small all-reduce over hundreds of nodes pays 2 log2(n) hops, not 2(n-1))
+    t = 2 * _inner_time("reduce-scatter", S, one, hw, pl, notes) + _flat("all-reduce", S / per, n_dom, out_lv, "auto")[0]
   elif kind in ("all-gather", "reduce-scatter"):
     # each device exchanges its S / per with its peers of the other domains over its own NIC, then the domain
     # gathers (or, reduce-scatter: the reverse) the whole S inside

@@ -171,6 +171,34 @@ def test_placed_collectives_cross_gpu_nodes_hierarchically():
   assert across.algorithm == "placed-hierarchical" and across.seconds > inside.seconds
 
 
+def test_a_collective_below_the_measured_sizes_costs_its_latency():
+  """A scalar all-reduce in one NVLink node pays the ring's 2(n-1) link latencies (NCCL's time is flat below
+  ~1 KiB), not the smallest measured size's busbw applied to 4 bytes; a large one is priced by the curve."""
+  hw = load("h100")
+  nvl = hw.links[0]
+  pl = C.Placement(tuple((0, i) for i in range(8)))
+  assert C.placed_cost("all-reduce", 4, tuple(range(8)), hw, pl).seconds == pytest.approx(14 * nvl.latency)
+  assert C.placed_cost("all-gather", 4, tuple(range(8)), hw, pl).seconds == pytest.approx(7 * nvl.latency)
+  S = 256 << 20
+  busbw = np.interp(np.log(S), *zip(*[(np.log(x), y) for x, y in hw.efficiency["collectives"]["all-reduce"]["value"]]))
+  assert C.placed_cost("all-reduce", S, tuple(range(8)), hw, pl).seconds == pytest.approx(2 * 7 / 8 * S / busbw)
+
+
+def test_a_small_all_reduce_across_many_gpu_nodes_is_priced_as_a_tree():
+  """NCCL's tuner runs a latency-bound all-reduce over hundreds of nodes as a double binary tree (2 log2 n
+  hops of the fabric), not as a ring (2(n-1) hops); the placed cost takes the faster of the two."""
+  hw = load("h100")
+  ib = hw.links[1]
+  pl = C.Placement(tuple((i // 8, i % 8) for i in range(2048)))
+  group = tuple(range(0, 2048, 8))  # one device in each of 256 nodes
+  scalar = C.placed_cost("all-reduce", 4, group, hw, pl).seconds
+  assert scalar < 2 * 255 * ib.latency / 10  # a ring would pay 510 hops
+  assert scalar >= 2 * 8 * ib.latency  # a tree pays 2 log2(256)
+  big = 1 << 30  # bandwidth-bound either way: never above the ring, never below the ring's bandwidth term
+  t = C.placed_cost("all-reduce", big, group, hw, pl).seconds
+  assert 2 * 255 / 256 * big / ib.bandwidth <= t <= C.ring_all_reduce(big, 256, ib.bandwidth, ib.latency)
+
+
 def test_a_compile_that_outgrows_the_host_is_stopped_with_one_line(monkeypatch):
   """The compile child is watched: past the host-memory limit it is killed and the error says so (never the
   kernel's OOM killer)."""
