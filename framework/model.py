@@ -83,6 +83,19 @@ PARAM_AXES = {
     "we_up": ("experts", "embed", "expert_mlp"),
     "we_down": ("experts", "expert_mlp", "embed"),
 }
+# the projections whose fp8 weights a train step quantizes once (fp8_cache); the routed experts' are quantized
+# per matmul (their dropless path multiplies with ragged_dot, not an fp8 dot)
+FP8_CACHED = ("wq", "wk", "wv", "wo", "w_gate", "w_up", "w_down")
+
+
+def fp8_cache(cfg, params):
+  """The model variables beside ``params`` for one train step: under ``matmul_precision='fp8'`` the projection
+  weights quantized once (framework/fp8.py weight_cache), to be read by every micro-batch; else none."""
+  if cfg.matmul_precision != "fp8":
+    return {}
+  return {fp8.CACHE: fp8.weight_cache(params, {n: len(PARAM_AXES[n]) for n in FP8_CACHED}, _dtype(cfg.dtype))}
+
+
 # parameters the optimizer does not weight-decay (framework/optim.py decayed): norms' scales, biases, the router's
 # balancing bias (moved by framework/moe.py update_bias, not by gradients)
 NOT_DECAYED = ("scale", "bq", "bk", "bv", "router_bias")
@@ -152,10 +165,14 @@ class _Base(nn.Module):
     init = init or nn.initializers.normal(self.cfg.init_std)
     if self.ctx.manual:
       w = self.param(name, init, self.ctx.local_shape(shape, logical), _dtype(self.cfg.param_dtype))
-      w = self.ctx.gather(w, logical)
     else:
       w = self.param(name, nn.with_logical_partitioning(init, logical), shape, _dtype(self.cfg.param_dtype))
-    return w.astype(_dtype(self.cfg.dtype))
+    gather = functools.partial(self.ctx.gather, logical=logical) if self.ctx.manual else (lambda a: a)
+    if self.has_variable(fp8.CACHE, name):  # quantized once per step (fp8_cache): its fp8 value, gathered
+      q, q_t, scale = self.get_variable(fp8.CACHE, name)
+      q_t = self.ctx.gather(q_t, logical[::-1]) if self.ctx.manual else q_t
+      return fp8.Quantized(w, gather(q), q_t, scale, lambda a: gather(a).astype(_dtype(self.cfg.dtype)))
+    return gather(w).astype(_dtype(self.cfg.dtype))
 
   def project(self, subscripts: str, x, w):
     """A projection matmul (q/k/v/out, MLP): in ``dtype``, or scaled fp8 (``matmul_precision``, framework/fp8.py)."""
@@ -370,7 +387,7 @@ class Transformer(_Base):
       block = nn.remat(Block, policy=remat_lib.policy(c.remat), prevent_cse=not c.scan_layers)
     if c.scan_layers:
       def scan(cls, length, axis):
-        return nn.scan(cls, variable_axes={"params": 0, "moe": 0}, split_rngs={"params": True},
+        return nn.scan(cls, variable_axes={"params": 0, "moe": 0, fp8.CACHE: 0}, split_rngs={"params": True},
                        in_axes=(nn.broadcast, 0, nn.broadcast), length=length,
                        metadata_params={nn.PARTITION_NAME: axis})
       stack = scan(block, self.n_local_layers, "layers")

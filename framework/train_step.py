@@ -13,6 +13,7 @@ import jax
 import jax.numpy as jnp
 import optax
 
+from framework import model as model_lib
 from framework import moe as moe_lib
 from framework import optim
 
@@ -43,12 +44,14 @@ def loss_fn(params, batch, model: nn.Module):
   return loss_and_load(params, batch, model)[0]
 
 
-def loss_and_load(params, batch, model: nn.Module):
-  """(mean cross-entropy + the MoE balance term, assignments per layer and expert (None without experts))."""
+def loss_and_load(params, batch, model: nn.Module, extra=None):
+  """(mean cross-entropy + the MoE balance term, assignments per layer and expert (None without experts)).
+  ``extra``: model variables beside the parameters (the step's fp8 weights, framework/model.py fp8_cache)."""
+  variables = {"params": params, **(extra or {})}
   if not model.cfg.moe:
-    logits_BxTxV = model.apply({"params": params}, batch["inputs"])
+    logits_BxTxV = model.apply(variables, batch["inputs"])
     return jnp.mean(cross_entropy(logits_BxTxV, batch["targets"])), None
-  logits_BxTxV, moe_vars = model.apply({"params": params}, batch["inputs"], mutable=["moe"])
+  logits_BxTxV, moe_vars = model.apply(variables, batch["inputs"], mutable=["moe"])
   c = model.cfg
   aux = moe_lib.aux_loss(moe_vars["moe"], c.aux_loss_coef, c.n_layers, batch["inputs"].shape[0])
   load = moe_lib.layer_load(moe_vars["moe"], c.n_experts)
@@ -96,9 +99,10 @@ def train_step(state: TrainState, batch, *, model: nn.Module, tx: optax.Gradient
   the gradients onto them instead of all-reducing (parallelism/zero.py)."""
   params = optim.grad_params(state.params, state.opt_state, model.cfg.dtype)
   gdt = optim.grad_dtype(state.opt_state)
+  extra = model_lib.fp8_cache(model.cfg, params)  # once per step, before the micro-batch loop
 
   def loss_and_grads(p, b):
-    (loss, load), grads = jax.value_and_grad(loss_and_load, has_aux=True)(p, b, model)
+    (loss, load), grads = jax.value_and_grad(loss_and_load, has_aux=True)(p, b, model, extra)
     return loss, grads if gdt is None else jax.tree.map(lambda g: g.astype(gdt), grads), load
   loss, grads, load = accumulate(loss_and_grads, params, batch, microbatches)
   if grad_shardings is not None:

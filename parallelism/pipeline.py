@@ -61,6 +61,8 @@ import jax
 import jax.numpy as jnp
 
 from framework.config import Config
+from framework import fp8
+from framework import model as model_lib
 from framework import moe as moe_lib
 from parallelism import manual, stash
 from parallelism.schedules import SCHEDULES, Schedule, bubble_formula, check_schedule, make_schedule  # noqa: F401
@@ -129,6 +131,8 @@ def _body(params, inputs_BxT, targets_BxT, *, model, specs, sched: Schedule, n_t
   local = manual.localize_params(params, specs, reduce_over)
   layers = local["layers"]
   rest = {k: x for k, x in local.items() if k != "layers"}
+  # fp8: the stage's projection weights quantized once, before the ticks (framework/model.py fp8_cache)
+  layers_fp8 = model_lib.fp8_cache(model.cfg, layers).get(fp8.CACHE, {})
   # The chunk's layers run one at a time, each read in place from the stage's stack (``layer_of``): slicing a
   # whole chunk out of the stack for the layer scan would copy the chunk's weights in every slot of every tick.
   # ``layer_model`` is the model cut to one layer (stored with a leading axis of 1, as its scan stores it).
@@ -136,15 +140,19 @@ def _body(params, inputs_BxT, targets_BxT, *, model, specs, sched: Schedule, n_t
   layer_model = model.clone(cfg=dataclasses.replace(model.cfg, n_layers=model.cfg.n_layers // (v * lc)),
                             ctx=dataclasses.replace(model.ctx, layer_repeats=1))
 
-  def layer_of(j, i):
-    """Layer ``i`` of chunk ``j`` of the stage's stack, as a one-layer stack (``[1, ...]``)."""
+  def layer_of(j, i, stack=None):
+    """Layer ``i`` of chunk ``j`` of the stage's stack (or of ``stack``), as a one-layer stack (``[1, ...]``)."""
     def one(a):
       if v == 1:
         return jax.lax.dynamic_slice_in_dim(a, i, 1, 0)
       zero = jnp.zeros((), jnp.int32)
       out = jax.lax.dynamic_slice(a, (j, i) + (zero,) * (a.ndim - 2), (1, 1) + a.shape[2:])
       return out.reshape(out.shape[1:])
-    return jax.tree.map(one, layers)
+    return jax.tree.map(one, layers if stack is None else stack)
+
+  def layer_in(j, i):
+    """What a layer's vjp differentiates and reads: (its parameters, its fp8 weights)."""
+    return layer_of(j, i), layer_of(j, i, layers_fp8)
   # Typed templates: the activation flowing between stages varies over the batch axes and
   # 'pipeline' (it is stage-dependent) and is invariant over 'tensor' (after the TP psum), or under sequence
   # parallelism is this tensor rank's T/tensor chunk (after the TP psum_scatter), varying over 'tensor'.
@@ -161,13 +169,14 @@ def _body(params, inputs_BxT, targets_BxT, *, model, specs, sched: Schedule, n_t
   n_seqs = n_tokens // (t_local * seq_shards)  # the whole batch's sequences (the balance term's mean)
   n_layers = model.n_local_layers * p * v  # the whole model's (the jit form's stage model holds L / P)
 
-  def blocks(layer_prm, x_BxTxD):
+  def blocks(layer, x_BxTxD):
     """One layer's output; with experts (output, its balance term, its assignments per expert, ``1 x E``)."""
+    layer_prm, layer_fp8 = layer
+    variables = {"params": {"layers": layer_prm}, **({fp8.CACHE: {"layers": layer_fp8}} if layer_fp8 else {})}
     if not moe:
-      y, _ = layer_model.apply({"params": {"layers": layer_prm}}, x_BxTxD, pos_BxT, method="blocks")
+      y, _ = layer_model.apply(variables, x_BxTxD, pos_BxT, method="blocks")
       return manual.vary(y, x_axes)
-    (y, _), moe_vars = layer_model.apply({"params": {"layers": layer_prm}}, x_BxTxD, pos_BxT, method="blocks",
-                                         mutable=["moe"])
+    (y, _), moe_vars = layer_model.apply(variables, x_BxTxD, pos_BxT, method="blocks", mutable=["moe"])
     c = model.cfg
     aux = moe_lib.aux_loss(moe_vars["moe"], c.aux_loss_coef, n_layers, n_seqs * seq_shards)
     load = moe_lib.layer_load(moe_vars["moe"], c.n_experts)
@@ -181,7 +190,7 @@ def _body(params, inputs_BxT, targets_BxT, *, model, specs, sched: Schedule, n_t
     loss = manual.token_loss_sum(model, logits, tgt_BxT) / n_tokens
     return manual.vary(loss, loss_axes)
 
-  split = stash.SplitVjp(blocks, layer_of(0, 0), x_proto)
+  split = stash.SplitVjp(blocks, layer_in(0, 0), x_proto)
   if moe:  # the chunk's extra outputs: a balance term (seeded with d loss = 1 in the backward) and expert counts
     aux_proto = loss_proto
     load_proto = manual.vary(jnp.zeros((lc, model.cfg.n_experts), jnp.float32), loss_axes)
@@ -195,7 +204,7 @@ def _body(params, inputs_BxT, targets_BxT, *, model, specs, sched: Schedule, n_t
     stash (each layer's stashed residuals, stacked on a leading axis of ``L/(vP)``)."""
     def layer(carry, i):
       x, aux = carry
-      out, res = split.forward(layer_of(j, i), x)
+      out, res = split.forward(layer_in(j, i), x)
       if not moe:
         return (out, aux), (res, ())
       y, a, load = out
@@ -207,7 +216,7 @@ def _body(params, inputs_BxT, targets_BxT, *, model, specs, sched: Schedule, n_t
     """(d the chunk's layers ``[L/(vP), ...]``, d its input) from its stash, the layers in reverse."""
     def layer(dx, i_res):
       i, r = i_res
-      d_prm, dx = split.backward(layer_of(j, i), r, (dx,) + seed if moe else dx)
+      (d_prm, _), dx = split.backward(layer_in(j, i), r, (dx,) + seed if moe else dx)  # fp8 weights: no gradient
       return manual.vary(dx, x_axes), jax.tree.map(lambda a: a.reshape(a.shape[1:]), d_prm)
     dx, d_chunk = jax.lax.scan(layer, dy, (jnp.arange(lc), res), reverse=True)
     return d_chunk, dx

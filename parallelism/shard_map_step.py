@@ -76,10 +76,11 @@ def _loss_and_grads_body(params, inputs_BxT, targets_BxT, *, model, specs, n_tok
   local = localize_params(params, specs, batch_axes)
   # the whole local batch's layout at once: the micro-batch loop holds no collective of its own
   inputs_BxT, targets_BxT, pos_BxT = sequence_layout(model, inputs_BxT, targets_BxT)
+  extra = model_lib.fp8_cache(model.cfg, local)  # once per step, before the micro-batch loop
 
   def loss_and_grads(p, batch):
     def local_loss(q):
-      logits, load, aux = moe_apply(model, q, batch["inputs"], batch["pos"], n_seqs)
+      logits, load, aux = moe_apply(model, q, batch["inputs"], batch["pos"], n_seqs, extra)
       return token_loss_sum(model, logits, batch["targets"]) / n_tokens + aux, load
 
     (loss, load), grads = jax.value_and_grad(local_loss, has_aux=True)(p)
@@ -94,16 +95,18 @@ def _loss_and_grads_body(params, inputs_BxT, targets_BxT, *, model, specs, n_tok
   return loss, reduce(grads, specs, batch_axes), load
 
 
-def moe_apply(model, params, inputs_BxT, pos_BxT, n_seqs: int):
+def moe_apply(model, params, inputs_BxT, pos_BxT, n_seqs: int, extra=None):
   """(logits, this device's assignments per layer and expert or None, its share of the balance term).
 
   The balance term is normalised by the whole batch's ``n_seqs`` sequences, so the per-device shares sum (over
   the batch axes) to the one-device value; under sequence parallelism every rank of a sequence computes the
-  sequence's whole term (its statistics are summed over the axis) and adds ``1/sequence`` of it."""
+  sequence's whole term (its statistics are summed over the axis) and adds ``1/sequence`` of it. ``extra``: model
+  variables beside the parameters (the step's fp8 weights)."""
+  variables = {"params": params, **(extra or {})}
   if not model.cfg.moe:
-    return model.apply({"params": params}, inputs_BxT, pos_BxT), None, 0.0
+    return model.apply(variables, inputs_BxT, pos_BxT), None, 0.0
   c = model.cfg
-  logits, moe_vars = model.apply({"params": params}, inputs_BxT, pos_BxT, mutable=["moe"])
+  logits, moe_vars = model.apply(variables, inputs_BxT, pos_BxT, mutable=["moe"])
   seq_shards = model.ctx.size((model.ctx.sequence_axis,)) if model.ctx.sequence_axis else 1
   aux = moe_lib.aux_loss(moe_vars["moe"], c.aux_loss_coef, c.n_layers, n_seqs * seq_shards)
   return logits, moe_lib.layer_load(moe_vars["moe"], c.n_experts), aux

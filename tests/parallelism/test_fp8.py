@@ -133,3 +133,45 @@ def test_fp8_dots_in_the_h100_program(form):
   assert ("f8e4m3fn", "f8e4m3fn") in operands  # forward
   assert {("f8e5m2", "f8e4m3fn"), ("f8e4m3fn", "f8e5m2")} & operands  # backward: e5m2 gradient x e4m3 operand
   assert ("bf16", "bf16") in operands  # attention's products stay in the compute dtype
+
+
+def _reduce_max_operands(jaxpr, in_loop=False):
+  """(operand shape, inside a loop?) of every reduce_max in a jaxpr and its sub-jaxprs (scan, while, cond,
+  shard_map, custom_vjp, remat)."""
+  out = []
+  for eqn in jaxpr.eqns:
+    if eqn.primitive.name == "reduce_max":
+      out.append((tuple(eqn.invars[0].aval.shape), in_loop))
+    inner_loop = in_loop or eqn.primitive.name in ("scan", "while")
+    for v in eqn.params.values():
+      for j in (v if isinstance(v, (tuple, list)) else (v,)):
+        inner = getattr(j, "jaxpr", j)
+        inner = getattr(inner, "jaxpr", inner)
+        if hasattr(inner, "eqns"):
+          out += _reduce_max_operands(inner, inner_loop)
+  return out
+
+
+@pytest.mark.parametrize("mesh", [{"data": 2, "tensor": 4, "microbatches": 2},
+                                  {"pipeline": 2, "tensor": 2, "microbatches": 2, "schedule": "1f1b"}], ids=_id)
+def test_fp8_weights_are_quantized_once_per_step(mesh):
+  """The projection weights' amax is taken once, over the whole (stage's) layer stack, before the micro-batch loop
+  or the pipeline ticks: no loop (micro-batches, ticks, the layer scan) takes the amax of one layer's weight."""
+  st = harness.build(mesh, "shard_map", FP8)
+  state, batch = st.abstract_state(), st.abstract_batch()
+  with st.context():
+    closed = jax.make_jaxpr(st.loss_and_grads)(state.params, batch["inputs"], batch["targets"])
+  found = _reduce_max_operands(closed.jaxpr)
+  stacks, layers = set(), set()
+  for path, leaf in jax.tree_util.tree_leaves_with_path(state.params):
+    name = path[-1].key
+    if name in model_lib.FP8_CACHED:
+      local = st.state_shardings.params
+      for k in path:
+        local = local[k.key]
+      shape = local.shard_shape(leaf.shape)
+      stacks.add(shape)
+      layers.add(shape[len(shape) - len(model_lib.PARAM_AXES[name]):])
+  assert {s for s, loop in found if not loop} & stacks  # the step's one amax per stacked weight
+  assert not {s for s, loop in found if loop} & layers  # and none per layer in a loop
+
