@@ -204,6 +204,12 @@ def placed_cost(kind: str, S: float, group: tuple, hw: HardwareProfile, pl: Plac
     # each device exchanges its S / per with its peers of the other domains over its own NIC, then the domain
     # gathers (or, reduce-scatter: the reverse) the whole S inside
     t = _inner_time(kind, S, one, hw, pl, notes) + ring_all_gather(S / per, n_dom, out_lv.bandwidth, out_lv.latency)
+  elif kind in ("all-to-all", "ragged-all-to-all"):
+    # each device sends S / n to every peer: the blocks for the (per - 1) peers of its own domain go over the
+    # inner level, the (n - per) others over its own NIC, both at once (expert-parallel dispatch across nodes)
+    n = len(members)
+    t = max(_inner_time(kind, S * per / n, one, hw, pl, notes),
+            S * (n - per) / n / out_lv.bandwidth + (n - per) * out_lv.latency)
   else:
     t = _flat(kind, S, len(members), out_lv, "auto")[0]
   return CollectiveCost(t, "placed-hierarchical", f"{hw.links[0].name}+{outer.name}")

@@ -199,6 +199,21 @@ def test_a_small_all_reduce_across_many_gpu_nodes_is_priced_as_a_tree():
   assert 2 * 255 / 256 * big / ib.bandwidth <= t <= C.ring_all_reduce(big, 256, ib.bandwidth, ib.latency)
 
 
+def test_an_all_to_all_across_gpu_nodes_sends_only_the_other_nodes_blocks_over_the_fabric():
+  """Expert-parallel dispatch over 2 nodes of 8: each GPU sends half its buffer to its own node's peers over
+  NVLink and half over its NIC, at once; the fabric's share, not the whole buffer, sets the time."""
+  hw = load("h100")
+  ib = hw.links[1]
+  pl = C.Placement(tuple((i // 8, i % 8) for i in range(16)))
+  S = 128 << 20
+  t = C.placed_cost("all-to-all", S, tuple(range(16)), hw, pl).seconds
+  assert t == pytest.approx(S * 8 / 16 / ib.bandwidth + 8 * ib.latency)
+  # four peers per node (tensor-parallel pairs in between): three quarters of the buffer leave the node
+  quarter = C.placed_cost("all-to-all", S, tuple(range(0, 32, 2)), hw, C.Placement(
+      tuple((i // 8, i % 8) for i in range(32)))).seconds
+  assert quarter == pytest.approx(S * 12 / 16 / ib.bandwidth + 12 * ib.latency)
+
+
 def test_a_compile_that_outgrows_the_host_is_stopped_with_one_line(monkeypatch):
   """The compile child is watched: past the host-memory limit it is killed and the error says so (never the
   kernel's OOM killer)."""
