@@ -98,6 +98,8 @@ def _efficiency_sources(eff: dict, prefix: str = "efficiency") -> dict:
     matmul / matmul_fp8: x = FLOPs of one dot (2mnk), y = achieved / peak_flops[dtype]; keys dtype, shapes,
         timing, optional max_fraction {"value", "source"} (best shape found, not a point of the curve).
     hbm: x = bytes one kernel moves (read + write), y = achieved / mem_bandwidth.
+    attention_fwd / attention_fwd_causal / attention_bwd: a fused attention kernel (cuDNN flash attention);
+        x = key/value sequence length, y = achieved / peak_flops[dtype] with a causal mask's FLOPs halved.
     collectives / collectives_outer: {kind: curve} for the innermost link level (NVLink island, ICI slice) /
         across domains (InfiniBand, DCN); x = S, the full buffer (all-reduce operand, all-gather output,
         reduce-scatter input); y = NCCL-tests bus bandwidth in bytes/s (unit "busbw") or as a fraction of that

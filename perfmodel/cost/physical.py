@@ -6,8 +6,10 @@
                     transcendental work (a CPU does not overlap compute with memory, so these add)
   * ``efficiency``  an accelerator from its profile's published curves (hardware.py ``_efficiency_sources``):
                     matrix work (dots, convolutions, attention kernels) at peak[dtype] x the matmul curve at the
-                    node's FLOPs, memory traffic at HBM bandwidth x the hbm curve at its bytes; a node costs the
-                    larger of the two (one kernel overlaps its loads with its math) plus the launch overhead;
+                    node's FLOPs (a fused attention kernel: its own published curve at its key/value length
+                    where the profile has one), memory traffic at HBM bandwidth x the hbm curve at its bytes; a
+                    node costs the larger of the two (one kernel overlaps its loads with its math) plus the
+                    launch overhead;
                     where a profile has no curve, :data:`ASSUMED` (listed in the prediction's ``assumptions``)
 Every backend returns a :class:`Priced` (seconds and which backend priced it) or None (cannot price the node).
 """
@@ -106,7 +108,26 @@ class Efficiency:
     if frac is None:
       frac = 1.0
       self.assumptions.add("matmul efficiency: no curve, datasheet peak")
+    if node.dot.kernel.startswith("attention"):
+      # the attention curve bounds a large kernel (measured at 16k tokens per call); a small one runs no faster
+      # than a matmul of its FLOPs
+      attn = self._attention(node.dot)
+      frac = frac if attn is None else min(frac, attn)
     return self.hw.peak(dtype) * frac
+
+  def _attention(self, dot) -> Optional[float]:
+    """A fused attention kernel's fraction of peak at its key/value length, from the profile's published curve
+    of that kernel (forward causal / non-causal, backward); None where the profile has none (the matmul curve
+    prices it, by its FLOPs, as any dot)."""
+    eff = self.hw.efficiency or {}
+    curve = eff.get(dot.kernel)
+    if curve is None and dot.kernel == "attention_bwd_causal" and eff.get("attention_bwd"):
+      curve = eff["attention_bwd"]
+      self.assumptions.add("causal attention backward: the published non-causal backward curve")
+    if curve is None:
+      self.assumptions.add(f"{dot.kernel}: no published attention curve, priced as a matmul of its FLOPs")
+      return None
+    return interp_log(curve["value"], max(dot.seq, 1))
 
   def _bytes_time(self, nbytes: float) -> float:
     if self.hbm is not None:

@@ -158,21 +158,25 @@ def custom_call_flops(target: str, ins: hp.Instruction, comp: hp.Computation) ->
   dims = [a.dims if a is not None else () for a in shapes]
   dtype = ops[0].shapes[0].dtype if ops and ops[0] is not None and ops[0].shapes else "bf16"
   bc = ins.backend_config
-  flops = 0.0
+  flops, kernel, seq = 0.0, "", 0  # a fused attention call: its kind and key/value length (priced by their curve)
   if target.startswith("__cublas") and len(dims) >= 2:
     flops = _dnums_flops(dims[0], dims[1], bc.get("gemm_backend_config", {}).get("dot_dimension_numbers", {}))
   elif target.startswith("__cudnn$fmha"):
     fb = bc.get("cudnn_fmha_backend_config", {})
-    scores = math.prod(int(d) for d in fb.get("intermediate_tensor_shape", {}).get("dimensions", []))
+    score_dims = [int(d) for d in fb.get("intermediate_tensor_shape", {}).get("dimensions", [])]
     contract = [int(x) for x in fb.get("bmm1_dot_dimension_numbers", {}).get("lhs_contracting_dimensions", [])]
     head = math.prod(dims[0][d] for d in contract) if dims and contract else (dims[0][-1] if dims and dims[0] else 1)
     products = 5 if "Backward" in target else 2
-    flops = 2.0 * products * scores * head * (0.5 if "CAUSAL" in str(fb.get("mask_type", "")) else 1.0)
+    causal = "CAUSAL" in str(fb.get("mask_type", ""))
+    flops = 2.0 * products * math.prod(score_dims) * head * (0.5 if causal else 1.0)
+    kernel = ("attention_bwd" if "Backward" in target else "attention_fwd") + ("_causal" if causal else "")
+    seq = score_dims[-1] if score_dims else 0
   elif target == "tpu_custom_call":
     flops = tpu_kernel_flops(ins, shapes)
   if not flops:
     return 0.0, None
-  return flops, DotInfo(m=1, n=1, k=1, batch=1, dtype=ins.shapes[0].dtype if ins.shapes else dtype, in_dtype=dtype)
+  return flops, DotInfo(m=1, n=1, k=1, batch=1, dtype=ins.shapes[0].dtype if ins.shapes else dtype, in_dtype=dtype,
+                        kernel=kernel, seq=seq)
 
 
 def computation_flops(module: hp.Module, comp: hp.Computation) -> tuple:

@@ -70,6 +70,10 @@ class DotInfo:
   batch: int
   dtype: str  # the result's
   in_dtype: str = ""  # the operands' (what the matrix unit runs at: a bf16 x bf16 dot may write f32)
+  # a fused attention kernel (cuDNN flash attention): 'attention_fwd' / 'attention_bwd' ('_causal' under a causal
+  # mask) and its key/value sequence length, priced by the profile's attention curves where it has them
+  kernel: str = ""
+  seq: int = 0
 
 
 @dataclasses.dataclass(frozen=True)

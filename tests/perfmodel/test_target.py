@@ -5,6 +5,7 @@ recompute, the flash kernels' causal block skipping) and against XLA:TPU's own c
 loops; convolutions, unrolled loops and placed collectives against hand computations. The compile tests need the
 tpu-aot extra (libtpu, the CUDA plugin) and skip, naming the install, without it.
 """
+import dataclasses
 import importlib.util
 import math
 
@@ -17,6 +18,7 @@ from parallelism import targets
 from perfmodel import predict, program
 from perfmodel import target as target_lib
 from perfmodel.cost import collectives as C
+from perfmodel.cost import physical
 from perfmodel.graph import from_hlo, hlo_parse as hp
 from perfmodel.hardware import load
 from tests.framework.tiny import tiny_config
@@ -62,6 +64,29 @@ def test_graph_flops_of_the_target_program_match_the_executed_count(target):
   assert dots == pytest.approx(want + extra, rel=0.05), (dots, want, extra)
   kinds = {n.opcode for n, _ in g.walk() if n.opcode.startswith("custom-call")}
   assert any(("tpu_custom_call" if hw.startswith("tpu") else "cudnn") in k for k in kinds), kinds
+
+
+def test_a_fused_attention_kernel_is_priced_by_its_published_curve(target):
+  """cuDNN's flash-attention calls carry their kind (forward / backward, causal) and key/value length; the H100
+  profile prices a large one at its published attention throughput at that length, below the GEMM curve's rate
+  for the same FLOPs, and a small one no faster than a matmul of its FLOPs."""
+  hw, cfg, cap = target
+  g = from_hlo.from_hlo_text(cap.hlo_text, cap.n_devices)
+  kernels = {(n.dot.kernel, n.dot.seq) for n, _ in g.walk() if n.dot is not None and n.dot.kernel}
+  if hw.startswith("tpu"):  # splash kernels: no published attention curve, priced as matmuls of their FLOPs
+    assert kernels == set() and not any("attention" in k for k in load(hw).efficiency), kernels
+    return
+  assert kernels == {("attention_fwd_causal", 1024), ("attention_bwd_causal", 1024)}, kernels
+  prof = load(hw)
+  eff = physical.Efficiency(prof)
+  small = next(n for n, _ in g.walk() if n.dot is not None and n.dot.kernel == "attention_fwd_causal")
+  as_gemm = dataclasses.replace(small, dot=dataclasses.replace(small.dot, kernel=""))
+  assert eff.price(small).seconds == eff.price(as_gemm).seconds
+  big = dataclasses.replace(small, flops=2e12, bytes=1e6, dot=dataclasses.replace(small.dot, seq=4096))
+  frac = dict(prof.efficiency["attention_fwd_causal"]["value"])[4096]
+  assert eff.price(big).seconds == pytest.approx(2e12 / (prof.peak("bf16") * frac))
+  big_gemm = dataclasses.replace(big, dot=dataclasses.replace(big.dot, kernel=""))
+  assert eff.price(big).seconds > 1.3 * eff.price(big_gemm).seconds
 
 
 def test_predict_on_the_target_prices_it_and_reports_the_compilers_memory(target):
