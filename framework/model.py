@@ -300,23 +300,20 @@ class MLP(_Base):
 class MoE(_Base):
   """Mixture of experts in place of the MLP (framework/moe.py): router, routed gated experts, shared experts.
   Sows into the ``moe`` collection (read when the caller makes it mutable): ``aux``, the sum over this device's
-  sequences of the balance loss, and ``load``, assignments per expert (and ``dropped`` with ``moe_impl='capacity'``).
-
-  Under Megatron sequence parallelism each tensor rank routes and dispatches its own chunk of the sequence
-  (``moe_lib.tensor_parallel``): an expert-parallel exchange moves ``1/tensor`` of the tokens; the router
-  statistics are summed over the tensor ranks."""
+  sequences of the balance loss, and ``load``, assignments per expert (and ``dropped`` with ``moe_impl='capacity'``)."""
 
   @nn.compact
   def __call__(self, chunk_BxTxD):
     """``chunk_BxTxD``: the normed input, under sequence parallelism this tensor rank's chunk of the sequence."""
     c, ctx = self.cfg, self.ctx
-    chunked = ctx.tp_sequence_sharded
-    x_BxTxD = self.tp_gather(chunk_BxTxD) if (not chunked or c.n_shared_experts) else None
-    mine_BxTxD = chunk_BxTxD if chunked else x_BxTxD  # the tokens this rank routes and dispatches
-    b, t, d = mine_BxTxD.shape
+    x_BxTxD = self.tp_gather(chunk_BxTxD)
+    router_in = x_BxTxD
+    if ctx.tp_sequence_sharded:  # every tensor rank routes the whole sequence alike: gathered as replicated
+      router_in = jax.lax.all_gather(chunk_BxTxD, ctx.tensor_axis, axis=1, tiled=True, to="invarying")
+    b, t, d = x_BxTxD.shape
     E, F, k = c.n_experts, c.expert_ff, c.experts_per_token
     router = self.weight("router", (d, E)).astype(jnp.float32)
-    logits_BxTxE = jnp.einsum("btd,de->bte", mine_BxTxD.astype(jnp.float32), router)
+    logits_BxTxE = jnp.einsum("btd,de->bte", router_in.astype(jnp.float32), router)
     bias = None
     if c.router_bias_rate:  # float32 whatever param_dtype is: its steps (the rate) are far below bf16's resolution
       init = nn.initializers.zeros
@@ -324,42 +321,35 @@ class MoE(_Base):
           init, PARAM_AXES[moe_lib.BIAS]), (E,), jnp.float32)
     w_BxTxK, ids_BxTxK, probs_BxTxE = moe_lib.route(logits_BxTxE, k, c.router, c.moe_norm_topk, bias)
     seq_axis = ctx.sequence_axis if ctx.manual and ctx.sequence_axis and ctx.size((ctx.sequence_axis,)) > 1 else None
-    split = tuple(a for a in (seq_axis, ctx.tensor_axis if chunked else None) if a)  # axes the sequence is cut over
-    self.sow("moe", "aux", moe_lib.balance(ids_BxTxK, probs_BxTxE, t * ctx.size(split), split or None))
-    load_E = jnp.sum(moe_lib.expert_counts(ids_BxTxK, E), axis=0)
-    self.sow("moe", "load", jax.lax.psum(load_E, ctx.tensor_axis) if chunked else load_E)
+    seq_len = t * (ctx.size((seq_axis,)) if seq_axis else 1)
+    self.sow("moe", "aux", moe_lib.balance(ids_BxTxK, probs_BxTxE, seq_len, seq_axis))
+    self.sow("moe", "load", jnp.sum(moe_lib.expert_counts(ids_BxTxK, E), axis=0))
     wg, wu, wd = self.weight("we_gate", (E, d, F)), self.weight("we_up", (E, d, F)), self.weight("we_down", (E, F, d))
     ep_axis = ctx.expert_axis if ctx.manual and ctx.expert_axis and ctx.size((ctx.expert_axis,)) > 1 else None
     ep = ctx.size((ep_axis,)) if ep_axis else 1
-    tp = ctx.size((ctx.tensor_axis,)) if chunked else 1
-    x_NxD, ids_NxK, w_NxK = mine_BxTxD.reshape(b * t, d), ids_BxTxK.reshape(b * t, k), w_BxTxK.reshape(b * t, k)
+    x_NxD, ids_NxK, w_NxK = x_BxTxD.reshape(b * t, d), ids_BxTxK.reshape(b * t, k), w_BxTxK.reshape(b * t, k)
     if c.moe_impl == "capacity":
       def experts(x_ExCxD):  # fp8 under matmul_precision='fp8', as the dense MLP
         x_ExCxD = self.tag(x_ExCxD, remat_lib.MOE_DISPATCH)
         g = self.tag(self.project("ecd,edf->ecf", x_ExCxD, wg), remat_lib.MLP_IN_GATE)
         u = self.tag(self.project("ecd,edf->ecf", x_ExCxD, wu), remat_lib.MLP_IN_UP)
         return self.project("ecf,efd->ecd", nn.silu(g) * u, wd)
-      experts = moe_lib.tensor_parallel(experts, ctx.tensor_axis, tp, grouped=False) if tp > 1 else experts
       y_NxD, dropped = moe_lib.capacity(x_NxD, ids_NxK, w_NxK, experts, E, c.capacity_factor, ep_axis, ep,
                                         tag=lambda y: self.tag(y, remat_lib.MOE_COMBINE))
-      self.sow("moe", "dropped", jax.lax.psum(dropped, ctx.tensor_axis) if chunked else dropped)
+      self.sow("moe", "dropped", dropped)
     else:
       def experts(x_MxD, sizes):
         x_MxD = self.tag(x_MxD, remat_lib.MOE_DISPATCH)
         g = self.tag(jax.lax.ragged_dot(x_MxD, wg, sizes), remat_lib.MLP_IN_GATE)
         u = self.tag(jax.lax.ragged_dot(x_MxD, wu, sizes), remat_lib.MLP_IN_UP)
         return jax.lax.ragged_dot(nn.silu(g) * u, wd, sizes)
-      experts = moe_lib.tensor_parallel(experts, ctx.tensor_axis, tp, grouped=True) if tp > 1 else experts
       y_NxD = moe_lib.dropless(x_NxD, ids_NxK, w_NxK, experts, E, ep_axis, ep,
                                tag=lambda y: self.tag(y, remat_lib.MOE_COMBINE))
     y_BxTxD = y_NxD.reshape(b, t, d) * jnp.asarray(c.router_scale, y_NxD.dtype)
-    shared = None
     if c.n_shared_experts:
-      shared = MLP(dataclasses.replace(c, d_ff=F * c.n_shared_experts, n_experts=0), ctx, reduce=False,
-                   name="shared")(x_BxTxD)
-    if chunked:  # the routed output is this rank's chunk, whole; the shared experts' a partial sum of the sequence
-      return self.tag(y_BxTxD if shared is None else y_BxTxD + self.tp_reduce(shared), remat_lib.MLP_OUT)
-    return self.tag(self.tp_reduce(y_BxTxD if shared is None else y_BxTxD + shared), remat_lib.MLP_OUT)
+      shared = dataclasses.replace(c, d_ff=F * c.n_shared_experts, n_experts=0)
+      y_BxTxD = y_BxTxD + MLP(shared, ctx, reduce=False, name="shared")(x_BxTxD)
+    return self.tag(self.tp_reduce(y_BxTxD), remat_lib.MLP_OUT)
 
 
 class Block(_Base):
