@@ -1,6 +1,6 @@
 """Mixture-of-experts routing and dispatch (``model.n_experts > 0``), as pure functions of arrays.
 
-framework/model.py's ``MoE`` layer holds the parameters and calls these; they know nothing of Flax.
+framework/layers.py's ``MoE`` layer holds the parameters and calls these; they know nothing of Flax.
 
 Shapes: N tokens (B x T flattened), D d_model, E experts (``El`` of them on this device), k experts per token,
 F one expert's width (its tensor-parallel shard), A = N x k assignments (token, expert).
@@ -116,6 +116,25 @@ def _exchange(x_AxD, ids_A, sizes_E, experts: Callable, el: int, ep_axis: str, e
   y_MxD = jnp.zeros_like(y_MxD).at[order_M].set(y_MxD)
   back_RxAxD = jax.lax.all_to_all(y_MxD.reshape(ep, a, d), ep_axis, 0, 0, tiled=True)
   return back_RxAxD[dest_A, slot_A]
+
+
+def tensor_parallel(experts: Callable, axis: str, n: int, grouped: bool) -> Callable:
+  """``experts`` (its weights F-sharded over ``axis``) for Megatron-Core's expert tensor parallelism under
+  sequence parallelism, where each of the ``n`` tensor ranks dispatched its own chunk of the sequence: the ranks
+  all-gather the rows they received, apply their F shard to all of them (partial sums) and reduce-scatter, so each
+  gets the whole result for its own rows. ``grouped``: rows grouped by expert (:func:`dropless`: one grouped matmul
+  per rank's block, each grouped on its own); else the capacity buffer E x C x D (gathered along C)."""
+  if grouped:
+    def run(x_MxD, sizes):
+      x_RxMxD, sizes_RxG = jax.lax.all_gather(x_MxD, axis), jax.lax.all_gather(sizes, axis)
+      y_RxMxD = jnp.stack([experts(x_RxMxD[r], sizes_RxG[r]) for r in range(n)])
+      return jax.lax.psum_scatter(y_RxMxD, axis, scatter_dimension=0)
+    return run
+
+  def run_buffer(x_ExCxD):
+    y_ExCxD = experts(jax.lax.all_gather(x_ExCxD, axis, axis=1, tiled=True))
+    return jax.lax.psum_scatter(y_ExCxD, axis, scatter_dimension=1, tiled=True)
+  return run_buffer
 
 
 def capacity_of(n_assignments: int, n_experts: int, factor: float) -> int:

@@ -34,8 +34,8 @@ from perfmodel.hardware import cache_root
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 # the code a compiled step is made of (parallelism.step.build_step and what it imports; the GPU descriptions)
-_SOURCES = tuple(f"framework/{m}.py" for m in ("config", "model_config", "model", "rope", "attention", "remat",
-                                               "train_step", "optim", "moe", "fp8", "ring_cudnn")) + \
+_SOURCES = tuple(f"framework/{m}.py" for m in ("config", "model_config", "model", "layers", "rope", "attention",
+                                               "remat", "train_step", "optim", "moe", "fp8", "ring_cudnn")) + \
     tuple(f"parallelism/{m}.py" for m in ("step", "jit_step", "shard_map_step", "compiled", "pipeline", "stash",
                                           "schedules", "zero", "manual", "rules", "mesh", "targets")) + \
     ("parallelism/gpu_specs",)

@@ -210,3 +210,27 @@ def test_remat_minimal_keeps_the_exchanged_tokens(moe_reference, impl):
   # dropless also sends each token's expert id forward (ints, no gradient; recomputed for the backward's sort)
   assert (minimal, full) == ((6, 8) if impl == "dropless" else (4, 6))
   _check(st, moe_reference)
+
+
+def _a2a_bytes(jaxpr):
+  n = sum(v.aval.size * v.aval.dtype.itemsize for e in jaxpr.eqns if e.primitive.name == "all_to_all"
+          for v in e.invars)
+  return n + sum(_a2a_bytes(sub) for e in jaxpr.eqns for sub in jex_core.jaxprs_in_params(e.params))
+
+
+@pytest.mark.parametrize("impl", ["dropless", "capacity"])
+def test_sequence_parallel_tensor_ranks_dispatch_only_their_chunk(moe_reference, impl):
+  """Under Megatron sequence parallelism each tensor rank routes and dispatches its own chunk of the sequence
+  (the experts' tensor ranks gather what they received): the expert-parallel all_to_all moves half the bytes it
+  moves when both tensor ranks send the whole sequence, and the step equals one device."""
+  def build(sp):
+    st = harness.build({"expert": 2, "tensor": 2, "data": 2, "tensor_sequence_parallel": sp}, "shard_map",
+                       model=dict(MOE, moe_impl=impl, capacity_factor=8.0))
+    state = jax.device_put(moe_reference["state"], st.state_shardings)
+    with st.context():
+      jaxpr = jax.make_jaxpr(st.step_fn)(state, st.put_batch(moe_reference["batch"])).jaxpr
+    return st, _a2a_bytes(jaxpr)
+  st, chunked = build(True)
+  _, whole = build(False)
+  assert whole > 0 and chunked * 2 == whole
+  _check(st, moe_reference)
