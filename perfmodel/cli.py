@@ -17,10 +17,11 @@ import tempfile
 from framework import host_memory
 from framework.config import MESH_AXES, ConfigError, validate
 from framework.config_file import load
-from perfmodel import hardware, trace
+from perfmodel import hardware
 from perfmodel.calib import suite
 from perfmodel.cost import regime
 from perfmodel.emulate import cli as emulate_cli
+from perfmodel.emulate import trace
 
 VALIDATE_DEVICES = 8  # virtual host devices of calibrate and validate processes (measuring children have their own)
 

@@ -314,7 +314,7 @@ def _train_compiled(cfg: Config, hw: HardwareProfile, backend: str, captured, ro
   profiled = _profile(cap, hw, backend, profile_nodes) if route == "compile" else {}
   t1 = time.perf_counter()
   g = from_hlo.from_hlo_text(cap.hlo_text, cap.n_devices)
-  chain = chain_lib.make_chain(hw, backend)
+  chain = chain_lib.make_chain(hw, backend, framework=framework)
   chain.placement = cap.placement
   tl, lockstep, cond_info, overlap = _schedule_train(g, chain, hw, cfg, framework, record=trace)
   scale = _host_factor(hw, cap.n_devices)

@@ -56,7 +56,7 @@ class Prediction:
   predict_s: Optional[float] = None
   wall_s: Optional[float] = None
   # predict(trace=True): the predicted step (infer: the generation) as placed timeline events, seconds from its
-  # start, ending at step_time_s (generation_s); perfmodel/trace.py writes them. Not part of to_dict.
+  # start, ending at step_time_s (generation_s); perfmodel/emulate/trace.py writes them. Not part of to_dict.
   events: Optional[list] = dataclasses.field(default=None, repr=False)
 
   def to_dict(self) -> dict:

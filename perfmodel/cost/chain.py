@@ -2,7 +2,8 @@
 
 A :class:`Chain` asks its backends in order and the first that can price a node wins; the node's price records who
 priced it. Collective nodes always go to perfmodel/cost/collectives.py (the model emulation uses too); ``wait`` and
-``loop`` nodes cost nothing themselves (the timeline places their time).
+``loop`` nodes cost nothing themselves (the timeline places their time), nor does ``Node.indexing`` under a
+framework of :data:`LAYERS_APART`.
 
 Backends (:func:`make_chain`): ``roofline`` and ``calibrated`` (perfmodel/cost/physical.py), ``profiled``
 (perfmodel/cost/database.py), ``learned`` (perfmodel/cost/learned.py) and ``hybrid`` (perfmodel/cost/hybrid.py).
@@ -11,6 +12,7 @@ programs (:func:`resolve_backend`).
 """
 from __future__ import annotations
 
+from parallelism import target_flags
 from perfmodel.cost import collectives, hybrid, learned
 from perfmodel.cost.database import Profiled
 from perfmodel.cost.physical import Calibrated, Efficiency, Priced, Roofline
@@ -21,6 +23,9 @@ from perfmodel.hardware import HardwareProfile
 # (perfmodel/cost/profiler.py; 2-20 s the first time a program is seen, cached by fingerprint)
 NEEDS_PROFILED_PROGRAM = ("profiled", "hybrid")
 FITTED = ("learned", "profiled", "hybrid")  # the backends a calibration fits a composition for
+# PyTorch frameworks: each layer's weights, gradients and saved activations are tensors of their own, so picking a
+# layer's (a tick's) slice is a pointer where the compiled step copies it out of (into) a stacked array
+LAYERS_APART = ("megatron", "nemo", "torchtitan", "llm-foundry")
 
 
 class Chain:
@@ -28,6 +33,7 @@ class Chain:
     self.backends, self.hw, self.algorithm = backends, hw, algorithm
     self.placement = placement  # collectives.Placement of a program compiled for the target (None: by ids)
     self.notes = set()  # assumptions the collective model made (where a profile has no curve)
+    self.layers_apart = False  # Node.indexing costs nothing (make_chain: a framework of LAYERS_APART)
 
   @property
   def names(self) -> list:
@@ -39,6 +45,9 @@ class Chain:
       return Priced(c.seconds + self.hw.launch_overhead, f"collective:{c.algorithm}")
     if node.kind in ("wait", "loop"):
       return Priced(0.0, "none")
+    if node.indexing and self.layers_apart:
+      self.notes.add("picking or storing a slice of a stacked array: free (the framework keeps layers apart)")
+      return Priced(0.0, "indexing:layers-apart")
     for b in self.backends:
       p = b.price(node)
       if p is not None:
@@ -75,10 +84,16 @@ def resolve_backend(hw: HardwareProfile, backend: str = "auto") -> str:
   return "auto" if best == "learned" else best
 
 
-def make_chain(hw: HardwareProfile, backend: str = "auto", algorithm: str = "auto") -> Chain:
+def make_chain(hw: HardwareProfile, backend: str = "auto", algorithm: str = "auto", framework: str = None) -> Chain:
   """backend: 'roofline' | 'calibrated' | 'efficiency' | 'profiled' | 'learned' | 'hybrid' | 'auto'
   (:func:`resolve_backend`; an accelerator profile: efficiency; where that keeps learned: learned -> profiled ->
-  calibrated -> roofline, each where available)."""
+  calibrated -> roofline, each where available); ``framework``: the step's (:data:`LAYERS_APART`)."""
+  chain = _make(hw, backend, algorithm)
+  chain.layers_apart = target_flags.framework_key(framework) in LAYERS_APART
+  return chain
+
+
+def _make(hw: HardwareProfile, backend: str, algorithm: str) -> Chain:
   backend = resolve_backend(hw, backend)
   has_samples = learned.Learned.available(hw)
   if backend in ("learned", "hybrid") and not has_samples:

@@ -21,9 +21,9 @@ from typing import Optional, Sequence
 from framework import flops as flops_lib
 from framework.config import Config
 from perfmodel import hardware as hw_lib
-from perfmodel import predict, target, trace
+from perfmodel import predict, target
 from perfmodel.cost import chain as chain_lib
-from perfmodel.emulate import rank_program, slicing
+from perfmodel.emulate import rank_program, slicing, trace
 from perfmodel.graph import from_hlo
 from perfmodel.timeline import Event
 
@@ -44,7 +44,7 @@ def emulate_target(cfg: Config, hardware: str, ranks: Optional[Sequence[int]] = 
   t_trace = time.perf_counter() - t0
   cap = target.train_step(cfg, hw.name, topology, framework=framework)
   g = from_hlo.from_hlo_text(cap.hlo_text, cap.n_devices)
-  chain = chain_lib.make_chain(hw, backend)
+  chain = chain_lib.make_chain(hw, backend, framework=framework)
   chain.placement = cap.placement
   stages, cond_info = predict.stage_timelines(g, chain, hw, cfg, framework, record=True)
   by_stage = {st.stage: st for st in stages}

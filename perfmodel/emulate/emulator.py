@@ -20,10 +20,10 @@ from typing import Optional, Sequence
 from framework.config import Config
 from framework import xla_flags
 from perfmodel import hardware as hw_lib
-from perfmodel import predict, trace
+from perfmodel import predict
 from perfmodel.cost import collectives as coll_model
 from perfmodel.emulate import gloo_calibration as gc
-from perfmodel.emulate import at_scale, measure, rank_program, shadow, slicing
+from perfmodel.emulate import at_scale, measure, rank_program, shadow, slicing, trace
 from perfmodel.emulate import timeline as tl_lib
 
 EXACT_MEMORY_MAX_DEVICES = 1024  # XLA:CPU compiles up to here on virtual devices; 8192 is refused (measured)

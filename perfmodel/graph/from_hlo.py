@@ -17,6 +17,7 @@ from typing import Optional
 import numpy as np
 
 from perfmodel.graph import hlo_parse as hp
+from perfmodel.graph.movement import indexes, moves_minor
 from perfmodel.graph.nodes import (Attribution, CollectiveInfo, DotInfo, ExecGraph, Node, Region,
                                    mark_program_bytes, parse_groups)
 
@@ -231,37 +232,6 @@ def _users_through_bitcasts(body, name: str) -> list:
     if name in u.operands:
       out.extend(_users_through_bitcasts(body, u.name) if u.opcode == "bitcast" else [(name, u)])
   return out
-
-
-def _minor_dim(dims: tuple, minor_to_major: tuple):
-  """The minor-most physical dimension of size > 1 (None: a scalar-like array)."""
-  return next((d for d in minor_to_major if d < len(dims) and dims[d] > 1), None)
-
-
-def _moves_minor_one(ins: hp.Instruction, comp: hp.Computation) -> bool:
-  """Whether a copy/transpose instruction reads its result's minor-most dimension from a dimension that is not
-  the operand's minor-most one (a strided gather rather than a copy of contiguous runs)."""
-  src = comp.by_name.get(ins.operands[0]) if ins.operands else None
-  if src is None or not src.shapes or not ins.shapes:
-    return False
-  out_minor = _minor_dim(ins.shapes[0].dims, ins.minor_to_major)
-  in_minor = _minor_dim(src.shapes[0].dims, src.minor_to_major)
-  if out_minor is None or in_minor is None:
-    return False
-  if ins.opcode == "transpose":
-    perm = [int(x) for x in re.findall(r"\d+", ins.attrs.get("dimensions", ""))]
-    out_minor = perm[out_minor] if out_minor < len(perm) else out_minor
-  return out_minor != in_minor
-
-
-def moves_minor(module: hp.Module, ins: hp.Instruction, comp: hp.Computation) -> bool:
-  """A copy/transpose, or a fusion with one inside, that moves the minor-most dimension (Node.moves_minor)."""
-  if ins.opcode in ("copy", "transpose"):
-    return _moves_minor_one(ins, comp)
-  if ins.opcode == "fusion" and ins.called() and ins.called()[0] in module.computations:
-    body = module.computations[ins.called()[0]]
-    return any(_moves_minor_one(i, body) for i in body.instructions if i.opcode in ("copy", "transpose"))
-  return False
 
 
 def _write_bytes(module, ins) -> float:
@@ -482,7 +452,7 @@ class _Builder:
       deps = self.carry(deps)  # a step of an in-flight TPU collective fused with this compute
     return Node(id=self.new_id(), name=ins.name, kind=node_kind, opcode=opcode, flops=flops, transcendentals=trans,
                 bytes=nbytes, out_bytes=ins.out_bytes, deps=deps, attribution=attr, dot=dot, fingerprint=fp,
-                moves_minor=minor)
+                moves_minor=minor, indexing=dot is None and indexes(m, ins))
 
 
 def build_graph(module: hp.Module, n_devices: Optional[int] = None, program_bytes: bool = True) -> ExecGraph:

@@ -105,6 +105,8 @@ class Node:
   # gathered with a stride instead of copied in contiguous runs (measured on a CPU: 2-4.5x slower per byte than a
   # layout change that keeps it)
   moves_minor: bool = False
+  # only picks or stores one layer's (one tick's) slice of a stacked array (perfmodel/graph/movement.py indexes)
+  indexing: bool = False
   # inside a sampler's decode loop (set by :func:`mark_decode`): one token per sequence per trip, the weights and
   # KV cache hot from the previous trip: neighbours of its class from training steps overprice such nodes 1.2-2.4x,
   # so the fitted backends price them from sampler programs

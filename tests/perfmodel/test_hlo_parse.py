@@ -183,3 +183,45 @@ ENTRY %main (i: s32[], w: bf16[32,64,128], buf: bf16[32,1,64,128], g: bf16[64,12
   layer = 64 * 128
   assert nodes["f1"].bytes == 4 + 2 * layer + 4 * layer  # index + one bf16 layer read + its f32 written
   assert nodes["f2"].bytes == 4 + 2 * layer + 2 * layer  # index + the update read + the update written
+
+
+def test_picking_a_layer_of_a_stacked_array_costs_nothing_only_where_the_framework_keeps_layers_apart():
+  """A fusion that only dynamic-slices one layer out of a stack (scalar index arithmetic aside) is indexing; one
+  that also converts it is work. A PyTorch framework (its layers' tensors apart) runs no such copy; XLA does."""
+  from perfmodel.cost import chain as chain_lib
+  from perfmodel.hardware import load as load_profile
+  text = """HloModule m, num_partitions=1
+
+%pick (p0: s32[], p1: bf16[32,64,128]) -> bf16[1,64,128] {
+  %p1 = bf16[32,64,128]{2,1,0} parameter(1)
+  %p0 = s32[] parameter(0)
+  %z = s32[] constant(0)
+  %n = s32[] constant(32)
+  %lt = pred[] compare(%p0, %z), direction=LT
+  %w = s32[] add(%p0, %n)
+  %i = s32[] select(%lt, %w, %p0)
+  ROOT %ds = bf16[1,64,128]{2,1,0} dynamic-slice(%p1, %i, %z, %z), dynamic_slice_sizes={1,64,128}
+}
+
+%work (q0: s32[], q1: bf16[32,64,128]) -> f32[1,64,128] {
+  %q1 = bf16[32,64,128]{2,1,0} parameter(1)
+  %q0 = s32[] parameter(0)
+  %zz = s32[] constant(0)
+  %ds2 = bf16[1,64,128]{2,1,0} dynamic-slice(%q1, %q0, %zz, %zz), dynamic_slice_sizes={1,64,128}
+  ROOT %c = f32[1,64,128]{2,1,0} convert(%ds2)
+}
+
+ENTRY %main (i: s32[], w: bf16[32,64,128]) -> (bf16[1,64,128], f32[1,64,128]) {
+  %i = s32[] parameter(0)
+  %w = bf16[32,64,128]{2,1,0} parameter(1)
+  %f1 = bf16[1,64,128]{2,1,0} fusion(%i, %w), kind=kLoop, calls=%pick
+  %f2 = f32[1,64,128]{2,1,0} fusion(%i, %w), kind=kLoop, calls=%work
+  ROOT %t = (bf16[1,64,128]{2,1,0}, f32[1,64,128]{2,1,0}) tuple(%f1, %f2)
+}
+"""
+  nodes = {n.name: n for n, _ in G.build_graph(hp.parse_module(text)).walk()}
+  assert nodes["f1"].indexing and not nodes["f2"].indexing
+  hw = load_profile("h100")
+  apart, stacked = chain_lib.make_chain(hw, framework="megatron"), chain_lib.make_chain(hw, framework="maxtext")
+  assert apart.price(nodes["f1"]).seconds == 0.0 < stacked.price(nodes["f1"]).seconds
+  assert apart.price(nodes["f2"]).seconds == stacked.price(nodes["f2"]).seconds > 0.0

@@ -1,5 +1,5 @@
 """``perfmodel predict --trace FILE``: the predicted step's timeline as Chrome / Perfetto trace JSON, written by the
-writer emulation uses (perfmodel/trace.py). The events must tile the predicted step: the compute thread never
+writer emulation uses (perfmodel/emulate/trace.py). The events must tile the predicted step: the compute thread never
 overlaps itself, together the threads leave no hole, and the last event ends at the predicted step time."""
 import json
 import os
@@ -9,7 +9,8 @@ import sys
 import pytest
 
 from framework.config import from_dict, validate
-from perfmodel import hardware, predict, program, trace
+from perfmodel import hardware, predict, program
+from perfmodel.emulate import trace
 
 ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 SMALL = dict(model=dict(d_model=64, n_layers=2, n_heads=4, n_kv_heads=2, d_ff=128, max_seq_len=64),
