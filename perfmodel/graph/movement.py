@@ -47,7 +47,7 @@ def _moves(i: hp.Instruction, body: hp.Computation) -> bool:
   if i.opcode in _MOVES or sum(s.elements for s in i.shapes) <= 1:
     return True
   if i.opcode == "broadcast":
-    return i.shapes[0].dtype == "pred"
+    return i.shapes[0].dtype == "pred" and sum(s.elements for s in body.by_name[i.operands[0]].shapes) <= 1
   return i.opcode == "select" and getattr(body.by_name.get(i.operands[0]), "opcode", "") == "broadcast"
 
 
