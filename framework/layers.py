@@ -155,15 +155,92 @@ class _Base(nn.Module):
     return nn.with_logical_constraint(x, logical)
 
 
+def _rms(x, scale_D, eps: float):
+  """(float32 x / rms(x), 1 / rms(x)) over the last dim."""
+  xf = x.astype(jnp.float32)
+  r = jax.lax.rsqrt(jnp.mean(xf * xf, axis=-1, keepdims=True) + eps)
+  return xf * r, r
+
+
+def _row(v, ndim: int):
+  # explicit broadcast: the test suite runs with jax_numpy_rank_promotion='raise'
+  return v.astype(jnp.float32).reshape((1,) * (ndim - 1) + v.shape)
+
+
+def _like(ct, primal):
+  """A cotangent typed like its primal inside shard_map: summed over the mesh axes it varies over and the primal
+  does not (what autodiff's transpose of the implicit broadcast does), made varying over the ones it lacks."""
+  extra = tuple(sorted(fp8._varying(ct) - fp8._varying(primal)))
+  ct = jax.lax.psum(ct, extra) if extra else ct
+  return fp8._vary(ct, fp8._varying(primal)).astype(primal.dtype)
+
+
+@functools.partial(jax.custom_vjp, nondiff_argnums=(2, 3))
+def rms_norm(x, scale_D, eps: float, dtype):
+  """``x / rms(x) * scale`` in float32, returned in ``dtype``. Its backward keeps what a fused norm kernel keeps
+  (the input in its own dtype and one float32 ``1/rms`` per row), not the float32 copies autodiff would stash:
+  without remat that is 2 bytes per element of a layer's two norms instead of 16."""
+  n, _ = _rms(x, scale_D, eps)
+  return (n * _row(scale_D, x.ndim)).astype(dtype)
+
+
+def _rms_norm_fwd(x, scale_D, eps, dtype):
+  n, r = _rms(x, scale_D, eps)
+  return (n * _row(scale_D, x.ndim)).astype(dtype), (x, scale_D, r)
+
+
+def _rms_norm_bwd(eps, dtype, res, g):
+  x, scale_D, r = res
+  n = x.astype(jnp.float32) * r
+  g = g.astype(jnp.float32)
+  gs = g * _row(scale_D, x.ndim)
+  dx = r * (gs - n * jnp.mean(gs * n, axis=-1, keepdims=True))
+  dscale = jnp.sum(g * n, axis=tuple(range(x.ndim - 1)))
+  return _like(dx, x), _like(dscale, scale_D)
+
+
+rms_norm.defvjp(_rms_norm_fwd, _rms_norm_bwd)
+
+
+def _gelu_d(u):
+  """d/du of tanh-approximated GELU, in float32."""
+  u = u.astype(jnp.float32)
+  c = math.sqrt(2 / math.pi)
+  t = jnp.tanh(c * (u + 0.044715 * u ** 3))
+  return 0.5 * (1 + t) + 0.5 * u * (1 - t * t) * c * (1 + 3 * 0.044715 * u * u)
+
+
+@jax.custom_vjp
+def gelu(u):
+  """Tanh-approximated GELU whose backward keeps only its input (a fused activation kernel's residual)."""
+  return nn.gelu(u, approximate=True)
+
+
+gelu.defvjp(lambda u: (gelu(u), u), lambda u, g: (_like(g.astype(jnp.float32) * _gelu_d(u), u),))
+
+
+@jax.custom_vjp
+def swiglu(g, u):
+  """``silu(g) * u``; its backward keeps only the two inputs (Megatron's fused bias-SwiGLU keeps the same)."""
+  return nn.silu(g) * u
+
+
+def _swiglu_bwd(res, dh):
+  g, u = res
+  gf, uf, dh = g.astype(jnp.float32), u.astype(jnp.float32), dh.astype(jnp.float32)
+  sig = jax.nn.sigmoid(gf)
+  dg = dh * uf * sig * (1 + gf * (1 - sig))
+  return _like(dg, g), _like(dh * gf * sig, u)
+
+
+swiglu.defvjp(lambda g, u: (swiglu(g, u), (g, u)), _swiglu_bwd)
+
+
 class RMSNorm(_Base):
   @nn.compact
   def __call__(self, x_BxTxD):
     scale = self.weight("scale", (self.cfg.d_model,), nn.initializers.ones)
-    x = x_BxTxD.astype(jnp.float32)
-    x = x * jax.lax.rsqrt(jnp.mean(x * x, axis=-1, keepdims=True) + self.cfg.norm_eps)
-    # Explicit broadcast: the test suite runs with jax_numpy_rank_promotion='raise'.
-    scale = scale.astype(jnp.float32).reshape((1,) * (x.ndim - 1) + scale.shape)
-    return (x * scale).astype(_dtype(self.cfg.dtype))
+    return rms_norm(x_BxTxD, scale, self.cfg.norm_eps, _dtype(self.cfg.dtype))
 
 
 class MLP(_Base):
@@ -177,11 +254,11 @@ class MLP(_Base):
     D, F = c.d_model, c.ff
     if c.gated:
       w_gate, w_up, w_down = self.weight("w_gate", (D, F)), self.weight("w_up", (D, F)), self.weight("w_down", (F, D))
-      h_BxTxF = (nn.silu(self.tag(self.project("btd,df->btf", x_BxTxD, w_gate), remat_lib.MLP_IN_GATE))
-                 * self.tag(self.project("btd,df->btf", x_BxTxD, w_up), remat_lib.MLP_IN_UP))
+      h_BxTxF = swiglu(self.tag(self.project("btd,df->btf", x_BxTxD, w_gate), remat_lib.MLP_IN_GATE),
+                       self.tag(self.project("btd,df->btf", x_BxTxD, w_up), remat_lib.MLP_IN_UP))
     else:
       w_up, w_down = self.weight("w_up", (D, F)), self.weight("w_down", (F, D))
-      act = {"gelu": functools.partial(nn.gelu, approximate=True), "relu": nn.relu}[c.mlp]
+      act = {"gelu": gelu, "relu": nn.relu}[c.mlp]
       h_BxTxF = act(self.tag(self.project("btd,df->btf", x_BxTxD, w_up), remat_lib.MLP_IN))
     h_BxTxF = self.constrain(h_BxTxF, ("batch", "seq", "act_mlp"))
     out_BxTxD = self.project("btf,fd->btd", h_BxTxF, w_down)
@@ -229,7 +306,7 @@ class MoE(_Base):
         x_ExCxD = self.tag(x_ExCxD, remat_lib.MOE_DISPATCH)
         g = self.tag(self.project("ecd,edf->ecf", x_ExCxD, wg), remat_lib.MLP_IN_GATE)
         u = self.tag(self.project("ecd,edf->ecf", x_ExCxD, wu), remat_lib.MLP_IN_UP)
-        return self.project("ecf,efd->ecd", nn.silu(g) * u, wd)
+        return self.project("ecf,efd->ecd", swiglu(g, u), wd)
       experts = moe_lib.tensor_parallel(experts, ctx.tensor_axis, tp, grouped=False) if tp > 1 else experts
       y_NxD, dropped = moe_lib.capacity(x_NxD, ids_NxK, w_NxK, experts, E, c.capacity_factor, ep_axis, ep,
                                         tag=lambda y: self.tag(y, remat_lib.MOE_COMBINE))
@@ -239,7 +316,7 @@ class MoE(_Base):
         x_MxD = self.tag(x_MxD, remat_lib.MOE_DISPATCH)
         g = self.tag(jax.lax.ragged_dot(x_MxD, wg, sizes), remat_lib.MLP_IN_GATE)
         u = self.tag(jax.lax.ragged_dot(x_MxD, wu, sizes), remat_lib.MLP_IN_UP)
-        return jax.lax.ragged_dot(nn.silu(g) * u, wd, sizes)
+        return jax.lax.ragged_dot(swiglu(g, u), wd, sizes)
       experts = moe_lib.tensor_parallel(experts, ctx.tensor_axis, tp, grouped=True) if tp > 1 else experts
       y_NxD = moe_lib.dropless(x_NxD, ids_NxK, w_NxK, experts, E, ep_axis, ep,
                                tag=lambda y: self.tag(y, remat_lib.MOE_COMBINE))

@@ -102,12 +102,14 @@ def test_saved_residuals_follow_the_policy():
   """16 layers, blockwise attention (no T x S residuals): what a policy keeps per layer and token is
   visible in the compiled temporaries. Above 'full' (the layer inputs only), each named policy adds its
   saved projections: out_proj D = 128, q/k/v (H + 2K) E = 256, both 384 f32 values per token and layer
-  (measured: full 16.3, save_out_proj 20.5, save_qkv_proj 24.3, save_dot_except_mlp 28.0, minimal 58.5,
-  dots 109.5, none 145.5 MiB)."""
+  (measured: full 16.0, save_out_proj 20.5, save_qkv_proj 24.3, save_dot_except_mlp 28.0, minimal 57.3,
+  none 90.0, dots 105.8 MiB: without remat a layer keeps what fused kernels keep (framework/layers.py rms_norm,
+  swiglu), while 'dots' keeps every matmul's output)."""
   temp = {p: _temp_mib(p) for p in ("full", "save_out_proj", "save_qkv_proj", "save_dot_except_mlp", "minimal",
                                     "dots", "none")}
   order = sorted(temp, key=temp.get)
-  assert order == ["full", "save_out_proj", "save_qkv_proj", "save_dot_except_mlp", "minimal", "dots", "none"], temp
+  assert order[:5] == ["full", "save_out_proj", "save_qkv_proj", "save_dot_except_mlp", "minimal"], temp
+  assert min(temp["none"], temp["dots"]) > 1.3 * temp["minimal"], temp
   per_value = DEEP.n_layers * B * T * 4 / 2**20  # MiB per saved f32 value per token and layer
   H, K, E, D = DEEP.n_heads, DEEP.n_kv_heads, DEEP.hd, DEEP.d_model
   for policy, values in (("save_out_proj", D), ("save_qkv_proj", (H + 2 * K) * E),
