@@ -31,7 +31,9 @@ import math
 import flax.linen as nn
 import jax
 import jax.numpy as jnp
+from jax.ad_checkpoint import checkpoint_name
 
+from framework import remat
 from framework import ring_cudnn
 
 # Runs the splash kernel in Pallas' interpreter (any backend) instead of as a Mosaic TPU kernel. Only for
@@ -57,14 +59,14 @@ def dense(q_BxTxHxE, k_BxSxKxE, v_BxSxKxE, qpos_BxT, kpos_BxS, valid_BxS=None):
   Kl = k_BxSxKxE.shape[2]
   q_BxTxKxGxE = q_BxTxHxE.reshape(B, T, Kl, Hl // Kl, E)
   s_BxKxGxTxS = jnp.einsum("btkge,bske->bkgts", q_BxTxKxGxE, k_BxSxKxE).astype(jnp.float32)
-  s_BxKxGxTxS = s_BxKxGxTxS / math.sqrt(E)
+  s_BxKxGxTxS = checkpoint_name(s_BxKxGxTxS, remat.ATTN_SCORES) / math.sqrt(E)
   mask_BxTxS = kpos_BxS[:, None, :] <= qpos_BxT[:, :, None]
   if valid_BxS is not None:
     mask_BxTxS = mask_BxTxS & valid_BxS[:, None, :]
   s_BxKxGxTxS = jnp.where(mask_BxTxS[:, None, None], s_BxKxGxTxS, jnp.finfo(jnp.float32).min)
   p_BxKxGxTxS = jax.nn.softmax(s_BxKxGxTxS, axis=-1).astype(v_BxSxKxE.dtype)
   o_BxTxKxGxE = jnp.einsum("bkgts,bske->btkge", p_BxKxGxTxS, v_BxSxKxE)
-  return o_BxTxKxGxE.reshape(B, T, Hl, E)
+  return checkpoint_name(o_BxTxKxGxE.reshape(B, T, Hl, E), remat.ATTN_OUT)
 
 
 # ---------------------------------------------------------------------------------------------- blockwise
@@ -150,7 +152,7 @@ def _flash(q_BxKxGxTxE, k_BxSxKxE, v_BxSxKxE, qpos_BxT, kpos_BxS, blk: int):
 
 
 def _flash_fwd(q, k, v, qpos, kpos, blk):
-  o, lse = _flash_forward(q, k, v, qpos, kpos, blk)
+  o, lse = remat.kernel_residuals(*_flash_forward(q, k, v, qpos, kpos, blk))
   return o, (q, k, v, qpos, kpos, o, lse)
 
 
@@ -266,7 +268,7 @@ def _ring(q_BxKxGxTxE, k_BxSxKxE, v_BxSxKxE, qpos_BxT, kpos_BxS, axis: str, size
 
 
 def _ring_fwd(q, k, v, qpos, kpos, axis, size, blk):
-  o, lse = _ring_forward(q, k, v, qpos, kpos, axis, size, blk)
+  o, lse = remat.kernel_residuals(*_ring_forward(q, k, v, qpos, kpos, axis, size, blk))
   return o, (q, k, v, qpos, kpos, o, lse)
 
 

@@ -8,8 +8,8 @@ import dataclasses
 import math
 
 # What each name does: framework/remat.py (policies), framework/attention.py (kernels), MLP below.
-REMAT_POLICIES = ("none", "full", "dots", "dots_no_batch", "minimal", "save_qkv_proj", "save_dot_except_mlp",
-                  "save_out_proj", "qkv_proj_offloaded", "minimal_offloaded")
+REMAT_POLICIES = ("none", "full", "dots", "dots_no_batch", "minimal", "minimal_flash", "save_qkv_proj",
+                  "save_dot_except_mlp", "save_out_proj", "qkv_proj_offloaded", "minimal_offloaded")
 ATTENTION_KINDS = ("dense", "blockwise", "dot_product", "cudnn", "splash", "ring")
 MLP_KINDS = ("swiglu", "gelu", "relu")
 BLOCK_KINDS = ("sequential", "parallel")

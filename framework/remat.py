@@ -9,7 +9,11 @@ else is recomputed from the layer's input. Two families:
 * by name, with MaxText's policy names and semantics: the model tags the output of each weight projection
   with ``jax.ad_checkpoint.checkpoint_name`` (:data:`NAMES`) and a policy keeps a subset of them, on the
   device or (``*_offloaded``) in pinned host memory. Tags are attached only when the policy reads them
-  (:func:`uses_names`), so every other policy traces exactly the program it traced before names existed.
+  (:func:`uses_names`), so every other policy traces exactly the program it traced before names existed. The
+  attention kernels always tag what their backward reads (:data:`ATTENTION_NAMES`; a tag lowers to nothing).
+  ``minimal_flash`` keeps ``minimal``'s names and those: only elementwise work is recomputed, which is what a
+  PyTorch framework that keeps every activation runs with a flash kernel (MaxText's policy of that name keeps the
+  weight matmuls and the attention output).
 
 :data:`RECOMPUTES` states, per policy, which matmul groups of a layer the backward pass runs again;
 framework/flops.py prices hardware FLOPs from it and tests/framework/test_remat.py checks it against the
@@ -27,10 +31,18 @@ MLP_IN_GATE, MLP_IN_UP, MLP_IN, MLP_OUT = "mlpwi_0", "mlpwi_1", "mlpwi", "mlpwo"
 # back on the sender; kept, the backward pass exchanges no token twice (Megatron recomputes no all-to-all either)
 MOE_DISPATCH, MOE_COMBINE = "moe_dispatch", "moe_combine"
 NAMES = (QUERY, KEY, VALUE, OUT, MLP_IN_GATE, MLP_IN_UP, MLP_IN, MLP_OUT, MOE_DISPATCH, MOE_COMBINE)
+# What an attention kernel's backward reads besides q, k, v: the flash kernels' output and log-sum-exp (tagged in
+# their forward rules, framework/attention.py and framework/ring_cudnn.py), the dense kernel's scores. Kept, the
+# backward does not run the kernel's forward again. jax's cuDNN kernel cannot be tagged: its forward primitives
+# are kept by name (_KERNEL_FORWARDS). Splash (TPU) is neither: under 'minimal_flash' its forward is re-run.
+ATTN_OUT, ATTN_LSE, ATTN_SCORES = "attention_out", "attention_lse", "attention_scores"
+ATTENTION_NAMES = (ATTN_OUT, ATTN_LSE, ATTN_SCORES)
+_KERNEL_FORWARDS = ("dot_product_attention_fwd", "dot_product_attention_fwd_wrapper")
 
 _QKV = (QUERY, KEY, VALUE)
 _SAVED_NAMES = {
     "minimal": NAMES,
+    "minimal_flash": NAMES + ATTENTION_NAMES,
     "save_qkv_proj": _QKV,
     "save_dot_except_mlp": _QKV + (OUT,),
     "save_out_proj": (OUT,),
@@ -53,6 +65,7 @@ RECOMPUTES = {
     "full": ("qkv", "attn", "out", "mlp_in"),
     "dots_no_batch": ("attn",),
     "minimal": ("attn",),
+    "minimal_flash": (),
     "minimal_offloaded": ("attn",),
     "save_dot_except_mlp": ("attn", "mlp_in"),
     "save_qkv_proj": ("attn", "out", "mlp_in"),
@@ -78,6 +91,9 @@ def policy(remat: str):
     return cp.checkpoint_dots
   if remat == "dots_no_batch":
     return cp.checkpoint_dots_with_no_batch_dims
+  if remat == "minimal_flash":
+    names = cp.save_only_these_names(*_SAVED_NAMES[remat])
+    return lambda prim, *args, **params: prim.name in _KERNEL_FORWARDS or names(prim, *args, **params)
   if remat in _SAVED_NAMES:
     return cp.save_only_these_names(*_SAVED_NAMES[remat])
   if remat in _OFFLOADED_NAMES:
@@ -103,3 +119,8 @@ def check_host_offload(remat: str, platform: str) -> None:
     raise ValueError(f"model.remat={remat!r} offloads to pinned host memory, which {platform} devices do not "
                      f"have (memories: {sorted(kinds)}): use the on-device policy "
                      f"{remat.replace('_offloaded', '') if remat == 'minimal_offloaded' else 'save_qkv_proj'}")
+
+
+def kernel_residuals(o, lse):
+  """Tags an attention kernel's output and log-sum-exp in its forward rule (kept by ``minimal_flash``)."""
+  return jax.ad_checkpoint.checkpoint_name(o, ATTN_OUT), jax.ad_checkpoint.checkpoint_name(lse, ATTN_LSE)

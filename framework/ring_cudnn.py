@@ -29,6 +29,8 @@ import math
 import jax
 import jax.numpy as jnp
 
+from framework import remat
+
 
 def _perm(size: int) -> list:
   return [(j, (j + 1) % size) for j in range(size)]
@@ -170,7 +172,7 @@ def _forward(q, k, v, axis, size, blocks):
 
 
 def _ring_fwd(q, k, v, axis, size, blocks):
-  o, lse = _forward(q, k, v, axis, size, blocks)
+  o, lse = remat.kernel_residuals(*_forward(q, k, v, axis, size, blocks))
   return o, (q, k, v, o, lse)
 
 

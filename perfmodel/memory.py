@@ -60,6 +60,7 @@ def analytic(cfg: Config) -> MemoryBreakdown:
   # MaxText's named policies keep the layer input plus their named outputs (offloaded ones: the input only)
   qkv, mlp_in = (H + 2 * K) * E / tp, (m.mlp_matrices - 1) * F / tp
   saved = {"none": full, "dots": dots, "dots_no_batch": dots, "full": Dr, "minimal": 3 * Dr + qkv + mlp_in,
+           "minimal_flash": 3 * Dr + qkv + mlp_in + H * E / tp,
            "save_qkv_proj": Dr + qkv, "save_dot_except_mlp": 2 * Dr + qkv, "save_out_proj": 2 * Dr}.get(m.remat, Dr)
   layers_here = m.n_layers / mesh.pipeline
   act = tokens * ab * (saved * layers_here + (full if m.remat != "none" else 0))

@@ -55,7 +55,7 @@ def default_path() -> str:
   return DEFAULT_CSV
 
 
-REMAT_NAMES = ("full", "minimal", "save_qkv_proj", "save_dot_except_mlp", "qkv_proj_offloaded", "none")
+REMAT_NAMES = ("full", "minimal", "minimal_flash", "save_qkv_proj", "save_dot_except_mlp", "qkv_proj_offloaded", "none")
 CONVENTIONS = ("maxtext_6n_causal", "megatron", "narayanan_hfu", "llmfoundry", "torchtitan", "paxml_6n_full", "palm")
 
 
@@ -251,8 +251,10 @@ def remat_of(raw: str) -> tuple:
     return "full", True
   if r.startswith("minimal (remat_policy=minimal)"):
     return "minimal", True
+  if r.startswith("minimal_flash"):
+    return "minimal_flash", False  # MaxText keeps the weight matmuls and the attention output ('context')
   if r.startswith("minimal") or r.startswith("save_dot_only") or r.startswith("save_dot_except_logits"):
-    return "minimal", False  # also saves flash-attention outputs / all dots / all but the logits
+    return "minimal", False  # also saves all dots / all but the logits
   if r.startswith("save_qkv_out_proj"):
     return "save_qkv_proj", False  # Praxis also saves the output projection
   if r.startswith("save_dot_except_mlpwi"):

@@ -91,9 +91,9 @@ SRC = {
                      "the sequence (SequenceParallel in parallelize_llama)",
     "maxtext_sp": "MaxText logical_axis_rules ['activation_embed', 'tensor'] (MaxText/configs/base.yml): the "
                   "residual stream between blocks is sharded along its embed dim over the tensor axis",
-    "recompute_rule": "recompute not published: 'minimal' (matmul outputs kept, the attention core recomputed by "
-                      "the flash kernel: Megatron's default keeps every activation, flash attention recomputes "
-                      "its scores)",
+    "recompute_rule": "recompute not published: 'minimal_flash' (Megatron's default keeps every activation: the "
+                      "matmul outputs and the flash kernel's output and softmax statistics are kept, only "
+                      "elementwise work is recomputed; the flash backward recomputes its scores itself)",
 }
 
 
@@ -168,7 +168,7 @@ def row_features(r: P.PublishedRun) -> dict:
     f["schedule"] = Fact("1f1b", SRC["torchtitan_1f1b"] if fam == "torchtitan" else SRC["megatron_1f1b"])
     f["virtual_stages"] = Fact(1, "CSV vpp empty")
   if r.remat is None:
-    f["recompute"] = Fact("minimal", SRC["recompute_rule"] + (f" (CSV: '{r.recompute_raw}')" if r.recompute_raw
+    f["recompute"] = Fact("minimal_flash", SRC["recompute_rule"] + (f" (CSV: '{r.recompute_raw}')" if r.recompute_raw
                                                               else ""))
   else:
     f["recompute"] = Fact(r.remat, f"CSV recompute '{r.recompute_raw}'"

@@ -175,6 +175,7 @@ def test_rows_added_after_the_split_are_held_out(tmp_path):
 def test_remat_mapping():
   assert P.remat_of("full (remat_policy=full)") == ("full", True)
   assert P.remat_of("minimal (remat_policy=minimal)") == ("minimal", True)
+  assert P.remat_of("minimal_flash") == ("minimal_flash", False)
   assert P.remat_of("SAVE_QKV_OUT_PROJ (Praxis checkpoint policy)") == ("save_qkv_proj", False)
   assert P.remat_of("save_dot_except_mlpwi") == ("save_dot_except_mlp", False)
   assert P.remat_of("none") == ("none", True)

@@ -34,7 +34,7 @@ def test_nemo_rows_interleave_with_their_vpp_and_run_ring_context_parallelism(ro
   v = _values(M.row_features(rows["dgxc_nemo_llama31_405b_bf16_576"]))  # TP8 PP9 CP2 VP7 dp4
   # ring attention is not built inside pipeline stages: declared, and K/V all-gathered instead
   assert (v["schedule"], v["virtual_stages"], v["context_parallel"]) == ("interleaved", 7, "ring_in_pipeline")
-  assert (v["optimizer_sharding"], v["master_weights"], v["recompute"]) == ("data", "f32", "minimal")
+  assert (v["optimizer_sharding"], v["master_weights"], v["recompute"]) == ("data", "f32", "minimal_flash")
   v = _values(M.row_features(rows["dgxc_nemo_llama31_8b_bf16_8"]))
   assert v["context_parallel"] == ("ring" if rows["dgxc_nemo_llama31_8b_bf16_8"].sequence > 1 else "none")
 
