@@ -371,7 +371,7 @@ def row_config(r: P.PublishedRun) -> RowMapping:
   if not r.remat_exact and r.remat is not None:
     notes.append(f"recompute '{r.recompute_raw}' as the nearest policy '{r.remat}'")
   if r.remat is None:
-    notes.append(f"recompute '{r.recompute_raw or 'not published'}': minimal")
+    notes.append(f"recompute '{r.recompute_raw or 'not published'}': minimal_flash")
   for name in ("schedule", "context_parallel"):
     if features[name].value not in ("none",):
       notes.append(f"{name} {features[name].value}: {features[name].source}")
