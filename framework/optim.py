@@ -82,9 +82,24 @@ def _adamw(cfg: OptimConfig, total_steps: int) -> optax.GradientTransformation:
 def apply(tx: optax.GradientTransformation, grads, opt_state, params, **extra):
   """One optimizer update: (new params, new optimizer state). ``extra``: e.g. ``global_norm`` (above)."""
   updates, opt_state = tx.update(grads, opt_state, params, **extra)
-  if isinstance(opt_state, MasterState):
-    return jax.tree.map(lambda m, p: m.astype(p.dtype), opt_state.master, params), opt_state
+  if isinstance(opt_state, MasterState):  # masters may be padded (ZeRO-1 over an odd size: parallelism/zero.py)
+    return jax.tree.map(lambda m, p: crop(m, p.shape).astype(p.dtype), opt_state.master, params), opt_state
   return optax.apply_updates(params, updates), opt_state
+
+
+def pad(x, shape):
+  """``x`` zero-padded at the end of each dim up to ``shape`` (optimizer state kept in a padded layout,
+  parallelism/zero.py: zeros have zero gradients, moments and AdamW updates, so they stay zero)."""
+  if tuple(x.shape) == tuple(shape):
+    return x
+  return jnp.pad(x, [(0, s - d) for d, s in zip(x.shape, shape)])
+
+
+def crop(x, shape):
+  """The leading ``shape`` of ``x``: undoes :func:`pad`."""
+  if tuple(x.shape) == tuple(shape):
+    return x
+  return x[tuple(slice(0, s) for s in shape)]
 
 
 def grad_dtype(opt_state):

@@ -58,12 +58,26 @@ def state_shardings(model: nn.Module, tx, mesh: Mesh, rules: tuple, shard_optimi
   return sh
 
 
-def grad_shardings(model: nn.Module, state_sh: ts.TrainState, mesh: Mesh, shard_optimizer: bool):
-  """Where a step's summed gradients live: like the params, or (ZeRO-1) like their optimizer state."""
+def _abstract_params(model: nn.Module):
+  return jax.eval_shape(lambda k: model.init(k, jnp.zeros((1, 8), jnp.int32))["params"], abstract_key())
+
+
+def zero_tx(model: nn.Module, tx, mesh: Mesh, rules: tuple):
+  """ZeRO-1's optimizer: ``tx`` with its state in the padded shapes of parallelism/zero.py where a leaf needs
+  them (``zero.padded``; ``tx`` itself when none does)."""
+  with Context(mesh, rules):
+    boxed = _abstract_params(model)
+    sh = nn.logical_to_mesh_sharding(nn.get_partition_spec(boxed), mesh, rules)
+  return zero.padded(tx, sh, nn.unbox(boxed), mesh)
+
+
+def grad_shardings(model: nn.Module, state_sh: ts.TrainState, mesh: Mesh, shard_optimizer: bool,
+                   pad: bool = True):
+  """Where a step's summed gradients live: like the params, or (ZeRO-1) like their optimizer state, in its
+  padded shapes (``pad=False``: gradients of the params' own shapes, left like the params where ZeRO-1 pads)."""
   if not shard_optimizer:
     return state_sh.params
-  shapes = nn.unbox(jax.eval_shape(lambda: model.init(jax.random.key(0), jnp.zeros((1, 8), jnp.int32))["params"]))
-  return zero.shard_tree(state_sh.params, shapes, mesh)
+  return zero.shard_tree(state_sh.params, nn.unbox(_abstract_params(model)), mesh, pad)
 
 
 @dataclasses.dataclass

@@ -27,10 +27,12 @@ def build(cfg: Config, mesh: Mesh, donate: bool = True) -> compiled.CompiledStep
   model = model_lib.build(cfg.model)
   tx = optim.make(cfg.optim, cfg.train.steps)
   zero1 = cfg.optim.shard_optimizer_state
+  tx = compiled.zero_tx(model, tx, mesh, rules) if zero1 else tx
   state_sh = compiled.state_shardings(model, tx, mesh, rules, zero1)
   # mesh.microbatches without a pipeline = gradient accumulation (MaxText's gradient_accumulation_steps)
-  # ZeRO-1: gradients constrained to the optimizer state's shardings (reduce-scatter; parallelism/zero.py)
-  grad_sh = compiled.grad_shardings(model, state_sh, mesh, zero1) if zero1 else None
+  # ZeRO-1: gradients constrained to the optimizer state's shardings (reduce-scatter; parallelism/zero.py);
+  # where the state is padded, the optimizer pads them and GSPMD lays them out like the state.
+  grad_sh = compiled.grad_shardings(model, state_sh, mesh, zero1, pad=False) if zero1 else None
   step = functools.partial(ts.train_step, model=model, tx=tx, microbatches=cfg.mesh.microbatches,
                            grad_shardings=grad_sh)
   gdt = jnp.float32 if cfg.optim.master_weights else None

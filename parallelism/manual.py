@@ -13,6 +13,7 @@ times too large). The price is that carries of ``scan``/``cond`` must have consi
 """
 from __future__ import annotations
 
+import math
 from typing import Sequence
 
 import jax
@@ -126,7 +127,11 @@ def reduce_grads(grads, specs, candidate_axes: Sequence[str], grad_specs=None, d
     dim, scatter = added_axes(s, gs)
     rest = tuple(a for a in reduce_axes_for(s, candidate_axes) if a not in scatter)
     g = jax.lax.psum(g, rest) if rest else g
-    return jax.lax.psum_scatter(g, scatter, scatter_dimension=dim, tiled=True) if scatter else g
+    if not scatter:
+      return g
+    n = math.prod(jax.lax.axis_size(a) for a in scatter)  # padded to a multiple where none divides (zero.plan)
+    g = jnp.pad(g, [(0, (-g.shape[dim]) % n if d == dim else 0) for d in range(g.ndim)]) if g.shape[dim] % n else g
+    return jax.lax.psum_scatter(g, scatter, scatter_dimension=dim, tiled=True)
   return jax.tree.map(red, grads, specs, specs if grad_specs is None else grad_specs)
 
 

@@ -149,8 +149,14 @@ def build(cfg: Config, mesh: Mesh, donate: bool = True) -> compiled.CompiledStep
   model = model_lib.build(cfg.model, model_lib.ParallelCtx(layer_repeats=pipeline.layer_repeats(cfg)))
   tx = optim.make(cfg.optim, cfg.train.steps)
   zero1 = cfg.optim.shard_optimizer_state
-  state_sh = compiled.state_shardings(model, tx, mesh, rules, zero1)
-  grad_sh = compiled.grad_shardings(model, state_sh, mesh, zero1)
+  # ZeRO-1 written out (all axes manual): gradients leave the shard_map reduce-scattered onto the optimizer
+  # state's shards (padded where parallelism/zero.py pads), and zero.sharded_update runs the optimizer there.
+  # The jit form's pipeline leaves the data axes to GSPMD: its gradients are constrained to those shardings
+  # instead (as in parallelism/jit_step.py).
+  explicit_zero1 = zero1 and all_manual
+  ztx = compiled.zero_tx(model, tx, mesh, rules) if zero1 else tx  # the state's optimizer (padded shapes)
+  state_sh = compiled.state_shardings(model, ztx, mesh, rules, zero1)
+  grad_sh = compiled.grad_shardings(model, state_sh, mesh, zero1, pad=explicit_zero1)
   n_tokens = cfg.data.global_batch * cfg.data.seq_len
   accum = 1 if pipelined else cfg.mesh.microbatches
   if all_manual:
@@ -168,10 +174,6 @@ def build(cfg: Config, mesh: Mesh, donate: bool = True) -> compiled.CompiledStep
   strip = lambda tree: jax.tree.map(lambda s: strip_trivial(s.spec, mesh, manual_axes), tree)  # noqa: E731
   param_specs = strip(state_sh.params)
   batch_spec = strip_trivial(compiled.BATCH_SPEC, mesh, manual_axes)
-  # ZeRO-1 written out (all axes manual): gradients leave the shard_map reduce-scattered onto the optimizer
-  # state's shards, and zero.sharded_update runs the optimizer there. The jit form's pipeline leaves the
-  # data axes to GSPMD: its gradients are constrained to those shardings instead (as in parallelism/jit_step.py).
-  explicit_zero1 = zero1 and all_manual
   grad_specs = strip(grad_sh) if explicit_zero1 else param_specs
   reduce = functools.partial(reduce_grads, grad_specs=grad_specs, dtype=jnp.float32 if cfg.optim.master_weights
                              else None)
@@ -204,10 +206,10 @@ def build(cfg: Config, mesh: Mesh, donate: bool = True) -> compiled.CompiledStep
     else:
       if zero1:
         grads = jax.lax.with_sharding_constraint(grads, grad_sh)
-      norm, new_state = optax.tree.norm(grads), ts.apply_grads(state, grads, tx)
+      norm, new_state = optax.tree.norm(grads), ts.apply_grads(state, grads, ztx)
     load = load[0] if load else None
     new_state = ts.balance_router(new_state, load, cfg.model.router_bias_rate)
     return new_state, ts.StepMetrics(loss=loss, grad_norm=norm, n_tokens=jnp.asarray(n_tokens, jnp.int32),
                                      expert_load=load)
 
-  return compiled.assemble(cfg, mesh, model, tx, rules, state_sh, step, loss_and_grads, donate)
+  return compiled.assemble(cfg, mesh, model, ztx, rules, state_sh, step, loss_and_grads, donate)

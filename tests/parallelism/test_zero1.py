@@ -155,6 +155,56 @@ def test_zero1_master_weights_match_single_device(references, mesh, form):
   _check(references[True], mesh, form, master=True)
 
 
+# ------------------------------------------------------------------------ a data size that divides no dim
+
+
+@pytest.mark.parametrize("mesh,form,master", [
+    ({"data": 3}, "jit", False), ({"data": 3}, "shard_map", True),
+    pytest.param({"pipeline": 2, "data": 3, "microbatches": 2, "schedule": "1f1b"}, "shard_map", False,
+                 marks=pytest.mark.slow)], ids=["jit-data3", "shard_map-data3-master", "shard_map-pipeline2xdata3"])
+def test_zero1_pads_where_the_data_size_divides_no_dim(mesh, form, master):
+  """data=3 over the tiny model's power-of-two widths (as 48 data-parallel ranks over Megatron's): the
+  optimizer state of every matrix is still split over 'data', on a dim padded with zeros to a multiple of 3,
+  and two steps equal one device's (losses, norms, params, the state cropped to the params' shapes). The
+  per-device state is a third of the padded size (the compiled step's argument bytes)."""
+  model, opt = MASTER if master else ({}, {})
+  data = {"global_batch": 6}
+  ref = harness.build({}, "jit", model, data=data, optim=opt)
+  state = jax.tree.map(np.asarray, ref.init_state(jax.random.key(0)))
+  batches = [harness.make_batch(ref.cfg, seed=s) for s in (0, 1)]
+  want, want_losses, want_norms = _two_steps(ref, state, batches)
+
+  st = harness.build(mesh, form, model, data=data, optim=dict(opt, **ZERO))
+  shapes = st.abstract_state()
+  assert jax.tree.map(lambda x: x.shape, jax.tree.map(np.asarray, st.init_state(jax.random.key(0)))) == \
+      jax.tree.map(lambda x: x.shape, shapes)
+  # the reference's state, its optimizer state zero-padded (the same start: XLA may fold a float32 master's
+  # initial bf16 rounding away in one program and not in the other)
+  start = state.replace(opt_state=jax.tree.map(lambda x, s: np.asarray(optim.pad(x, s.shape)), state.opt_state,
+                                               shapes.opt_state))
+  got, losses, norms = _two_steps(st, start, batches)
+  np.testing.assert_allclose(losses, want_losses, **TOL)
+  np.testing.assert_allclose(norms, want_norms, rtol=1e-5)
+  f32 = lambda t: jax.tree.map(lambda x: np.asarray(x, np.float32), t)  # noqa: E731
+  harness.assert_trees_close(f32(got.params), f32(want.params), rtol=STATE_TOL["rtol"] + (BF16_UNIT if master else 0),
+                             atol=STATE_TOL["atol"])
+  padded = [x for x in jax.tree.leaves(got.opt_state) if x.ndim]
+  wanted = [x for x in jax.tree.leaves(want.opt_state) if x.ndim]
+  assert any(a.shape != b.shape for a, b in zip(padded, wanted))  # the layout really pads
+  for a, b in zip(padded, wanted):
+    np.testing.assert_allclose(optim.crop(a, b.shape), b, **STATE_TOL)
+    assert not np.any(np.where(np.asarray(optim.pad(np.ones(b.shape, bool), a.shape)), 0, a))  # padding stays 0
+  sizes = dict(st.mesh.shape)
+  states = [sh for sh in jax.tree.leaves(st.state_shardings.opt_state) if len(sh.spec)]
+  assert all("data" in _spec_axes(sh.spec) for sh in states)
+  arg = st.lower().compile().memory_analysis().argument_size_in_bytes
+  per_device = sum(x.size * x.dtype.itemsize // sizes["data"] // (sizes["pipeline"] if "pipeline" in
+                   _spec_axes(sh.spec) else 1) for x, sh in zip(padded, states))
+  params = sum(x.size * x.dtype.itemsize // (sizes["pipeline"] if "pipeline" in _spec_axes(sh.spec) else 1)
+               for x, sh in zip(jax.tree.leaves(got.params), jax.tree.leaves(st.state_shardings.params)))
+  assert per_device + params <= arg <= per_device + params + 1024
+
+
 # ------------------------------------------------------------------------------------------------ memory
 
 
