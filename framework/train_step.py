@@ -13,6 +13,7 @@ import jax
 import jax.numpy as jnp
 import optax
 
+from framework import fp8
 from framework import model as model_lib
 from framework import moe as moe_lib
 from framework import optim
@@ -85,11 +86,24 @@ def accumulate(loss_and_grads, params, batch, n: int, mean: bool = True):
     return jax.tree.map(jnp.add, carry, loss_and_grads(params, micro)), None
 
   micro = jax.tree.map(split, batch)
-  # The sum starts from the first micro-batch rather than from zeros: XLA would fold a zero tree the size of
-  # the gradients into a host literal while compiling (tens of GB for a replicated 8B model).
-  first = loss_and_grads(params, jax.tree.map(lambda x: x[0], micro))
-  (loss, grads, *rest), _ = jax.lax.scan(body, first, jax.tree.map(lambda x: x[1:], micro))
+  # One loop over every micro-batch: the program holds one micro-batch's activations at a time. (With the
+  # first micro-batch outside the loop, XLA allocated the zeroed activation stacks of both forward passes
+  # together: tests/parallelism/test_grad_accum.py.) The sum starts
+  # from zeros that depend on the data (0 x a token id): XLA cannot fold them into a host literal the size of
+  # the gradients while compiling (tens of GB for a replicated 8B model), as it may a constant.
+  token_zero = jnp.zeros((), jnp.float32) * jax.tree.leaves(batch)[0].ravel()[0].astype(jnp.float32)
+  shapes = jax.eval_shape(loss_and_grads, params, jax.tree.map(lambda x: x[0], micro))
+  (loss, grads, *rest), _ = jax.lax.scan(body, jax.tree.map(lambda s: _zeros(s, token_zero), shapes), micro)
   return ((loss / n, jax.tree.map(lambda g: g / n, grads)) if mean else (loss, grads)) + tuple(rest)
+
+
+def _zeros(s: jax.ShapeDtypeStruct, token_zero):
+  """Zeros of ``s``'s shape and dtype from the runtime scalar ``token_zero``, varying over the same mesh axes as
+  ``s`` inside shard_map (its ``manual_axis_type``); from a constant where ``token_zero`` varies over more."""
+  mat = getattr(s, "manual_axis_type", None)
+  want = frozenset(mat.varying) if mat is not None else frozenset()
+  src = token_zero if fp8._varying(token_zero) <= want else jnp.zeros((), jnp.float32)
+  return fp8._vary(jnp.broadcast_to(src.astype(s.dtype), s.shape), want)
 
 
 def train_step(state: TrainState, batch, *, model: nn.Module, tx: optax.GradientTransformation,

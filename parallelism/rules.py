@@ -39,6 +39,9 @@ PRESETS = {
     "default": _ACTIVATIONS + _params("fsdp"),
     # ZeRO-3 over every batch axis: parameters sharded over data x fsdp.
     "zero3": _ACTIVATIONS + _params(("data", "fsdp")),
+    # FSDP over the fsdp and context-parallel ranks together (torchtitan's 'dp_shard_cp' mesh; MaxText's
+    # 'embed' rule lists the context axis too): every parameter, gradient and optimizer state 1/(fsdp x sequence).
+    "fsdp_sequence": _ACTIVATIONS + _params(("fsdp", "sequence")),
     # Everything replicated except tensor parallelism (plain DDP + TP).
     "replicated": _ACTIVATIONS + _params(None),
     # MaxText's logical_axis_rules: the default parameters, and the residual stream between blocks sharded along

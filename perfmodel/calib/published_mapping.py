@@ -51,6 +51,9 @@ SRC = {
     "paxml_opt": "Paxml/Praxis: optimizer state sharded like the variables over the fsdp mesh axes, replicated over "
                  "the data axis",
     "fsdp_opt": "FSDP (framework column): parameters, gradients and optimizer state sharded over the fsdp ranks",
+    "torchtitan_fsdp_cp": "torchtitan applies FSDP2 over the flattened 'dp_shard_cp' mesh (dp_shard x cp): "
+                          "parameters, gradients and optimizer state sharded over the context-parallel ranks too "
+                          "(torchtitan/models/llama3/infra/parallelize.py)",
     "megatron_2021_opt": "Megatron-LM of these papers (2021-22): data-parallel ranks each hold the full optimizer "
                          "state (no distributed optimizer in these runs)",
     "megatron_core_opt": "row notes: --overlap-param-gather, which Megatron accepts only with "
@@ -131,8 +134,10 @@ def row_features(r: P.PublishedRun) -> dict:
     opt = ("fsdp", f"CSV fsdp = {r.fsdp} (Megatron FSDP): state sharded with the parameters")
   if fam == "automodel" and r.fsdp > 1 and r.expert == 1:
     opt = ("fsdp", SRC["fsdp_opt"])
+  if fam == "torchtitan" and r.sequence > 1:
+    opt = ("fsdp_cp", SRC["torchtitan_fsdp_cp"])
   shardable = r.data * r.expert > 1  # the expert axis splits the batch as data does (ZeRO-1 shards over both)
-  f["optimizer_sharding"] = Fact(opt[0] if shardable or opt[0] == "fsdp" else "none",
+  f["optimizer_sharding"] = Fact(opt[0] if shardable or opt[0] in ("fsdp", "fsdp_cp") else "none",
                                  opt[1] + ("" if shardable else "; CSV dp = 1: nothing to shard over"))
   megatron_like = fam in ("megatron_2021", "megatron_core", "nemo", "megatron_megascale", "megascale")
   f["master_weights"] = (Fact("f32", SRC["megatron_master"]) if megatron_like else
@@ -224,7 +229,8 @@ def row_features(r: P.PublishedRun) -> dict:
 # THE TABLE TO ADAPT WHEN A FEATURE'S CONFIG KEY CHANGES: fact value -> {"section.key": value}. {} = the program
 # does this without a key. A key set to None is declared not modelled: the row compiles without it and says so.
 FEATURE_KEYS = {
-    "optimizer_sharding": {"data": {"optim.shard_optimizer_state": True}, "fsdp": {}, "none": {}},
+    "optimizer_sharding": {"data": {"optim.shard_optimizer_state": True}, "fsdp": {},
+                           "fsdp_cp": {"mesh.rules": "fsdp_sequence"}, "none": {}},
     "master_weights": {"f32": {"optim.master_weights": True, "model.param_dtype": "bfloat16"},
                        "params": {"model.param_dtype": "float32"}},
     # 1f1b stashes activations; with virtual stages 1f1b is Megatron's interleaved 1F1B, gpipe MaxText's circular

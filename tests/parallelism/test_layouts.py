@@ -22,6 +22,8 @@ NON_PIPELINE = [
     pytest.param({"data": 2, "fsdp": 2, "tensor": 2}, marks=S),
     pytest.param({"fsdp": 2, "sequence": 2, "tensor": 2}, marks=S),
     pytest.param({"data": 4, "fsdp": 2, "rules": "zero3"}, marks=S),
+    # FSDP over the fsdp and context-parallel ranks together (torchtitan's dp_shard_cp)
+    {"fsdp": 2, "sequence": 2, "tensor": 2, "rules": "fsdp_sequence"},
 ]
 # Partitioner form only: MaxText's rules shard the residual stream's embed dim over the tensor axis.
 NON_PIPELINE_JIT_EXTRA = [
@@ -49,6 +51,7 @@ PIPELINE = [  # (mesh, schedule)
     pytest.param({"pipeline": 2, "data": 2, "tensor": 2, "microbatches": 2}, "1f1b", marks=S),
     pytest.param({"pipeline": 2, "fsdp": 2, "sequence": 2, "microbatches": 2}, "gpipe", marks=S),
     pytest.param({"pipeline": 2, "fsdp": 2, "sequence": 2, "microbatches": 2}, "1f1b", marks=S),
+    ({"pipeline": 2, "fsdp": 2, "sequence": 2, "microbatches": 2, "rules": "fsdp_sequence"}, "1f1b"),
 ]
 # Virtual stages (mesh.virtual_stages = v, layer stack stored as v x L/v): 1f1b = Megatron's interleaved 1F1B,
 # gpipe = MaxText's circular pipeline. (mesh, schedule, model overrides); 8 layers where P x v = 8.
@@ -213,3 +216,16 @@ def qkv_bias_reference():
 @pytest.mark.parametrize("mesh,form", QKV_BIAS_LAYOUTS, ids=lambda v: _id(v) if isinstance(v, dict) else v)
 def test_qkv_bias_and_rope_scaling_layouts_match_single_device(qkv_bias_reference, mesh, form):
   _check(qkv_bias_reference, mesh, form, QKV_BIAS_MODEL)
+
+
+def test_fsdp_sequence_rules_shard_every_matrix_over_the_context_ranks():
+  """mesh.rules=fsdp_sequence: every matrix with an 'embed' dim is split over fsdp x sequence (torchtitan's
+  dp_shard_cp), so its parameters and optimizer state are 1/(fsdp x sequence) per device (the layouts above
+  check the step equals one device)."""
+  st = harness.build({"fsdp": 2, "sequence": 2, "tensor": 2, "rules": "fsdp_sequence"}, "shard_map")
+  matrices = [(jax.tree_util.keystr(p), sh.spec) for p, sh in
+              jax.tree_util.tree_leaves_with_path(st.state_shardings.params) if "scale" not in jax.tree_util.keystr(p)]
+  assert matrices
+  for name, spec in matrices:
+    axes = [a for e in spec if e is not None for a in ((e,) if isinstance(e, str) else e)]
+    assert {"fsdp", "sequence"} <= set(axes), (name, spec)
